@@ -1,0 +1,84 @@
+"""The single-process reference: plain SGD training that every parallel program must reproduce.
+
+Same model, same weights (built from --seed), same global batches in the same order, same loss.
+Each parallel program logs the per-step training loss of this program within 1e-4 (DESIGN.md,
+the equivalence contract); diff this file against one of them to see what the parallelism adds.
+
+    python single_baseline.py --data synthetic --steps 300
+    python plot_curves.py logs/single_baseline.jsonl -o plots/baseline.png
+"""
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common import (MetricsLog, Progress, base_parser, build_model, check_finite, distributed, fail,
+                    gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
+                    validate_common)
+
+PROGRAM = "single_baseline"
+
+
+def parse_args(argv=None):
+    args = base_parser(__doc__).parse_args(argv)
+    validate_common(args, PROGRAM)
+    if torchrun_env("gloo").world_size != 1:
+        fail("single_baseline.py runs in one process; launch it with python, or torchrun --nproc-per-node 1")
+    return args
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_step(model, optimizer, x, y):
+    """One optimizer step on the whole global batch; returns the loss before the update."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+@torch.no_grad()
+def evaluate(model, data, device):
+    """Mean test loss and accuracy over the whole test split."""
+    total_loss, correct, count = 0.0, 0, 0
+    for x, y in test_batches(data, 500):
+        logits = model(x.to(device))
+        y = y.to(device)
+        total_loss += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(dim=1) == y).sum().item()
+        count += len(y)
+    return total_loss / count, correct / count
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data = load_data(args)
+    with distributed(args) as env:
+        model = build_model(args).to(env.device)
+        optimizer = make_optimizer(model.parameters(), args)
+        log = MetricsLog(args.log, enabled=True)
+        log.config(PROGRAM, args, env)
+        progress = Progress(args.steps, enabled=True)
+        for step in range(args.steps):
+            x, y = (t.to(env.device) for t in data.batch(step, args.batch_size))
+            start = time.perf_counter()
+            loss = train_step(model, optimizer, x, y)
+            step_time = time.perf_counter() - start
+            check_finite(loss, step)
+            log.write("train", step=step, loss=loss, step_time_s=step_time,
+                      samples_per_s=args.batch_size / step_time)
+            progress.update(step, loss, step_time, args.batch_size)
+            if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+                test_loss, test_acc = evaluate(model, data, env.device)  # weights after step's update
+                log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
+                print(f"step {step + 1}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
+        log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
+                  peak_memory_mb=gather_peak_memory(env))
+        log.close()
+        print(f"wrote {args.log}")
+
+
+if __name__ == "__main__":
+    main()

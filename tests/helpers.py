@@ -1,0 +1,57 @@
+"""Launch a program as a user would (python, or torchrun for several ranks) and read its log."""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--data", "synthetic", "--eval-every", "0", "--threads", "1"]  # what most tests add
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    records: list
+
+    def losses(self):
+        return [r["loss"] for r in self.records if r["event"] == "train"]
+
+    def events(self, name):
+        return [r for r in self.records if r["event"] == name]
+
+
+def read_log(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def launch(program, args, tmp_path, nproc=1, timeout=240, log_name=None):
+    """Run `program` (a file in the repository root) with `args`; nproc > 1 goes through
+    `torchrun --standalone`. The log goes to tmp_path; returns a Run with its records."""
+    log = os.path.join(str(tmp_path), log_name or f"{os.path.splitext(program)[0]}-{nproc}.jsonl")
+    script = os.path.join(ROOT, program)
+    if nproc == 1:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", script]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd + list(args) + ["--log", log], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return Run(proc.returncode, proc.stdout, proc.stderr, read_log(log))
+
+
+def assert_same_losses(run, reference, atol=1e-4):
+    """The equivalence contract: the same per-step loss as the baseline, within atol, every step."""
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    got, want = run.losses(), reference.losses()
+    assert len(got) == len(want) > 0, (len(got), len(want))
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert worst <= atol, f"largest |loss - baseline loss| = {worst:.3g} > {atol}"
+    return worst
