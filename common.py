@@ -282,14 +282,17 @@ class Head(nn.Module):
 
 
 def cnn_blocks():
-    """The PyTorch CIFAR-10 tutorial network in 5 blocks, plus one GroupNorm with one group per
-    channel: its statistics are per sample and per channel, so it is exact under microbatching,
-    data parallelism and channel-sharded tensor parallelism alike (BatchNorm would not be)."""
+    """The PyTorch CIFAR-10 tutorial network in 5 blocks, with two changes made for the
+    equivalence contract. One GroupNorm with one group per channel: its statistics are per sample
+    and per channel, so it is exact under microbatching, data parallelism and channel-sharded
+    tensor parallelism alike (BatchNorm would not be). GELU and average pooling instead of ReLU and
+    max pooling: kinks turn float32 rounding differences (1e-7, from summing a batch's gradient in
+    another order) into 1e-1 loss differences within ~100 steps; smooth layers keep them at 1e-7."""
     return [
-        nn.Sequential(nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2)),                          # 6x14x14
-        nn.Sequential(nn.Conv2d(6, 16, 5), nn.GroupNorm(16, 16), nn.ReLU(), nn.MaxPool2d(2)),  # 16x5x5
-        nn.Sequential(nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU()),
-        nn.Sequential(nn.Linear(120, 84), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(3, 6, 5), nn.GELU(), nn.AvgPool2d(2)),                          # 6x14x14
+        nn.Sequential(nn.Conv2d(6, 16, 5), nn.GroupNorm(16, 16), nn.GELU(), nn.AvgPool2d(2)),  # 16x5x5
+        nn.Sequential(nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.GELU()),
+        nn.Sequential(nn.Linear(120, 84), nn.GELU()),
         nn.Sequential(nn.Linear(84, NUM_CLASSES)),
     ]
 
