@@ -1,0 +1,56 @@
+"""The reference program: it trains, follows the log contract, and refuses bad input clearly."""
+import importlib.util
+
+import pytest
+
+from helpers import FAST, launch
+
+
+def test_baseline_trains_and_follows_the_log_contract(tmp_path):
+    run = launch("single_baseline.py", ["--data", "synthetic", "--steps", "300", "--eval-every", "150"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    config, = run.events("config")
+    assert config["program"] == "single_baseline" and config["world_size"] == 1
+    assert config["args"]["batch_size"] == 64 and config["backend"] == "gloo"
+    train = run.events("train")
+    assert [r["step"] for r in train] == list(range(300))
+    assert all(r["step_time_s"] > 0 and r["samples_per_s"] > 0 for r in train)
+    losses = run.losses()
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.5, "the loss must clearly fall"
+    evals = run.events("eval")
+    assert [r["step"] for r in evals] == [149, 299]
+    assert evals[-1]["test_acc"] > 0.4, "far above the 10% of chance"
+    summary, = run.events("summary")
+    assert summary["steps"] == 300 and summary["median_step_time_s"] > 0
+    assert list(summary["peak_memory_mb"]) == ["0"]
+
+
+def test_two_runs_log_identical_losses(tmp_path):
+    a = launch("single_baseline.py", FAST + ["--steps", "5"], tmp_path, log_name="a.jsonl")
+    b = launch("single_baseline.py", FAST + ["--steps", "5"], tmp_path, log_name="b.jsonl")
+    assert a.losses() == b.losses() and len(a.losses()) == 5
+
+
+BAD = [
+    (["--steps", "-3"], "--steps -3 must be a positive integer"),
+    (["--lr", "nan"], "--lr nan must be a finite number"),
+    (["--batch-size", "0"], "--batch-size 0"),
+    (["--model", "resnet"], "invalid choice: 'resnet'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_input_gives_one_error_line_and_exit_2(tmp_path, argv, message):
+    run = launch("single_baseline.py", ["--data", "synthetic"] + argv, tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: ") and message in run.stderr, run.stderr
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
+                    reason="torchvision is installed: the test would try to download CIFAR-10")
+def test_cifar10_without_torchvision_or_network_is_a_clear_error(tmp_path):
+    run = launch("single_baseline.py", ["--data", "cifar10", "--data-dir", str(tmp_path / "none")], tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: --data cifar10 needs torchvision"), run.stderr
+    assert "--data synthetic" in run.stderr and run.stderr.count("\n") == 1

@@ -1,0 +1,91 @@
+"""The plumbing every program relies on: data determinism and slicing, models, the metrics log."""
+import json
+
+import pytest
+import torch
+
+import common
+
+
+def args_for(*argv):
+    args = common.base_parser("test").parse_args(list(argv))
+    common.validate_common(args, "test")
+    return args
+
+
+def test_synthetic_batches_are_a_pure_function_of_seed_and_step():
+    a, b = common.SyntheticData(seed=3), common.SyntheticData(seed=3)
+    xa, ya = a.batch(17, 32)
+    xb, yb = b.batch(17, 32)
+    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert xa.shape == (32, 3, 32, 32) and ya.shape == (32,) and ya.dtype == torch.int64
+    assert not torch.equal(a.batch(18, 32)[0], xa), "consecutive steps must differ"
+    assert not torch.equal(common.SyntheticData(seed=4).batch(17, 32)[0], xa), "seeds must differ"
+    assert torch.equal(a.test_set[0], b.test_set[0])
+
+
+def test_synthetic_data_stays_small():
+    data = common.SyntheticData(seed=0)
+    held = sum(t.numel() * t.element_size() for t in (data.prototypes, *data.test_set))
+    assert held < 100 * 2**20
+
+
+def test_dp_slices_partition_the_global_batch():
+    x, _ = common.SyntheticData(seed=0).batch(0, 12)
+    parts = [common.dp_slice(x, r, 3) for r in range(3)]
+    assert all(p.shape[0] == 4 for p in parts)
+    assert torch.equal(torch.cat(parts), x)
+
+
+def test_test_batches_cover_the_test_split():
+    data = common.SyntheticData(seed=0)
+    chunks = common.test_batches(data, 300)
+    assert sum(len(y) for _, y in chunks) == len(data.test_set[1])
+
+
+@pytest.mark.parametrize("model,blocks", [("cnn", 5), ("mlp", 4), ("vit", 6)])
+def test_models_are_block_lists_built_identically_from_the_seed(model, blocks):
+    args = args_for("--model", model, "--hidden", "32", "--seed", "5")
+    a, b = common.build_model(args), common.build_model(args)
+    assert len(a) == blocks
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    assert a(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_cnn_normalisation_is_per_sample():
+    """A sample's output must not depend on the rest of its batch (DESIGN.md, point 4)."""
+    model = common.build_model(args_for("--model", "cnn"))
+    x = torch.randn(6, 3, 32, 32)
+    torch.testing.assert_close(model(x)[:2], model(x[:2]))
+
+
+def test_vit_attention_reads_the_head_count_off_its_weights():
+    attn = common.Attention(dim=32, heads=4)
+    assert attn.head_dim == 8
+    assert attn(torch.randn(2, 5, 32)).shape == (2, 5, 32)
+
+
+def test_metrics_log_writes_flushed_json_lines(tmp_path):
+    path = tmp_path / "sub" / "log.jsonl"
+    log = common.MetricsLog(str(path), enabled=True)
+    log.write("train", step=0, loss=1.5)
+    assert json.loads(path.read_text()) == {"event": "train", "step": 0, "loss": 1.5}  # before close
+    log.close()
+    silent = common.MetricsLog(str(tmp_path / "never.jsonl"), enabled=False)
+    silent.write("train", step=0, loss=1.0)
+    assert not (tmp_path / "never.jsonl").exists()
+
+
+def test_peak_memory_is_reported_in_megabytes():
+    env = common.torchrun_env("gloo")
+    peak = common.gather_peak_memory(env)
+    assert list(peak) == [0] and 10 < peak[0] < 24_000
+
+
+def test_validation_names_the_numbers(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        args_for("--model", "vit", "--hidden", "30", "--heads", "4")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --hidden 30 is not divisible by --heads 4") and err.count("\n") == 1
