@@ -1,0 +1,392 @@
+"""Tensor parallelism: every rank holds a slice of every weight and computes a subset of the neurons.
+
+The lesson (Krizhevsky 2012, "One weird trick"; Shoeybi et al. 2019, Megatron-LM): split a Linear
+by output features (column-parallel), feed its split output straight into a Linear split by input
+features (row-parallel), and the pair needs one all-reduce in forward and one in backward. The
+degree is the world size; every rank sees the whole global batch and logs the baseline's losses.
+
+    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model cnn
+    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --check
+
+The weight split of one column + row pair on 2 ranks (X: batch x in, whole on every rank):
+
+    Y = X A,   A = [A1 | A2]          column-parallel: rank i computes Y_i = X A_i (its neurons)
+                                      f = copy_to_tp_region before it: forward identity,
+                                          backward all-reduce of dL/dX
+            [B1]
+    Z = Y B,   B = [--]               row-parallel: rank i computes Y_i B_i, a partial sum;
+            [B2]                      g = reduce_from_tp_region after it: forward all-reduce,
+                                          backward identity
+    Z = Y1 B1 + Y2 B2                 the bias of B is added once, after the sum
+
+    rank 0:  X --f--> X A1 = Y1 --GELU--> Y1 B1 --+
+                                                  g (all-reduce) --> Z, whole on every rank
+    rank 1:  X --f--> X A2 = Y2 --GELU--> Y2 B2 --+
+
+GELU is elementwise, so it runs on each shard with no communication. A layer that ends a model
+without a row-parallel partner is column-parallel with gather_from_tp_region (forward all-gather,
+backward split), so that the logits are whole on every rank.
+"""
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common import (Attention, MetricsLog, Progress, base_parser, build_model, check_finite, distributed,
+                    fail, gather_peak_memory, load_data, make_optimizer, torchrun_env, validate_common)
+from single_baseline import evaluate, train_step
+
+PROGRAM = "tensor_parallel"
+
+
+def parse_args(argv=None):
+    p = base_parser(__doc__)
+    p.add_argument("--check", action="store_true",
+                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    args = p.parse_args(argv)
+    validate_common(args, PROGRAM)
+    validate_degree(args, torchrun_env("gloo").world_size)  # env vars only: no collective yet
+    return args
+
+
+def validate_degree(args, degree):
+    """Every rank needs whole heads and at least one neuron of the narrowest split layer."""
+    if args.model == "vit" and args.heads % degree:
+        fail(f"--heads {args.heads} is not divisible by the tensor-parallel degree {degree}; each rank "
+             f"needs whole heads: use --heads a multiple of {degree}, or a number of ranks dividing {args.heads}")
+    narrowest = {"cnn": (6, "output channels of cnn conv1"),
+                 "mlp": (min(args.hidden, 10), "outputs of the mlp's narrowest split layer")
+                 if args.layers % 2 else (args.hidden, "--hidden neurons of the mlp"),
+                 "vit": (args.heads, "--heads of the vit")}[args.model]
+    if degree > narrowest[0]:
+        fail(f"the tensor-parallel degree {degree} exceeds the {narrowest[0]} {narrowest[1]}; every rank "
+             f"needs at least one: use at most {narrowest[0]} ranks")
+
+
+# ----------------------------------------------------------------------------- the conjugate operators
+
+
+def tp_rank(group):
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def tp_size(group):
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def split_sizes(n, parts):
+    """torch.tensor_split's shard sizes: the first n % parts shards get one more (6 over 4: 2, 2, 1, 1)."""
+    return [n // parts + (r < n % parts) for r in range(parts)]
+
+
+def _all_reduce(x, group):
+    if tp_size(group) == 1:
+        return x
+    x = x.clone(memory_format=torch.contiguous_format)  # in place below; autograd may hold x elsewhere
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x, group, sizes, dim):
+    """Every rank's shard, concatenated along dim. Shards may differ by one (tensor_split) and gloo's
+    all_gather needs equal sizes, so each rank pads its shard to the largest and the padding is cut."""
+    if tp_size(group) == 1:
+        return x
+    dim = dim % x.dim()
+    padded = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, max(sizes) - x.shape[dim]]).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes)], dim=dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: forward identity (each rank has the whole input); backward all-reduce (sum the shards' input gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: forward all-reduce (sum the partial outputs); backward identity (the sum's gradient is whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Forward all-gather (shards -> whole tensor); backward split (keep this rank's slice of the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes, dim):
+        ctx.start, ctx.size, ctx.dim = sum(sizes[:tp_rank(group)]), x.shape[dim], dim
+        return _all_gather(x, group, sizes, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # no communication: what follows the gather is replicated, so every rank holds the same whole gradient
+        return grad.narrow(ctx.dim, ctx.start, ctx.size).contiguous(), None, None, None
+
+
+def copy_to_tp_region(x, group):
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x, group):
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp_region(x, group, sizes, dim=-1):
+    return _GatherFromTP.apply(x, group, sizes, dim)
+
+
+# ----------------------------------------------------------------------------- parallel layers
+
+
+class _Sharded(nn.Module):
+    """A layer made from the full one by slicing its parameters, so it starts identical to the baseline.
+    `shards` maps a parameter name to (dim, start, length) in the full parameter; absent = replicated."""
+
+    def __init__(self, full, group, dim, sizes):
+        super().__init__()
+        if isinstance(full, nn.Conv2d):
+            if full.groups != 1 or full.padding_mode != "zeros":
+                raise ValueError("only plain convolutions (groups=1, zero padding) are split here")
+            self.op, self.feature_dim = partial(F.conv2d, stride=full.stride, padding=full.padding,
+                                                dilation=full.dilation), 1
+        else:
+            self.op, self.feature_dim = F.linear, -1
+        self.group = group
+        self.sizes = sizes or split_sizes(full.weight.shape[dim], tp_size(group))
+        start, length = sum(self.sizes[:tp_rank(group)]), self.sizes[tp_rank(group)]
+        self.shards = {"weight": (dim, start, length)}
+        self.weight = nn.Parameter(full.weight.detach().narrow(dim, start, length).clone())
+        if full.bias is not None and dim == 0:  # output-split layers split the bias too
+            self.shards["bias"] = (0, start, length)
+            self.bias = nn.Parameter(full.bias.detach().narrow(0, start, length).clone())
+        else:
+            self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+
+class _ColumnParallel(_Sharded):
+    def __init__(self, full, group, sizes=None, copy_input=True, gather_output=False):
+        super().__init__(full, group, 0, sizes)
+        self.copy_input, self.gather_output = copy_input, gather_output
+
+    def forward(self, x):
+        if self.copy_input:
+            x = copy_to_tp_region(x, self.group)
+        y = self.op(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.group, self.sizes, self.feature_dim) if self.gather_output else y
+
+
+class _RowParallel(_Sharded):
+    def __init__(self, full, group, sizes=None):
+        super().__init__(full, group, 1, sizes)
+
+    def forward(self, x):
+        y = reduce_from_tp_region(self.op(x, self.weight), self.group)
+        if self.bias is None:
+            return y
+        # replicated bias, added once after the sum (added on every rank before it, it would count degree times)
+        return y + (self.bias.view(-1, 1, 1) if self.feature_dim == 1 else self.bias)
+
+
+class ColumnParallelLinear(_ColumnParallel):
+    """nn.Linear with its output features split: Y_i = X A_i (weight rows and bias sliced)."""
+
+
+class ColumnParallelConv2d(_ColumnParallel):
+    """nn.Conv2d with its output channels split (weight rows and bias sliced); gathers along channels."""
+
+
+class RowParallelLinear(_RowParallel):
+    """nn.Linear with its input features split: the partial sums X_i B_i are all-reduced; bias replicated."""
+
+
+class RowParallelConv2d(_RowParallel):
+    """nn.Conv2d with its input channels split: the partial sums are all-reduced; bias replicated."""
+
+
+class ParallelAttention(Attention):
+    """common.Attention on this rank's whole heads: q, k, v column-parallel, proj row-parallel.
+    Attention reads the head count off its weights, so its forward runs unchanged on the local heads."""
+
+    def __init__(self, full, group, sizes):
+        nn.Module.__init__(self)  # not Attention.__init__: the layers are slices of `full`
+        self.group, self.head_dim = group, full.head_dim
+        self.q, self.k, self.v = (ColumnParallelLinear(f, group, sizes, copy_input=False)
+                                  for f in (full.q, full.k, full.v))
+        self.proj = RowParallelLinear(full.proj, group, sizes)
+
+    def forward(self, x):
+        # enter the region once for q, k and v: backward all-reduces their summed input gradient once, not 3x
+        return super().forward(copy_to_tp_region(x, self.group))
+
+
+# ----------------------------------------------------------------------------- the models
+
+
+def parallel_cnn(model, group):
+    """conv1 | conv2 and fc1 | fc2 are column | row pairs; fc3 is column-parallel with a gather.
+    GroupNorm sits after conv2's all-reduce, on all 16 whole channels: replicated, no communication."""
+    model[0][0] = ColumnParallelConv2d(model[0][0], group)  # GELU and avg-pool are per channel: no comm
+    model[1][0] = RowParallelConv2d(model[1][0], group)
+    model[2][1] = ColumnParallelLinear(model[2][1], group)
+    model[3][0] = RowParallelLinear(model[3][0], group)
+    model[4][0] = ColumnParallelLinear(model[4][0], group, gather_output=True)
+    return model
+
+
+def parallel_mlp(model, group):
+    """Linear layers paired from the front as column | row; with an odd count the classifier is left
+    over and becomes column-parallel with a gather, so every weight matrix stays sharded."""
+    linears = [(block, i) for block in model for i, m in enumerate(block) if isinstance(m, nn.Linear)]
+    for k, (block, i) in enumerate(linears):
+        if k % 2:
+            block[i] = RowParallelLinear(block[i], group)
+        else:
+            block[i] = ColumnParallelLinear(block[i], group, gather_output=k == len(linears) - 1)
+    return model
+
+
+def parallel_vit(model, group):
+    """Attention split by heads, the block MLP column | row; LayerNorms, the patch embedding and the
+    head are replicated (small, and the residual stream must be whole for LayerNorm anyway)."""
+    for block in model[1:-1]:
+        heads = block.attn.q.out_features // block.attn.head_dim
+        head_sizes = [n * block.attn.head_dim for n in split_sizes(heads, tp_size(group))]
+        block.attn = ParallelAttention(block.attn, group, head_sizes)
+        block.mlp[0] = ColumnParallelLinear(block.mlp[0], group)
+        block.mlp[2] = RowParallelLinear(block.mlp[2], group)
+    return model
+
+
+def parallelize(model, model_name, group):
+    """The full model with its layers replaced, in place, by this rank's parallel layers (same names)."""
+    return {"cnn": parallel_cnn, "mlp": parallel_mlp, "vit": parallel_vit}[model_name](model, group)
+
+
+def full_slice(model, name, full):
+    """The part of the full model's tensor for parameter `name` that this rank's parameter holds."""
+    module_name, _, param_name = name.rpartition(".")
+    spec = getattr(model.get_submodule(module_name), "shards", {}).get(param_name)
+    return full.narrow(*spec) if spec else full
+
+
+# ----------------------------------------------------------------------------- --check
+
+
+def compare(what, got, want, results):
+    """Record (what, largest difference, error message or None) for one tensor."""
+    diff = (got.detach() - want.detach()).abs().max().item() if got.numel() else 0.0
+    try:
+        torch.testing.assert_close(got, want)
+        results.append((what, diff, None))
+    except AssertionError as e:
+        results.append((what, diff, " ".join(str(e).split())[:200]))
+
+
+def check_one_step(model, reference, x, y, args):
+    """One SGD step of the parallel model and of the full reference on (x, y), compared tensor by tensor."""
+    results = []
+    opt, ref_opt = make_optimizer(model.parameters(), args), make_optimizer(reference.parameters(), args)
+    out, ref_out = model(x), reference(x)
+    compare("output", out, ref_out, results)
+    loss, ref_loss = F.cross_entropy(out, y), F.cross_entropy(ref_out, y)
+    compare("loss", loss, ref_loss, results)
+    loss.backward()
+    ref_loss.backward()
+    for name, p in model.named_parameters():
+        compare(f"gradient of {name}", p.grad, full_slice(model, name, reference.get_parameter(name).grad), results)
+    opt.step()
+    ref_opt.step()
+    for name, p in model.named_parameters():
+        compare(f"{name} after one step", p, full_slice(model, name, reference.get_parameter(name)), results)
+    return results
+
+
+def run_check(model, args, data, env, group):
+    """--check: every rank compares its shards; all ranks agree on the exit status (0 match, 1 mismatch)."""
+    x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+    results = check_one_step(model, build_model(args).to(env.device), x, y, args)
+    for what, diff, error in results:
+        if error:
+            print(f"mismatch on rank {env.rank}: {what}: largest difference {diff:.3g}; {error}", flush=True)
+    mine = torch.tensor([sum(e is not None for _, _, e in results), max(d for _, d, _ in results)],
+                        dtype=torch.float64, device=env.device)
+    if env.world_size > 1:
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    failed, worst = int(mine[0].item()), mine[1].item()
+    if env.rank == 0:
+        grads = sum(what.startswith("gradient") for what, _, _ in results)
+        print(f"--check at degree {env.world_size}, model {args.model}: compared the output, the loss, {grads} "
+              f"local gradients and {grads} weights after one step with the matching slices of the full model; "
+              f"largest difference {worst:.3g}: {'MISMATCH' if failed else 'match'}", flush=True)
+    return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train(model, args, data, env, log):
+    optimizer = make_optimizer(model.parameters(), args)
+    progress = Progress(args.steps, enabled=env.rank == 0)
+    for step in range(args.steps):
+        x, y = (t.to(env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
+        start = time.perf_counter()
+        loss = train_step(model, optimizer, x, y)  # logits are whole on every rank: each computes the loss
+        step_time = time.perf_counter() - start
+        check_finite(loss, step)
+        log.write("train", step=step, loss=loss, step_time_s=step_time, samples_per_s=args.batch_size / step_time)
+        progress.update(step, loss, step_time, args.batch_size)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            test_loss, test_acc = evaluate(model, data, env.device)  # every rank: the forward has collectives
+            log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
+            if env.rank == 0:
+                print(f"step {step + 1}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
+    return progress
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data = load_data(args)
+    with distributed(args) as env:
+        group = dist.group.WORLD if dist.is_initialized() else None
+        model = parallelize(build_model(args), args.model, group).to(env.device)
+        if args.check:
+            return run_check(model, args, data, env, group)
+        log = MetricsLog(args.log, enabled=env.rank == 0)  # TP rank 0 owns the (replicated) loss
+        log.config(PROGRAM, args, env)
+        progress = train(model, args, data, env, log)
+        log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
+                  peak_memory_mb=gather_peak_memory(env))
+        log.close()
+        if env.rank == 0:
+            print(f"wrote {args.log}")
+    return 0
+
+
+if __name__ == "__main__":
+    status = main()
+    # Everything is written and torn down. Leave without C++ static destructors: with torch 2.13 on gloo, a
+    # collective run inside autograd's backward makes about 1 exit in 4 abort ("terminate called without
+    # an active exception") during the interpreter's final cleanup.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
