@@ -282,10 +282,15 @@ def parallelize(model, model_name, group):
     return {"cnn": parallel_cnn, "mlp": parallel_mlp, "vit": parallel_vit}[model_name](model, group)
 
 
+def shard_of(model, name):
+    """(dim, start, length) of parameter `name` in the full model's parameter; None if replicated."""
+    module_name, _, param_name = name.rpartition(".")
+    return getattr(model.get_submodule(module_name), "shards", {}).get(param_name)
+
+
 def full_slice(model, name, full):
     """The part of the full model's tensor for parameter `name` that this rank's parameter holds."""
-    module_name, _, param_name = name.rpartition(".")
-    spec = getattr(model.get_submodule(module_name), "shards", {}).get(param_name)
+    spec = shard_of(model, name)
     return full.narrow(*spec) if spec else full
 
 

@@ -1,0 +1,257 @@
+"""Tensor parallelism: each parallel layer against its full layer, against torch's own tensor parallelism,
+the collectives of one step counted, and the program against the baseline step by step."""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import tensor_parallel as tp
+from common import build_model
+from helpers import FAST, assert_same_losses, launch
+
+# ----------------------------------------------------------------------------- in-process ranks
+
+
+def _rank_main(rank, world, init_file, case_name):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    globals()[case_name](rank, world, dist.group.WORLD)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # see the end of tensor_parallel.py: skip the C++ teardown that may abort on gloo
+
+
+def run_ranks(case, world, tmp_path):
+    """Run case(rank, world, group) on `world` spawned gloo ranks; an assertion on any rank fails the test."""
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "rendezvous"), case.__name__), nprocs=world)
+
+
+def full_and_parallel(make_full, make_parallel, group):
+    torch.manual_seed(0)  # the same full layer on every rank
+    full = make_full()
+    return full, make_parallel(copy.deepcopy(full), group)
+
+
+def check_layer(full, layer, x, split_input, split_output, dim, group):
+    """Output, input gradient, weight and bias gradients of one parallel layer against its full layer."""
+    x_full = x.clone().requires_grad_()
+    y_full = full(x_full)
+    torch.manual_seed(1)
+    grad_y = torch.randn_like(y_full)  # the same upstream gradient on every rank
+    y_full.backward(grad_y)
+    sizes = layer.sizes
+    start, n = sum(sizes[:dist.get_rank(group)]), sizes[dist.get_rank(group)]
+    x_local = (x.narrow(dim, start, n) if split_input else x).clone().requires_grad_()
+    y = layer(x_local)
+    y.backward(grad_y.narrow(dim, start, n) if split_output else grad_y)
+    assert_close(y, y_full.narrow(dim, start, n) if split_output else y_full, msg="output")
+    assert_close(x_local.grad, x_full.grad.narrow(dim, start, n) if split_input else x_full.grad,
+                 msg="input gradient")
+    for name, p in layer.named_parameters():
+        assert_close(p.grad, tp.full_slice(layer, name, full.get_parameter(name).grad), msg=f"{name} gradient")
+
+
+def case_layers(rank, world, group):
+    """Each layer on shards that are uneven at degree 4 (10 -> 3,3,2,2 and 6 -> 2,2,1,1)."""
+    torch.manual_seed(2)
+    x, image = torch.randn(4, 7), torch.randn(2, 6, 9, 9)
+    for gather in (False, True):
+        full, layer = full_and_parallel(lambda: nn.Linear(7, 10), lambda f, g: tp.ColumnParallelLinear(
+            f, g, gather_output=gather), group)
+        check_layer(full, layer, x, False, not gather, -1, group)
+        full, layer = full_and_parallel(lambda: nn.Conv2d(6, 6, 3, padding=1), lambda f, g: tp.ColumnParallelConv2d(
+            f, g, gather_output=gather), group)
+        check_layer(full, layer, image, False, not gather, 1, group)
+    full, layer = full_and_parallel(lambda: nn.Linear(10, 5), tp.RowParallelLinear, group)
+    check_layer(full, layer, torch.randn(4, 10), True, False, -1, group)
+    full, layer = full_and_parallel(lambda: nn.Conv2d(6, 4, 3, stride=2), tp.RowParallelConv2d, group)
+    check_layer(full, layer, image, True, False, 1, group)
+    if world == 4:
+        assert layer.sizes == [2, 2, 1, 1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_parallel_layer_matches_its_full_layer(tmp_path, world):
+    run_ranks(case_layers, world, tmp_path)
+
+
+def case_dtensor(rank, world, group):
+    """The same column | row pair through torch.distributed.tensor.parallel, as an independent oracle."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 5))
+    mine = nn.Sequential(tp.ColumnParallelLinear(full[0], group), nn.GELU(), tp.RowParallelLinear(full[2], group))
+    parallelize_module(full, DeviceMesh("cpu", list(range(world))), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(6, 8)
+    x_mine, x_torch = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_mine, y_torch = mine(x_mine), full(x_torch)
+    y_mine.square().sum().backward()
+    y_torch.square().sum().backward()
+    assert_close(y_mine, y_torch.wait() if hasattr(y_torch, "wait") else y_torch, msg="output")
+    assert_close(x_mine.grad, x_torch.grad, msg="input gradient")
+    for name, p in mine.named_parameters():
+        want = full.get_parameter(name).grad.full_tensor()  # DTensor: the whole gradient, however it shards
+        assert_close(p.grad, tp.full_slice(mine, name, want), msg=f"{name} gradient")
+
+
+def test_matches_torch_distributed_tensor_parallel(tmp_path):
+    run_ranks(case_dtensor, 2, tmp_path)
+
+
+def count_collectives(model, x, y):
+    """{(phase, collective): calls} of one forward and backward, by wrapping torch.distributed's functions."""
+    counts, phase, originals = {}, ["forward"], {n: getattr(dist, n) for n in ("all_reduce", "all_gather")}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            counts[(phase[0], name)] = counts.get((phase[0], name), 0) + 1
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        loss = F.cross_entropy(model(x), y)
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts
+
+
+COUNTS = [  # model flags, expected (phase, collective) -> calls per training step
+    (["--model", "cnn"], {("forward", "all_reduce"): 2, ("forward", "all_gather"): 1, ("backward", "all_reduce"): 2}),
+    (["--model", "mlp", "--layers", "4"], {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 1}),
+    (["--model", "mlp", "--layers", "3"], {("forward", "all_reduce"): 1, ("forward", "all_gather"): 1,
+                                           ("backward", "all_reduce"): 1}),
+    (["--model", "vit", "--layers", "2", "--hidden", "32"], {("forward", "all_reduce"): 4, ("backward", "all_reduce"): 4}),
+]
+
+
+def case_counts(rank, world, group):
+    for flags, expected in COUNTS:
+        args = tp.parse_args(["--data", "synthetic"] + flags)
+        model = tp.parallelize(build_model(args), args.model, group)
+        pairs = sum(isinstance(m, tp._RowParallel) for m in model.modules())
+        torch.manual_seed(0)
+        counts = count_collectives(model, torch.randn(8, 3, 32, 32), torch.randint(10, (8,)))
+        assert counts == expected, (flags, counts)
+        assert counts[("forward", "all_reduce")] == pairs, "one forward all-reduce per column | row pair"
+
+
+def test_collectives_of_one_step_one_forward_all_reduce_per_pair(tmp_path):
+    run_ranks(case_counts, 2, tmp_path)
+
+
+def case_replicated(rank, world, group):
+    """Replicated parameters (norms, row-parallel biases, patch embedding, head) get bit-identical
+    gradients and so stay identical on every rank without any all-reduce of their own."""
+    args = tp.parse_args(FAST + ["--model", "vit", "--layers", "2", "--hidden", "32", "--lr", "0.05"])
+    model = tp.parallelize(build_model(args), args.model, group)
+    replicated = [(n, p) for n, p in model.named_parameters() if tp.shard_of(model, n) is None]
+    assert any("ln1" in n for n, _ in replicated) and any("proj.bias" in n for n, _ in replicated)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        x, y = torch.randn(8, 3, 32, 32), torch.randint(10, (8,))
+        dist.broadcast(x, 0)
+        dist.broadcast(y, 0)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for name, p in replicated:
+            every = [torch.empty_like(p.grad) for _ in range(world)]
+            dist.all_gather(every, p.grad.contiguous())
+            assert all(torch.equal(every[0], g) for g in every), f"gradient of {name} differs between ranks"
+        optimizer.step()
+
+
+def test_replicated_parameters_get_the_same_gradient_on_every_rank(tmp_path):
+    run_ranks(case_replicated, 2, tmp_path)
+
+
+def case_check_catches(rank, world, group):
+    """check_one_step (the engine of --check) names a tensor that is wrong on one rank."""
+    args = tp.parse_args(FAST + ["--model", "cnn"])
+    model = tp.parallelize(build_model(args), args.model, group)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(10, (8,))
+    dist.broadcast(x, 0)
+    dist.broadcast(y, 0)
+    if rank == 1:
+        with torch.no_grad():
+            model[3][0].weight[0, 0] += 0.05  # one wrong number in fc2's shard on rank 1
+    failed = [what for what, _, error in tp.check_one_step(model, build_model(args), x, y, args) if error]
+    assert "output" in failed, failed
+    assert ("3.0.weight after one step" in failed) == (rank == 1), failed
+
+
+def test_check_names_a_wrong_tensor(tmp_path):
+    run_ranks(case_check_catches, 2, tmp_path)
+
+
+def test_split_sizes_are_tensor_splits():
+    assert tp.split_sizes(6, 4) == [2, 2, 1, 1] and tp.split_sizes(10, 4) == [3, 3, 2, 2]
+    assert tp.split_sizes(10, 4) == [len(t) for t in torch.arange(10).tensor_split(4)]
+
+
+# ----------------------------------------------------------------------------- the program
+
+
+SMALL = {"cnn": [], "mlp4": ["--model", "mlp", "--hidden", "64", "--layers", "4"],
+         "mlp3": ["--model", "mlp", "--hidden", "64", "--layers", "3"],
+         "vit": ["--model", "vit", "--hidden", "32", "--layers", "2", "--heads", "4"]}
+
+
+@pytest.mark.parametrize("model,nproc", [("cnn", 2), ("cnn", 4), ("mlp4", 2), ("mlp3", 4), ("vit", 2), ("vit", 4)])
+def test_program_logs_the_baseline_losses(tmp_path, baseline, model, nproc):
+    args = FAST + SMALL[model] + ["--steps", "12"]
+    run = launch("tensor_parallel.py", args, tmp_path, nproc=nproc)
+    worst = assert_same_losses(run, baseline(args))
+    print(f"{model} at degree {nproc}: largest |loss difference| {worst:.2g}")
+    config, = run.events("config")
+    assert config["program"] == "tensor_parallel" and config["world_size"] == nproc
+    summary, = run.events("summary")
+    assert sorted(summary["peak_memory_mb"]) == [str(r) for r in range(nproc)]
+
+
+def test_eval_records_follow_the_baseline(tmp_path, baseline):
+    args = ["--data", "synthetic", "--threads", "1", "--steps", "6", "--eval-every", "3"]
+    run, ref = launch("tensor_parallel.py", args, tmp_path, nproc=2), baseline(args)
+    assert_same_losses(run, ref)
+    assert [e["step"] for e in run.events("eval")] == [e["step"] for e in ref.events("eval")] == [2, 5]
+    for got, want in zip(run.events("eval"), ref.events("eval")):
+        assert abs(got["test_loss"] - want["test_loss"]) < 1e-4 and abs(got["test_acc"] - want["test_acc"]) <= 1e-3
+
+
+@pytest.mark.parametrize("model,nproc", [("vit", 2), ("cnn", 4)])
+def test_check_flag_matches(tmp_path, model, nproc):
+    run = launch("tensor_parallel.py", FAST + SMALL[model] + ["--check"], tmp_path, nproc=nproc)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "largest difference" in run.stdout and ": match" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--model", "vit", "--heads", "3", "--hidden", "48"], 2,
+     "error: --heads 3 is not divisible by the tensor-parallel degree 2; "),
+    (["--model", "cnn"], 8, "error: the tensor-parallel degree 8 exceeds the 6 output channels of cnn conv1"),
+])
+def test_bad_degree_is_one_error_line_and_exit_2_on_each_rank(tmp_path, monkeypatch, argv, world, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun tells each rank; no collective is reached
+    run = launch("tensor_parallel.py", ["--data", "synthetic"] + argv, tmp_path)
+    assert run.returncode == 2 and run.stderr.startswith(message), run.stderr
+    assert run.stderr.count("\n") == 1
+
+
+def test_bad_degree_under_torchrun_fails_on_every_rank(tmp_path):
+    run = launch("tensor_parallel.py", ["--data", "synthetic", "--model", "vit", "--heads", "3", "--hidden", "48"],
+                 tmp_path, nproc=2, timeout=60)
+    assert run.returncode != 0
+    assert run.stderr.count("error: --heads 3 is not divisible by the tensor-parallel degree 2") == 2, run.stderr
+    assert "exitcode  : 2" in run.stderr and 'tensor_parallel.py", line' not in run.stderr
