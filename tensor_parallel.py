@@ -59,13 +59,15 @@ def validate_degree(args, degree):
     if args.model == "vit" and args.heads % degree:
         fail(f"--heads {args.heads} is not divisible by the tensor-parallel degree {degree}; each rank "
              f"needs whole heads: use --heads a multiple of {degree}, or a number of ranks dividing {args.heads}")
-    narrowest = {"cnn": (6, "output channels of cnn conv1"),
-                 "mlp": (min(args.hidden, 10), "outputs of the mlp's narrowest split layer")
-                 if args.layers % 2 else (args.hidden, "--hidden neurons of the mlp"),
-                 "vit": (args.heads, "--heads of the vit")}[args.model]
-    if degree > narrowest[0]:
-        fail(f"the tensor-parallel degree {degree} exceeds the {narrowest[0]} {narrowest[1]}; every rank "
-             f"needs at least one: use at most {narrowest[0]} ranks")
+    if args.model == "cnn":
+        width, what = 6, "output channels of cnn conv1"
+    elif args.model == "mlp" and args.layers % 2:  # the classifier is split too: 10 outputs
+        width, what = min(args.hidden, 10), "neurons of the mlp's narrowest split layer"
+    else:
+        width, what = args.hidden, f"--hidden neurons of the {args.model}"
+    if degree > width:
+        fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
+             f"use at most {width} ranks")
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
@@ -118,7 +120,7 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: forward all-reduce (sum the partial outputs); backward identity (the sum's gradient is whole on every rank)."""
+    """g: forward all-reduce (sum the partial outputs); backward identity (the sum's gradient is whole everywhere)."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -133,7 +133,8 @@ COUNTS = [  # model flags, expected (phase, collective) -> calls per training st
     (["--model", "mlp", "--layers", "4"], {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 1}),
     (["--model", "mlp", "--layers", "3"], {("forward", "all_reduce"): 1, ("forward", "all_gather"): 1,
                                            ("backward", "all_reduce"): 1}),
-    (["--model", "vit", "--layers", "2", "--hidden", "32"], {("forward", "all_reduce"): 4, ("backward", "all_reduce"): 4}),
+    (["--model", "vit", "--layers", "2", "--hidden", "32"], {("forward", "all_reduce"): 4,
+                                                              ("backward", "all_reduce"): 4}),
 ]
 
 
