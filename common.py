@@ -127,6 +127,14 @@ def distributed(args):
             dist.destroy_process_group()
 
 
+def exit_now(status):
+    """Flush and leave without running gloo's destructors, which in torch 2.13 sometimes abort
+    (SIGABRT, "terminate called without an active exception") after all work is done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def seed_everything(seed):
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)

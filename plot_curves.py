@@ -43,7 +43,7 @@ def label_of(records, path):
     args, parts = config["args"], []
     for key in ("schedule", "dp", "microbatches"):
         if args.get(key) is not None:
-            parts.append(f"{key[:2] if key == 'microbatches' else key}={args[key]}" if key != "schedule"
+            parts.append(f"{'m' if key == 'microbatches' else key}={args[key]}" if key != "schedule"
                          else str(args[key]))
     if config["world_size"] > 1:
         parts.append(f"{config['world_size']} ranks")
@@ -147,7 +147,8 @@ def draw_gantt(ax, trace):
                  f"{other.get('microbatches', '?')} microbatches{chunks}; bubble measured "
                  f"{other.get('bubble_measured', float('nan')):.1%}, theory {other.get('bubble_theory', float('nan')):.1%}")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    ax.legend(handles, ["forward", "backward", "waiting for a message"], loc="upper right", fontsize=8)
+    ax.legend(handles, ["forward", "backward", "waiting for a message"], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8)
 
 
 def save(fig, out):

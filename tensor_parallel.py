@@ -27,8 +27,6 @@ GELU is elementwise, so it runs on each shard with no communication. A layer tha
 without a row-parallel partner is column-parallel with gather_from_tp_region (forward all-gather,
 backward split), so that the logits are whole on every rank.
 """
-import os
-import sys
 import time
 from functools import partial
 
@@ -37,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (Attention, MetricsLog, Progress, base_parser, build_model, check_finite, distributed,
+from common import (Attention, MetricsLog, Progress, base_parser, build_model, check_finite, distributed, exit_now,
                     fail, gather_peak_memory, load_data, make_optimizer, torchrun_env, validate_common)
 from single_baseline import evaluate, train_step
 
@@ -390,10 +388,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    status = main()
-    # Everything is written and torn down. Leave without C++ static destructors: with torch 2.13 on gloo, a
-    # collective run inside autograd's backward makes about 1 exit in 4 abort ("terminate called without
-    # an active exception") during the interpreter's final cleanup.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    exit_now(main())  # everything is written and torn down: skip gloo's destructors (common.exit_now)

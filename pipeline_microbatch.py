@@ -1,0 +1,547 @@
+"""Pipeline parallelism: consecutive stages of one model on consecutive ranks, fed by microbatches.
+
+The lesson (GPipe, Huang et al. 2019; PipeDream-flush 1F1B, Narayanan et al. 2021): cut the model's
+blocks into stages, one process each; split every global batch into M microbatches and stream
+them through, so that stage r works on microbatch i while stage r+1 works on microbatch i-1.
+Gradients of the M microbatches accumulate (each loss divided by M), then every stage takes one
+optimizer step: the same update as one process on the whole batch.
+
+    torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
+    torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
+
+Schedules, 4 stages x 4 microbatches, one compute action per clock tick (F3: forward of
+microbatch 3, B3: its backward, .: idle, the bubble):
+
+    gpipe (all forward, then all backward)       1f1b (warm-up, steady 1F1B, cool-down)
+    stage 0: F0 F1 F2 F3 .  .  .  B0 B1 B2 B3    stage 0: F0 F1 F2 F3 .  .  .  B0 B1 B2 B3
+    stage 1: .  F0 F1 F2 F3 .  B0 B1 B2 B3 .     stage 1: .  F0 F1 F2 .  .  B0 F3 B1 B2 B3
+    stage 2: .  .  F0 F1 F2 F3 B0 B1 B2 B3 .     stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 B3
+    stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3    stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3
+
+(drawn with B as long as F; stage 3 is the last, so its F and B alternate in both). Both have the
+same bubble, (p-1)/(m+p-1) of the time; 1F1B holds at most p - r microbatches' activations on
+stage r instead of all m, so memory no longer grows with m. Interleaved 1F1B (Narayanan et al.)
+gives each rank V chunks of the model (virtual stages r, r+p, r+2p, ...), which shrinks the bubble
+to (p-1)/(V*m+p-1) at the cost of V times more messages.
+
+The gloo deadlock, and why these schedules cannot have it. gloo's send does not complete until
+the peer posts the matching receive. Under 1F1B, stage 1 finishes F1 and sends its activation
+forward while stage 2, the last stage, finishes B0 and sends its gradient back: if each waits for
+its own send first, stage 1 never reaches "receive the gradient of 0" and stage 2 never reaches
+"receive the activation of 1": both block for ever. Here every rank posts the send of what it
+just computed together with the receive its next action needs, as one batch of isend/irecv
+(send_forward_recv_backward and friends), and only then waits. Both halves of the crossing are
+posted at once, so they match. `dry_run` plays every rank's action list with blocking sends and
+reports the first cycle of ranks waiting on each other; the tests run it for many (p, m, v).
+"""
+import copy
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common import (MetricsLog, Progress, base_parser, build_model, check_finite, distributed, exit_now, fail,
+                    gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
+                    validate_common)
+
+PROGRAM = "pipeline_microbatch"
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def add_pipeline_flags(p):
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per global batch (per replica)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks per rank")
+    p.add_argument("--balance", default=None, help="blocks per stage, e.g. 2,1,1,1 (default: even)")
+    p.add_argument("--check", action="store_true",
+                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    return p
+
+
+def parse_args(argv=None):
+    p = add_pipeline_flags(base_parser(__doc__))
+    p.add_argument("--timeline", default=None, help="write the last step's measured schedule (Chrome trace)")
+    args = p.parse_args(argv)
+    validate_common(args, PROGRAM)
+    validate_pipeline(args, stages=torchrun_env("gloo").world_size, replicas=1)
+    return args
+
+
+def num_blocks(args):
+    return {"cnn": 5, "mlp": args.layers, "vit": args.layers + 2}[args.model]
+
+
+def validate_pipeline(args, stages, replicas):
+    """Arithmetic of the split, checked from flags and WORLD_SIZE alone: no collective yet."""
+    m, chunks = args.microbatches, chunk_count(args, stages)
+    if m <= 0:
+        fail(f"--microbatches {m} must be a positive integer")
+    if args.batch_size % (replicas * m):
+        fail(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x --microbatches {m}; "
+             f"use a batch size that is a multiple of {replicas * m}")
+    if args.schedule == "interleaved":
+        if args.virtual_stages < 1:
+            fail(f"--virtual-stages {args.virtual_stages} must be a positive integer")
+        if m % stages:
+            fail(f"--schedule interleaved needs --microbatches a multiple of the {stages} stages, got {m}")
+    if args.balance is not None:
+        try:
+            balance = [int(b) for b in args.balance.split(",")]
+        except ValueError:
+            fail(f"--balance {args.balance!r} must be comma-separated integers, e.g. 2,1,1,1")
+        if len(balance) != chunks or min(balance) < 1 or sum(balance) != num_blocks(args):
+            fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
+                 f"{num_blocks(args)} blocks of the {args.model}")
+    elif chunks > num_blocks(args):
+        fail(f"{chunks} pipeline stages (ranks x virtual stages) but the {args.model} has only "
+             f"{num_blocks(args)} blocks; use fewer ranks or --virtual-stages, or a deeper model (--layers)")
+
+
+def chunk_count(args, stages):
+    return stages * (args.virtual_stages if args.schedule == "interleaved" else 1)
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+@dataclass
+class PipelineRank:
+    """Who am I in one pipeline: my stage, and my neighbours as global ranks."""
+    pp_rank: int
+    pp_size: int
+    ranks: list          # global rank of each stage of this pipeline
+    virtual: int = 1     # model chunks per rank (interleaved)
+
+    @property
+    def is_first_stage(self):
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self):
+        return self.pp_rank == self.pp_size - 1
+
+    def peer(self, chunk, step):
+        """Global rank and chunk of the virtual stage `step` (+1 or -1) away from my `chunk`."""
+        v = chunk * self.pp_size + self.pp_rank + step   # virtual stage index, p*V of them in a ring
+        return self.ranks[v % self.pp_size], v // self.pp_size
+
+
+def partition(n_blocks, n_chunks, balance=None):
+    """Block ranges [start, end) of each chunk: as even as possible, earlier chunks one larger."""
+    sizes = [int(b) for b in balance.split(",")] if balance else \
+        [n_blocks // n_chunks + (i < n_blocks % n_chunks) for i in range(n_chunks)]
+    starts = [sum(sizes[:i]) for i in range(n_chunks + 1)]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def build_chunks(model, pos, balance=None):
+    """This rank's model chunks: virtual stages pp_rank, pp_rank + p, ... of the full model."""
+    bounds = partition(len(model), pos.pp_size * pos.virtual, balance)
+    return [model[slice(*bounds[c * pos.pp_size + pos.pp_rank])] for c in range(pos.virtual)]
+
+
+def boundary_shapes(model, pos, balance=None):
+    """Per-sample shape of the activation entering each virtual stage, known to both sides up front
+    (so no message carries a shape): one forward of one zero sample through the full model."""
+    bounds = partition(len(model), pos.pp_size * pos.virtual, balance)
+    shapes, x = [], torch.zeros(1, 3, 32, 32)
+    with torch.no_grad():
+        for start, end in bounds:
+            shapes.append(tuple(x.shape[1:]))
+            x = model[start:end](x)
+    return shapes
+
+
+# ----------------------------------------------------------------------------- schedules as data
+# A compute action is ("F" or "B", microbatch, chunk). A communication action is ("comm", parts),
+# parts being ("send" or "recv", peer rank, message) posted together and then all waited for.
+# A message is (what, microbatch, virtual stage of its receiver), what = "act" or "grad".
+
+
+def forward_order(schedule, p, m, rank, v):
+    """(microbatch, chunk) in the order this rank runs forwards; interleaved goes p microbatches
+    through chunk 0, the same p through chunk 1, ..., then the next p microbatches."""
+    if schedule != "interleaved":
+        return [(i, 0) for i in range(m)]
+    return [((k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)]
+
+
+def compute_units(schedule, p, m, rank, v=1):
+    """The F/B order of one rank, the whole schedule as data, in units that run between two
+    communication actions: a warm-up forward, a steady-state (forward, backward) pair, a cool-down
+    backward.
+      gpipe:       F0 .. F(m-1), then B0 .. B(m-1)
+      1f1b:        warm-up of p-rank-1 forwards, then F and B alternate, then the remaining B
+      interleaved: the same three phases over m*v (microbatch, chunk) pairs, backwards through
+                   the chunks in reverse, warm-up 2(p-rank-1) + (v-1)p (Narayanan et al. 2021)"""
+    fwd = forward_order(schedule, p, m, rank, v)
+    bwd = [(mb, v - 1 - c) for mb, c in fwd]
+    if schedule == "gpipe":
+        return [[("F", *a)] for a in fwd] + [[("B", *a)] for a in bwd]
+    warm = p - rank - 1 if schedule == "1f1b" else 2 * (p - rank - 1) + (v - 1) * p
+    warm = min(warm, len(fwd))
+    steady = [[("F", *fwd[warm + i]), ("B", *bwd[i])] for i in range(len(fwd) - warm)]
+    return [[("F", *a)] for a in fwd[:warm]] + steady + [[("B", *a)] for a in bwd[len(fwd) - warm:]]
+
+
+def compute_order(schedule, p, m, rank, v=1):
+    return [action for unit in compute_units(schedule, p, m, rank, v) for action in unit]
+
+
+def messages(action, pos):
+    """What `action` must receive before it runs, and what it sends once done (None: nothing)."""
+    kind, mb, chunk = action
+    vstage, last = chunk * pos.pp_size + pos.pp_rank, pos.pp_size * pos.virtual - 1
+    prev_rank, _ = pos.peer(chunk, -1)
+    next_rank, _ = pos.peer(chunk, +1)
+    if kind == "F":
+        recv = ("recv", prev_rank, ("act", mb, vstage)) if vstage > 0 else None
+        send = ("send", next_rank, ("act", mb, vstage + 1)) if vstage < last else None
+    else:
+        recv = ("recv", next_rank, ("grad", mb, vstage)) if vstage < last else None
+        send = ("send", prev_rank, ("grad", mb, vstage - 1)) if vstage > 0 else None
+    return recv, send
+
+
+def with_communication(units, pos, fused=True):
+    """Insert the messages: before each unit, the sends of the previous unit go out together with
+    the receives this unit needs (send_forward_recv_backward and friends), all posted at once, so
+    two neighbours that cross never both block. fused=False is the textbook order that deadlocks on
+    gloo: one action at a time, each message posted and waited for on its own, sends first."""
+    if not fused:
+        units = [[action] for unit in units for action in unit]
+    actions, pending = [], []
+    for unit in units:
+        posted = list(pending)
+        for action in unit:
+            recv, send = messages(action, pos)
+            posted += [recv] if recv else []
+        if fused and posted:
+            actions.append(("comm", posted))
+        elif posted:
+            actions += [("comm", [part]) for part in posted]
+        actions += unit
+        pending = [send for _, send in map(lambda a: messages(a, pos), unit) if send]
+    return actions + ([("comm", pending)] if pending else [])
+
+
+def schedule_actions(schedule, pos, m, fused=True):
+    units = compute_units(schedule, pos.pp_size, m, pos.pp_rank, pos.virtual)
+    return with_communication(units, pos, fused)
+
+
+def dry_run(all_actions):
+    """Play every rank's actions with blocking sends (a send completes only once its receive is
+    posted, as on gloo). Returns None if all finish, else the first cycle of waiting ranks."""
+    at, done = [0] * len(all_actions), [set() for _ in all_actions]
+    while True:
+        moved = False
+        for r, actions in enumerate(all_actions):
+            while at[r] < len(actions) and actions[at[r]][0] != "comm":
+                at[r] += 1                               # compute never blocks
+            if at[r] == len(actions):
+                continue
+            for part in actions[at[r]][1]:
+                kind, peer, msg = part
+                peer_parts = all_actions[peer][at[peer]][1] if at[peer] < len(all_actions[peer]) and \
+                    all_actions[peer][at[peer]][0] == "comm" else []
+                twin = ("recv" if kind == "send" else "send", r, msg)
+                if part not in done[r] and twin in peer_parts:
+                    done[r].add(part), done[peer].add(twin)
+                    moved = True
+            if all(part in done[r] for part in actions[at[r]][1]):
+                at[r], moved = at[r] + 1, True
+        if all(a == len(actions) for a, actions in zip(at, all_actions)):
+            return None
+        if not moved:
+            return waiting_cycle(all_actions, at, done)
+
+
+def waiting_cycle(all_actions, at, done):
+    """Follow 'rank r waits for its peer' from a blocked rank until a rank repeats."""
+    waits = {r: next(p for p in all_actions[r][at[r]][1] if p not in done[r])
+             for r in range(len(all_actions)) if at[r] < len(all_actions[r])}
+    r, path = next(iter(waits)), []
+    while r not in path:
+        path.append(r)
+        r = waits[r][1]
+    cycle = path[path.index(r):]
+    return [f"rank {q} blocked in {waits[q][0]} {waits[q][2][0]} of microbatch {waits[q][2][1]} "
+            f"with rank {waits[q][1]}" for q in cycle]
+
+
+# ----------------------------------------------------------------------------- point-to-point
+
+
+class Messenger:
+    """isend/irecv with a tag per message, so no message can be matched to the wrong receive,
+    and a timeout on every wait that names what was awaited."""
+
+    def __init__(self, pos, shapes, device, timeout_s, group=None):
+        self.pos, self.shapes, self.device, self.timeout_s, self.group = pos, shapes, device, timeout_s, group
+
+    def tag(self, msg):
+        what, mb, vstage = msg
+        return (mb * self.pos.pp_size * self.pos.virtual + vstage) * 2 + (what == "grad")
+
+    def exchange(self, parts, outbox, mb_size, record):
+        """Post every part of one communication action at once, then wait for all of them."""
+        works, inbox = [], {}
+        for kind, peer, msg in parts:
+            if kind == "send":
+                works.append((dist.isend(outbox.pop(msg), peer, group=self.group, tag=self.tag(msg)), kind, peer, msg))
+            else:
+                buf = torch.empty((mb_size, *self.shapes[msg[2] if msg[0] == "act" else msg[2] + 1]),
+                                  device=self.device)
+                inbox[msg] = buf
+                works.append((dist.irecv(buf, peer, group=self.group, tag=self.tag(msg)), kind, peer, msg))
+        start = time.perf_counter()
+        for work, kind, peer, msg in works:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                what = "activation" if msg[0] == "act" else "gradient"
+                raise PipelineError(f"stage {self.pos.pp_rank} waited up to {self.timeout_s:g} s to {kind} the "
+                                    f"{what} of microbatch {msg[1]} {'from' if kind == 'recv' else 'to'} "
+                                    f"rank {peer}: {str(e).splitlines()[0][:160]}") from None
+        record("wait", "wait " + " ".join(f"{k} {m[0]} mb{m[1]}" for k, _, m in parts), None, start)
+        return inbox
+
+
+class PipelineError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- the executor
+
+
+class StageRunner:
+    """Runs one rank's action list for one global batch. Saved activations live only between a
+    microbatch's forward and its backward, and sent tensors only until their send completes."""
+
+    def __init__(self, chunks, pos, messenger):
+        self.chunks, self.pos, self.messenger = chunks, pos, messenger
+        self.events = None                    # a list while the timeline is recorded
+
+    def record(self, cat, name, mb, start, chunk=0):
+        if self.events is not None:
+            self.events.append((cat, name, mb, chunk, start, time.perf_counter()))
+
+    def run(self, actions, inputs, head, mb_size):
+        """inputs: microbatches for virtual stage 0 (first stage only). head(mb, output) -> the
+        scaled loss to differentiate (or None when not training), on the last virtual stage."""
+        last = self.pos.pp_size * self.pos.virtual - 1
+        saved, outbox, inbox = {}, {}, {}
+        for action in actions:
+            if action[0] == "comm":
+                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, self.record))
+                continue
+            kind, mb, chunk = action
+            vstage, start = chunk * self.pos.pp_size + self.pos.pp_rank, time.perf_counter()
+            if kind == "F":
+                x = inputs[mb] if vstage == 0 else inbox.pop(("act", mb, vstage)).requires_grad_()
+                y = self.chunks[chunk](x)
+                if vstage == last:
+                    y = head(mb, y)
+                else:
+                    outbox[("act", mb, vstage + 1)] = y.detach()
+                if y is not None and y.requires_grad:
+                    saved[(mb, chunk)] = (x, y)   # kept for the backward, dropped right after it
+            else:
+                x, y = saved.pop((mb, chunk))
+                grad = None if vstage == last else inbox.pop(("grad", mb, vstage))
+                torch.autograd.backward(y, grad)
+                if vstage > 0:
+                    outbox[("grad", mb, vstage - 1)] = x.grad
+            self.record("forward" if kind == "F" else "backward", f"{kind}{mb}", mb, start, chunk)
+        assert not saved and not outbox and not inbox, "the schedule left work behind"
+
+
+def train_step(runner, actions, x, y, m):
+    """One global batch (or this replica's slice of it) through the pipeline; the accumulated
+    gradients are the batch-mean gradient. Returns the batch-mean loss on the last stage, else None."""
+    losses = []
+
+    def head(mb, logits):
+        loss = F.cross_entropy(logits, y_mb[mb]) / m      # mean of m equal microbatch means
+        losses.append(loss.detach())
+        return loss
+
+    x_mb = x.chunk(m) if runner.pos.is_first_stage else None
+    y_mb = y.chunk(m) if runner.pos.is_last_stage else None
+    runner.run(actions, x_mb, head, x.shape[0] // m)
+    return torch.stack(losses).sum().item() if losses else None
+
+
+@torch.no_grad()
+def evaluate(runner, pos, data, device, batch=500):
+    """A forward-only pipeline over the test split; the last stage returns (loss, accuracy)."""
+    batches = test_batches(data, batch)
+    if len({len(y) for _, y in batches}) != 1:
+        batches = batches[:-1]                   # every message must have the shape both sides expect
+    totals = [0.0, 0]
+
+    def head(mb, logits):
+        labels = batches[mb][1].to(device)
+        totals[0] += F.cross_entropy(logits, labels, reduction="sum").item()
+        totals[1] += (logits.argmax(1) == labels).sum().item()
+
+    order = [[("F", mb, c)] for c in range(pos.virtual) for mb in range(len(batches))]
+    inputs = [bx.to(device) for bx, _ in batches] if pos.is_first_stage else None
+    runner.run(with_communication(order, pos), inputs, head, batch)
+    n = batch * len(batches)
+    return totals[0] / n, totals[1] / n
+
+
+# ----------------------------------------------------------------------------- timeline and check
+
+
+def bubble_theory(p, m, v=1):
+    return (p - 1) / (v * m + p - 1)
+
+
+def gather_timeline(runner, pos, args, group=None):
+    """Every rank's events of one step, on one clock: each rank counts from its own time after a
+    barrier (skew well under a millisecond on one machine), then all are gathered."""
+    origin = runner.origin
+    mine = [(cat, name, mb, ch, (t0 - origin) * 1e6, (t1 - t0) * 1e6) for cat, name, mb, ch, t0, t1 in runner.events]
+    every = [None] * pos.pp_size
+    dist.all_gather_object(every, (pos.pp_rank, mine), group=group)
+    events = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": r, "tid": 0,
+               "args": {"microbatch": mb, "chunk": ch}} for r, evs in every for cat, name, mb, ch, ts, dur in evs]
+    compute = [e for e in events if e["cat"] != "wait"]
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    busy = sum(e["dur"] for e in compute) / (pos.pp_size * span)
+    return {"traceEvents": events, "otherData": {
+        "schedule": args.schedule, "stages": pos.pp_size, "microbatches": args.microbatches,
+        "virtual_stages": pos.virtual, "bubble_measured": 1 - busy,
+        "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual)}}
+
+
+def run_check(runner, actions, model, args, x, y):
+    """One step on the first batch against the full model in this process: the output and loss
+    (last stage), every local gradient, and the weights after one optimizer step. Returns
+    (tensors compared, largest difference); raises AssertionError naming the first mismatch."""
+    reference = copy.deepcopy(model)                      # same weights, before our step
+    ref_logits = reference(x)
+    ref_loss = F.cross_entropy(ref_logits, y)
+    ref_loss.backward()
+    make_optimizer(reference.parameters(), args).step()
+    m, outputs, y_mb = args.microbatches, {}, y.chunk(args.microbatches)
+
+    def head(mb, logits):
+        outputs[mb] = logits.detach()
+        return F.cross_entropy(logits, y_mb[mb]) / m
+
+    runner.run(actions, x.chunk(m) if runner.pos.is_first_stage else None, head, x.shape[0] // m)
+    ours = {id(p) for chunk in runner.chunks for p in chunk.parameters()}
+    local = [(name, p) for name, p in model.named_parameters() if id(p) in ours]
+    ref = dict(reference.named_parameters())
+    pairs = [(f"gradient of {n}", p.grad, ref[n].grad) for n, p in local]
+    if outputs:
+        logits = torch.cat([outputs[i] for i in range(m)])
+        pairs += [("output", logits, ref_logits.detach()), ("loss", F.cross_entropy(logits, y), ref_loss.detach())]
+    make_optimizer([p for _, p in local], args).step()
+    pairs += [(f"weight of {n} after one step", p.detach(), ref[n].detach()) for n, p in local]
+    for name, got, want in pairs:
+        torch.testing.assert_close(got, want, msg=lambda msg, name=name: f"{name} differs: {msg}")
+    return len(pairs), max((got - want).abs().max().item() for _, got, want in pairs)
+
+
+def check_and_exit(runner, actions, model, args, env, x, y):
+    """--check on every rank; all ranks agree on the exit status (0 match, 1 mismatch)."""
+    try:
+        count, worst = run_check(runner, actions, model, args, x, y)
+        print(f"check rank {env.rank}: {count} tensors match the full model (output/loss on the last "
+              f"stage, local gradients, weights after one step); largest difference {worst:.2e}", flush=True)
+        ok = 1
+    except AssertionError as e:
+        print(f"check rank {env.rank}: MISMATCH: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        ok = 0
+    flag = torch.tensor([ok], device=env.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return 0 if flag.item() else 1
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def setup_stage(args, env, pos, group=None):
+    """Build the full model from --seed, keep this rank's chunks; returns (model, runner)."""
+    model = build_model(args)
+    shapes = boundary_shapes(model, pos, args.balance)
+    model.to(env.device)
+    chunks = build_chunks(model, pos, args.balance)
+    return model, StageRunner(chunks, pos, Messenger(pos, shapes, env.device, args.timeout_s, group))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data = load_data(args)
+    with distributed(args) as env:
+        pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
+                           args.virtual_stages if args.schedule == "interleaved" else 1)
+        model, runner = setup_stage(args, env, pos)
+        actions = schedule_actions(args.schedule, pos, args.microbatches)
+        try:
+            if args.check:
+                x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+                status = check_and_exit(runner, actions, model, args, env, x, y)
+            else:
+                status = train(args, env, pos, runner, actions, data)
+        except PipelineError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            exit_now(1)                       # the process group is broken: do not wait on it again
+    exit_now(status)
+
+
+def train(args, env, pos, runner, actions, data):
+    params = [p for chunk in runner.chunks for p in chunk.parameters()]
+    optimizer = make_optimizer(params, args)
+    log = MetricsLog(args.log, enabled=pos.is_last_stage)   # the last stage owns the loss
+    log.config(PROGRAM, args, env)
+    progress = Progress(args.steps, enabled=pos.is_last_stage)
+    for step in range(args.steps):
+        x, y = (t.to(env.device) for t in data.batch(step, args.batch_size))
+        if args.timeline and step == args.steps - 1:
+            dist.barrier()                    # one clock for the timeline: everyone starts together
+            runner.events, runner.origin = [], time.perf_counter()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(runner, actions, x, y, args.microbatches)
+        optimizer.step()
+        step_time = time.perf_counter() - start
+        if runner.events is not None:
+            write_timeline(gather_timeline(runner, pos, args), args.timeline, pos.is_last_stage)
+            runner.events = None
+        if pos.is_last_stage:
+            check_finite(loss, step)
+            log.write("train", step=step, loss=loss, step_time_s=step_time, samples_per_s=args.batch_size / step_time)
+            progress.update(step, loss, step_time, args.batch_size)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            result = evaluate(runner, pos, data, env.device)
+            if pos.is_last_stage:
+                log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
+                print(f"step {step + 1}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
+    log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
+              peak_memory_mb=gather_peak_memory(env), schedule=args.schedule, microbatches=args.microbatches)
+    log.close()
+    return 0
+
+
+def write_timeline(trace, path, enabled):
+    if enabled:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(trace, f)
+        other = trace["otherData"]
+        print(f"wrote {path}: bubble measured {other['bubble_measured']:.1%}, theory {other['bubble_theory']:.1%}")
+
+
+if __name__ == "__main__":
+    main()
