@@ -306,9 +306,9 @@ class Messenger:
                 work.wait()
             except RuntimeError as e:
                 what = "activation" if msg[0] == "act" else "gradient"
-                raise PipelineError(f"stage {self.pos.pp_rank} waited up to {self.timeout_s:g} s to {kind} the "
-                                    f"{what} of microbatch {msg[1]} {'from' if kind == 'recv' else 'to'} "
-                                    f"rank {peer}: {str(e).splitlines()[0][:160]}") from None
+                raise PipelineError(f"stage {self.pos.pp_rank} waited for the {what} of microbatch {msg[1]} "
+                                    f"{'from' if kind == 'recv' else 'to'} rank {peer} and gave up (timeout "
+                                    f"{self.timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
         record("wait", "wait " + " ".join(f"{k} {m[0]} mb{m[1]}" for k, _, m in parts), None, start)
         return inbox
 
@@ -349,7 +349,7 @@ class StageRunner:
                 if vstage == last:
                     y = head(mb, y)
                 else:
-                    outbox[("act", mb, vstage + 1)] = y.detach()
+                    outbox[("act", mb, vstage + 1)] = y.detach().contiguous()   # gloo sends flat memory
                 if y is not None and y.requires_grad:
                     saved[(mb, chunk)] = (x, y)   # kept for the backward, dropped right after it
             else:
@@ -357,7 +357,7 @@ class StageRunner:
                 grad = None if vstage == last else inbox.pop(("grad", mb, vstage))
                 torch.autograd.backward(y, grad)
                 if vstage > 0:
-                    outbox[("grad", mb, vstage - 1)] = x.grad
+                    outbox[("grad", mb, vstage - 1)] = x.grad.contiguous()
             self.record("forward" if kind == "F" else "backward", f"{kind}{mb}", mb, start, chunk)
         assert not saved and not outbox and not inbox, "the schedule left work behind"
 

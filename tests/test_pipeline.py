@@ -1,0 +1,70 @@
+"""pipeline_microbatch.py under torchrun on gloo: the baseline's losses, --check, bad input, memory."""
+import json
+
+import pytest
+
+from helpers import FAST, assert_same_losses, launch
+
+MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
+
+
+@pytest.mark.parametrize("schedule,stages,microbatches", [
+    ("gpipe", 4, 4), ("gpipe", 3, 1), ("1f1b", 4, 2), ("1f1b", 4, 6), ("interleaved", 2, 4)])
+def test_per_step_loss_equals_the_baseline(tmp_path, baseline, schedule, stages, microbatches):
+    args = MLP + ["--steps", "20"]
+    run = launch("pipeline_microbatch.py", args + ["--schedule", schedule, "--microbatches", str(microbatches)],
+                 tmp_path, nproc=stages)
+    assert_same_losses(run, baseline(args))
+
+
+@pytest.mark.parametrize("model,extra", [("cnn", []), ("vit", ["--hidden", "16", "--layers", "2", "--heads", "2"])])
+def test_cnn_and_vit_with_eval_match_the_baseline(tmp_path, baseline, model, extra):
+    args = ["--data", "synthetic", "--model", model, "--steps", "12", "--batch-size", "16", "--eval-every", "6"] + extra
+    run = launch("pipeline_microbatch.py", args + ["--microbatches", "4"], tmp_path, nproc=4)
+    base = baseline(args)
+    assert_same_losses(run, base)
+    for got, want in zip(run.events("eval"), base.events("eval"), strict=True):
+        assert got["step"] == want["step"] and abs(got["test_loss"] - want["test_loss"]) < 1e-4
+        assert got["test_acc"] == want["test_acc"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_check_compares_every_tensor_with_the_full_model(tmp_path, schedule):
+    run = launch("pipeline_microbatch.py", MLP + ["--check", "--schedule", schedule, "--microbatches", "4"],
+                 tmp_path, nproc=2)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("tensors match the full model") == 2
+
+
+def test_timeline_is_a_chrome_trace_with_the_bubble(tmp_path):
+    trace_path = tmp_path / "trace.json"
+    run = launch("pipeline_microbatch.py", MLP + ["--steps", "2", "--microbatches", "4", "--schedule", "gpipe",
+                                                  "--timeline", str(trace_path)], tmp_path, nproc=3)
+    assert run.returncode == 0, run.stderr[-2000:]
+    trace = json.loads(trace_path.read_text())
+    compute = [e for e in trace["traceEvents"] if e["cat"] in ("forward", "backward")]
+    assert len(compute) == 3 * 2 * 4 and {e["pid"] for e in compute} == {0, 1, 2}
+    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in trace["traceEvents"])
+    other = trace["otherData"]
+    assert other["bubble_theory"] == pytest.approx(2 / 6) and 0 < other["bubble_measured"] < 1
+
+
+def test_a_thousand_microbatches_on_four_stages(tmp_path):
+    args = FAST + ["--model", "mlp", "--hidden", "16", "--batch-size", "1000", "--steps", "2"]
+    run = launch("pipeline_microbatch.py", args + ["--microbatches", "1000", "--schedule", "1f1b"], tmp_path, nproc=4)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert len(run.losses()) == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--microbatches", "5"], "--batch-size 24 is not divisible by 1 replica(s) x --microbatches 5"),
+    (["--schedule", "interleaved", "--microbatches", "3"], "needs --microbatches a multiple of the 2 stages"),
+    (["--balance", "4,3"], "--balance 4,3 must give 2 positive block counts summing to the 8 blocks"),
+    (["--layers", "1"], "--layers 1: the mlp needs at least 2"),
+])
+def test_bad_input_fails_on_every_rank_before_any_collective(tmp_path, argv, message):
+    run = launch("pipeline_microbatch.py", MLP + argv, tmp_path, nproc=2)
+    assert run.returncode != 0
+    ours = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 2 and message in ours[0], run.stderr[-2000:]
+    assert "pipeline_microbatch.py\", line" not in run.stderr  # no traceback from our code

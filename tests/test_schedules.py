@@ -1,0 +1,96 @@
+"""The schedules are data: checked against literal tables and played for deadlocks, no processes."""
+import pytest
+
+from pipeline_microbatch import (PipelineRank, compute_order, dry_run, partition, schedule_actions)
+
+
+def table(schedule, p, m, v=1):
+    return [" ".join(f"{kind}{mb}" + (f".{chunk}" if v > 1 else "") for kind, mb, chunk in
+                     compute_order(schedule, p, m, rank, v)) for rank in range(p)]
+
+
+def test_gpipe_runs_all_forwards_then_all_backwards():
+    assert table("gpipe", 3, 3) == ["F0 F1 F2 B0 B1 B2"] * 3
+
+
+def test_1f1b_has_warm_up_steady_state_and_cool_down():
+    assert table("1f1b", 4, 4) == [
+        "F0 F1 F2 F3 B0 B1 B2 B3",
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
+
+
+def test_1f1b_with_fewer_microbatches_than_stages():
+    assert table("1f1b", 4, 2) == ["F0 F1 B0 B1", "F0 F1 B0 B1", "F0 F1 B0 B1", "F0 B0 F1 B1"]
+
+
+def test_interleaved_goes_p_microbatches_through_each_chunk():
+    assert table("interleaved", 2, 2, v=2) == [
+        "F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0",   # warm-up 2(p-1) + (v-1)p = 4: all forwards
+        "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 B0.0 B1.0",   # warm-up 2, then 1F1B on chunk 1 (the last stage)
+    ]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 1, 1),
+                                            ("interleaved", 4, 8, 2), ("interleaved", 3, 6, 3)])
+def test_every_microbatch_runs_forward_then_backward_once_per_chunk(schedule, p, m, v):
+    for rank in range(p):
+        order = compute_order(schedule, p, m, rank, v)
+        assert sorted(a for a in order if a[0] == "F") == [("F", i, c) for i in range(m) for c in range(v)]
+        assert all(order.index(("F", i, c)) < order.index(("B", i, c)) for i in range(m) for c in range(v))
+
+
+def in_flight(order):
+    """The most microbatches whose activations a rank holds at once."""
+    held = peak = 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def test_1f1b_holds_at_most_p_minus_rank_microbatches_gpipe_holds_all():
+    p, m = 4, 32
+    assert [in_flight(compute_order("1f1b", p, m, r)) for r in range(p)] == [4, 3, 2, 1]
+    assert [in_flight(compute_order("gpipe", p, m, r)) for r in range(p)] == [m] * p
+
+
+def every_rank(schedule, p, m, v=1, fused=True):
+    return [schedule_actions(schedule, PipelineRank(r, p, list(range(p)), v), m, fused) for r in range(p)]
+
+
+def test_every_send_has_its_receive():
+    actions = every_rank("interleaved", 4, 8, 2)
+    sends = {(r, peer, msg) for r, acts in enumerate(actions) for a in acts if a[0] == "comm"
+             for kind, peer, msg in a[1] if kind == "send"}
+    recvs = {(peer, r, msg) for r, acts in enumerate(actions) for a in acts if a[0] == "comm"
+             for kind, peer, msg in a[1] if kind == "recv"}
+    assert sends == recvs and len(sends) == 2 * (4 * 2 - 1) * 8
+
+
+CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b") for p in (2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 16)] + \
+        [("interleaved", p, k * p, v) for p in (2, 3, 4) for k in (1, 2, 3) for v in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_real_schedules_never_deadlock_even_with_blocking_sends(schedule, p, m, v):
+    assert dry_run(every_rank(schedule, p, m, v)) is None
+
+
+def test_the_textbook_order_deadlocks_and_the_dry_run_names_the_cycle():
+    """Send, then receive, one message at a time: stage 0 sends microbatch 1 forward while
+    stage 1 sends microbatch 0's gradient back; both sends wait for a receive that never comes."""
+    cycle = dry_run(every_rank("1f1b", 2, 2, fused=False))
+    assert cycle == ["rank 0 blocked in send act of microbatch 1 with rank 1",
+                     "rank 1 blocked in send grad of microbatch 0 with rank 0"]
+    for p, m in [(3, 4), (4, 8)]:
+        assert dry_run(every_rank("1f1b", p, m, fused=False)) is not None
+    assert dry_run(every_rank("interleaved", 4, 8, 2, fused=False)) is not None
+
+
+def test_partition_is_even_or_as_balanced():
+    assert partition(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert partition(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert partition(5, 4, "2,1,1,1") == [(0, 2), (2, 3), (3, 4), (4, 5)]
