@@ -232,6 +232,8 @@ def with_communication(units, pos, fused=True):
 
 def schedule_actions(schedule, pos, m, fused=True):
     units = compute_units(schedule, pos.pp_size, m, pos.pp_rank, pos.virtual)
+    if schedule != "interleaved":  # exchange between every two actions: F runs as soon as its input is in
+        units = [[action] for unit in units for action in unit]
     return with_communication(units, pos, fused)
 
 
@@ -291,23 +293,25 @@ class Messenger:
 
     def exchange(self, parts, outbox, mb_size, record):
         """Post every part of one communication action at once, then wait for all of them."""
-        works, inbox = [], {}
+        ops, inbox = [], {}
         for kind, peer, msg in parts:
             if kind == "send":
-                works.append((dist.isend(outbox.pop(msg), peer, group=self.group, tag=self.tag(msg)), kind, peer, msg))
+                tensor = outbox.pop(msg)          # held by its P2POp until the wait: gloo reads it until then
             else:
-                buf = torch.empty((mb_size, *self.shapes[msg[2] if msg[0] == "act" else msg[2] + 1]),
-                                  device=self.device)
-                inbox[msg] = buf
-                works.append((dist.irecv(buf, peer, group=self.group, tag=self.tag(msg)), kind, peer, msg))
+                tensor = inbox[msg] = torch.empty((mb_size, *self.shapes[msg[2] + (msg[0] == "grad")]),
+                                                  device=self.device)
+            ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, self.group,
+                                  self.tag(msg)))
+        # one batch: on nccl a send and a receive that cross must share one group call, or both block
+        works = dist.batch_isend_irecv(ops) if ops else []
         start = time.perf_counter()
-        for work, kind, peer, msg in works:
+        for work in works:
             try:
                 work.wait()
             except RuntimeError as e:
-                what = "activation" if msg[0] == "act" else "gradient"
-                raise PipelineError(f"stage {self.pos.pp_rank} waited for the {what} of microbatch {msg[1]} "
-                                    f"{'from' if kind == 'recv' else 'to'} rank {peer} and gave up (timeout "
+                wanted = ", ".join(f"{k} the {'activation' if m[0] == 'act' else 'gradient'} of microbatch "
+                                   f"{m[1]} {'from' if k == 'recv' else 'to'} rank {peer}" for k, peer, m in parts)
+                raise PipelineError(f"stage {self.pos.pp_rank} waited to {wanted} and gave up (timeout "
                                     f"{self.timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
         record("wait", "wait " + " ".join(f"{k} {m[0]} mb{m[1]}" for k, _, m in parts), None, start)
         return inbox
