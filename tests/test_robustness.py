@@ -1,0 +1,87 @@
+"""Faults and launches: a dead rank, a hung rank, two torchrun agents as two nodes on loopback."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from helpers import FAST, ROOT, launch, read_log
+
+PIPELINE = FAST + ["--model", "mlp", "--hidden", "32", "--batch-size", "16", "--microbatches", "4"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_node(node_rank, port, args, log, nnodes=2, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+           f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--",
+           os.path.join(ROOT, "pipeline_microbatch.py")] + args + ["--log", log]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_nodes_on_loopback_match_one_node(tmp_path):
+    args = PIPELINE + ["--steps", "4"]
+    single = launch("pipeline_microbatch.py", args, tmp_path, nproc=4)
+    assert single.returncode == 0, single.stderr[-2000:]
+    port, log = free_port(), str(tmp_path / "two_nodes.jsonl")
+    nodes = [torchrun_node(i, port, args, log) for i in range(2)]
+    for node in nodes:
+        _, err = node.communicate(timeout=180)
+        assert node.returncode == 0, err[-2000:]
+    assert [r["loss"] for r in read_log(log) if r["event"] == "train"] == single.losses()
+
+
+def ranks_of(marker):
+    """{RANK: pid} of the worker processes whose command line holds marker (read from /proc)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if marker in cmdline and "torch.distributed.run" not in cmdline and "RANK" in environ:
+            found[int(environ["RANK"])] = int(pid)
+    return found
+
+
+def start_and_wait_for_steps(tmp_path, extra, steps_seen=2):
+    log = str(tmp_path / "fault.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--",
+           os.path.join(ROOT, "pipeline_microbatch.py")] + PIPELINE + ["--steps", "100000", "--log", log] + extra
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while sum(r["event"] == "train" for r in read_log(log)) < steps_seen:
+        assert time.time() < deadline and proc.poll() is None, "the run did not start"
+        time.sleep(0.2)
+    return proc, log
+
+
+def test_a_dead_rank_takes_the_job_down_quickly(tmp_path):
+    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "60"])
+    os.kill(ranks_of(log)[1], signal.SIGKILL)
+    killed_at = time.time()
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert time.time() - killed_at < 30, "a dead peer must end the job within seconds, not at the timeout"
+    assert ranks_of(log) == {}, "no worker may be left behind"
+    read_log(log)  # what was written stays valid JSON lines
+
+
+def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp_path):
+    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "8"])
+    os.kill(ranks_of(log)[2], signal.SIGSTOP)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "waited" in err and "error:" in err, err[-3000:]
+    assert ranks_of(log) == {}
+    read_log(log)
