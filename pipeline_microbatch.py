@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import (MetricsLog, Progress, base_parser, build_model, check_finite, distributed, exit_now, fail,
+from common import (MetricsLog, Progress, base_parser, build_model, check_finite, distributed, dp_slice, exit_now, fail,
                     gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
                     validate_common)
 
@@ -116,6 +116,7 @@ class PipelineRank:
     pp_size: int
     ranks: list          # global rank of each stage of this pipeline
     virtual: int = 1     # model chunks per rank (interleaved)
+    group: object = None  # the process group of this pipeline's ranks (None: all ranks)
 
     @property
     def is_first_stage(self):
@@ -191,6 +192,33 @@ def compute_units(schedule, p, m, rank, v=1):
 
 def compute_order(schedule, p, m, rank, v=1):
     return [action for unit in compute_units(schedule, p, m, rank, v) for action in unit]
+
+
+def clock_table(schedule, p, m, v=1):
+    """The schedule drawn per clock tick (the tables in the module docstring): every F and B lasts
+    one tick and starts once its rank is free and its input is ready. Interleaved chunks are
+    letters (F0a: microbatch 0 through chunk a, a tick of 1/v of a stage's work); '.' is idle."""
+    orders, last = [compute_order(schedule, p, m, r, v) for r in range(p)], p * v - 1
+    done, rows = {}, [[] for _ in range(p)]              # done: (kind, mb, virtual stage) -> end tick
+    while len(done) < 2 * p * v * m:
+        before = len(done)
+        for r, row in enumerate(rows):
+            placed = len(row) - row.count(".")
+            if placed == len(orders[r]):
+                continue
+            kind, mb, chunk = orders[r][placed]
+            vs = chunk * p + r
+            if kind == "F":
+                need = ("F", mb, vs - 1) if vs > 0 else None
+            else:
+                need = ("B", mb, vs + 1) if vs < last else ("F", mb, vs)
+            if need is None or need in done:
+                start = max(len(row), done.get(need, 0))
+                row += ["."] * (start - len(row)) + [f"{kind}{mb}" + ("abcdefgh"[chunk] if v > 1 else "")]
+                done[(kind, mb, vs)] = start + 1
+        assert len(done) > before, "the compute orders wait on each other"
+    width = max(len(cell) for row in rows for cell in row)
+    return [f"stage {r}: " + " ".join(cell.ljust(width) for cell in row).rstrip() for r, row in enumerate(rows)]
 
 
 def messages(action, pos):
@@ -284,8 +312,8 @@ class Messenger:
     """isend/irecv with a tag per message, so no message can be matched to the wrong receive,
     and a timeout on every wait that names what was awaited."""
 
-    def __init__(self, pos, shapes, device, timeout_s, group=None):
-        self.pos, self.shapes, self.device, self.timeout_s, self.group = pos, shapes, device, timeout_s, group
+    def __init__(self, pos, shapes, device, timeout_s):
+        self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
 
     def tag(self, msg):
         what, mb, vstage = msg
@@ -300,7 +328,7 @@ class Messenger:
             else:
                 tensor = inbox[msg] = torch.empty((mb_size, *self.shapes[msg[2] + (msg[0] == "grad")]),
                                                   device=self.device)
-            ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, self.group,
+            ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, None,
                                   self.tag(msg)))
         # one batch: on nccl a send and a receive that cross must share one group call, or both block
         works = dist.batch_isend_irecv(ops) if ops else []
@@ -409,13 +437,13 @@ def bubble_theory(p, m, v=1):
     return (p - 1) / (v * m + p - 1)
 
 
-def gather_timeline(runner, pos, args, group=None):
+def gather_timeline(runner, pos, args):
     """Every rank's events of one step, on one clock: each rank counts from its own time after a
     barrier (skew well under a millisecond on one machine), then all are gathered."""
     origin = runner.origin
     mine = [(cat, name, mb, ch, (t0 - origin) * 1e6, (t1 - t0) * 1e6) for cat, name, mb, ch, t0, t1 in runner.events]
     every = [None] * pos.pp_size
-    dist.all_gather_object(every, (pos.pp_rank, mine), group=group)
+    dist.all_gather_object(every, (pos.pp_rank, mine), group=pos.group)
     events = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": r, "tid": 0,
                "args": {"microbatch": mb, "chunk": ch}} for r, evs in every for cat, name, mb, ch, ts, dur in evs]
     compute = [e for e in events if e["cat"] != "wait"]
@@ -427,15 +455,17 @@ def gather_timeline(runner, pos, args, group=None):
         "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual)}}
 
 
-def run_check(runner, actions, model, args, x, y):
+def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=None):
     """One step on the first batch against the full model in this process: the output and loss
-    (last stage), every local gradient, and the weights after one optimizer step. Returns
-    (tensors compared, largest difference); raises AssertionError naming the first mismatch."""
+    (last stage), every local gradient, and the weights after one optimizer step. With data
+    parallelism, replica = (dp_rank, dp) runs this replica's slice and sync_grads averages the
+    gradients over replicas before they are compared. Returns (tensors compared, largest
+    difference); raises AssertionError naming the first mismatch."""
     reference = copy.deepcopy(model)                      # same weights, before our step
     ref_logits = reference(x)
-    ref_loss = F.cross_entropy(ref_logits, y)
-    ref_loss.backward()
+    F.cross_entropy(ref_logits, y).backward()
     make_optimizer(reference.parameters(), args).step()
+    x, y, ref_logits = (dp_slice(t, *replica) for t in (x, y, ref_logits.detach()))
     m, outputs, y_mb = args.microbatches, {}, y.chunk(args.microbatches)
 
     def head(mb, logits):
@@ -445,11 +475,14 @@ def run_check(runner, actions, model, args, x, y):
     runner.run(actions, x.chunk(m) if runner.pos.is_first_stage else None, head, x.shape[0] // m)
     ours = {id(p) for chunk in runner.chunks for p in chunk.parameters()}
     local = [(name, p) for name, p in model.named_parameters() if id(p) in ours]
+    if sync_grads:
+        sync_grads([p for _, p in local])
     ref = dict(reference.named_parameters())
     pairs = [(f"gradient of {n}", p.grad, ref[n].grad) for n, p in local]
     if outputs:
         logits = torch.cat([outputs[i] for i in range(m)])
-        pairs += [("output", logits, ref_logits.detach()), ("loss", F.cross_entropy(logits, y), ref_loss.detach())]
+        pairs += [("output", logits, ref_logits),
+                  ("loss", F.cross_entropy(logits, y), F.cross_entropy(ref_logits, y))]
     make_optimizer([p for _, p in local], args).step()
     pairs += [(f"weight of {n} after one step", p.detach(), ref[n].detach()) for n, p in local]
     for name, got, want in pairs:
@@ -457,10 +490,10 @@ def run_check(runner, actions, model, args, x, y):
     return len(pairs), max((got - want).abs().max().item() for _, got, want in pairs)
 
 
-def check_and_exit(runner, actions, model, args, env, x, y):
+def check_and_exit(env, *check_args, **check_kwargs):
     """--check on every rank; all ranks agree on the exit status (0 match, 1 mismatch)."""
     try:
-        count, worst = run_check(runner, actions, model, args, x, y)
+        count, worst = run_check(*check_args, **check_kwargs)
         print(f"check rank {env.rank}: {count} tensors match the full model (output/loss on the last "
               f"stage, local gradients, weights after one step); largest difference {worst:.2e}", flush=True)
         ok = 1
@@ -475,13 +508,13 @@ def check_and_exit(runner, actions, model, args, env, x, y):
 # ----------------------------------------------------------------------------- training
 
 
-def setup_stage(args, env, pos, group=None):
+def setup_stage(args, env, pos):
     """Build the full model from --seed, keep this rank's chunks; returns (model, runner)."""
     model = build_model(args)
     shapes = boundary_shapes(model, pos, args.balance)
     model.to(env.device)
     chunks = build_chunks(model, pos, args.balance)
-    return model, StageRunner(chunks, pos, Messenger(pos, shapes, env.device, args.timeout_s, group))
+    return model, StageRunner(chunks, pos, Messenger(pos, shapes, env.device, args.timeout_s))
 
 
 def main(argv=None):
@@ -495,7 +528,7 @@ def main(argv=None):
         try:
             if args.check:
                 x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-                status = check_and_exit(runner, actions, model, args, env, x, y)
+                status = check_and_exit(env, runner, actions, model, args, x, y)
             else:
                 status = train(args, env, pos, runner, actions, data)
         except PipelineError as e:
@@ -504,32 +537,51 @@ def main(argv=None):
     exit_now(status)
 
 
-def train(args, env, pos, runner, actions, data):
+class OneReplica:
+    """Data parallelism's hooks, for a single pipeline: the whole batch, nothing to average.
+    pipeline_dp_joint.py passes its own, with D replicas and a process group."""
+    dp_rank, dp_size, group = 0, 1, None
+
+    def slice(self, tensor):
+        return tensor
+
+    def sync_grads(self, params):
+        pass
+
+    def average(self, loss):
+        return loss
+
+
+def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=PROGRAM):
     params = [p for chunk in runner.chunks for p in chunk.parameters()]
     optimizer = make_optimizer(params, args)
-    log = MetricsLog(args.log, enabled=pos.is_last_stage)   # the last stage owns the loss
-    log.config(PROGRAM, args, env)
-    progress = Progress(args.steps, enabled=pos.is_last_stage)
+    owner = pos.is_last_stage and replicas.dp_rank == 0     # the rank that owns the loss
+    log = MetricsLog(args.log, enabled=owner)
+    log.config(program, args, env)
+    progress = Progress(args.steps, enabled=owner)
     for step in range(args.steps):
-        x, y = (t.to(env.device) for t in data.batch(step, args.batch_size))
+        x, y = (replicas.slice(t).to(env.device) for t in data.batch(step, args.batch_size))
         if args.timeline and step == args.steps - 1:
             dist.barrier()                    # one clock for the timeline: everyone starts together
             runner.events, runner.origin = [], time.perf_counter()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = train_step(runner, actions, x, y, args.microbatches)
+        replicas.sync_grads(params)           # after the last backward, before the update
         optimizer.step()
         step_time = time.perf_counter() - start
         if runner.events is not None:
-            write_timeline(gather_timeline(runner, pos, args), args.timeline, pos.is_last_stage)
+            write_timeline(gather_timeline(runner, pos, args), args.timeline, owner)
             runner.events = None
         if pos.is_last_stage:
+            loss = replicas.average(loss)
+        if owner:
             check_finite(loss, step)
             log.write("train", step=step, loss=loss, step_time_s=step_time, samples_per_s=args.batch_size / step_time)
             progress.update(step, loss, step_time, args.batch_size)
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            result = evaluate(runner, pos, data, env.device)
-            if pos.is_last_stage:
+        if args.eval_every and replicas.dp_rank == 0 and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            result = evaluate(runner, pos, data, env.device)    # replica 0 only: weights are identical
+            if owner:
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step + 1}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
