@@ -9,30 +9,46 @@ optimizer step: the same update as one process on the whole batch.
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
 
-Schedules, 4 stages x 4 microbatches, one compute action per clock tick (F3: forward of
-microbatch 3, B3: its backward, .: idle, the bubble):
+Schedules, 4 stages x 4 microbatches, per clock tick (F3: forward of microbatch 3, B3: its
+backward, . idle: the bubble; drawn by clock_table() with B as long as F):
 
-    gpipe (all forward, then all backward)       1f1b (warm-up, steady 1F1B, cool-down)
-    stage 0: F0 F1 F2 F3 .  .  .  B0 B1 B2 B3    stage 0: F0 F1 F2 F3 .  .  .  B0 B1 B2 B3
-    stage 1: .  F0 F1 F2 F3 .  B0 B1 B2 B3 .     stage 1: .  F0 F1 F2 .  .  B0 F3 B1 B2 B3
-    stage 2: .  .  F0 F1 F2 F3 B0 B1 B2 B3 .     stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 B3
-    stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3    stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3
+    gpipe: all forwards, then all backwards
+    stage 0: F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3
+    stage 1: .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3
+    stage 2: .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3
+    stage 3: .  .  .  F0 F1 F2 F3 B0 B1 B2 B3
 
-(drawn with B as long as F; stage 3 is the last, so its F and B alternate in both). Both have the
-same bubble, (p-1)/(m+p-1) of the time; 1F1B holds at most p - r microbatches' activations on
-stage r instead of all m, so memory no longer grows with m. Interleaved 1F1B (Narayanan et al.)
-gives each rank V chunks of the model (virtual stages r, r+p, r+2p, ...), which shrinks the bubble
-to (p-1)/(V*m+p-1) at the cost of V times more messages.
+    1f1b: stage r runs p-r-1 forwards (warm-up), then alternates one forward, one backward
+    stage 0: F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3
+    stage 1: .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
+    stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3
+    stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3
 
-The gloo deadlock, and why these schedules cannot have it. gloo's send does not complete until
-the peer posts the matching receive. Under 1F1B, stage 1 finishes F1 and sends its activation
-forward while stage 2, the last stage, finishes B0 and sends its gradient back: if each waits for
-its own send first, stage 1 never reaches "receive the gradient of 0" and stage 2 never reaches
-"receive the activation of 1": both block for ever. Here every rank posts the send of what it
-just computed together with the receive its next action needs, as one batch of isend/irecv
-(send_forward_recv_backward and friends), and only then waits. Both halves of the crossing are
-posted at once, so they match. `dry_run` plays every rank's action list with blocking sends and
-reports the first cycle of ranks waiting on each other; the tests run it for many (p, m, v).
+    interleaved, V=2 chunks per rank (a: blocks of virtual stage r, b: of r+p; a tick is half a stage)
+    stage 0: F0a F1a F2a F3a F0b F1b F2b F3b .   .   .   B0b .   B1b .   B2b .   B3b B0a B1a B2a B3a
+    stage 1: .   F0a F1a F2a F3a F0b F1b F2b F3b .   B0b .   B1b .   B2b .   B3b B0a B1a B2a B3a
+    stage 2: .   .   F0a F1a F2a F3a F0b F1b F2b B0b F3b B1b .   B2b .   B3b B0a B1a B2a B3a
+    stage 3: .   .   .   F0a F1a F2a F3a F0b B0b F1b B1b F2b B2b F3b B3b B0a B1a B2a B3a
+
+GPipe and 1F1B take the same 2(m+p-1) ticks, a bubble of (p-1)/(m+p-1); but 1F1B holds at most
+p - r microbatches' activations on stage r instead of all m, so its memory does not grow with m.
+Interleaved 1F1B (Narayanan et al. 2021) gives each rank V chunks of the model (virtual stages r,
+r+p, r+2p, ...): 2(Vm+p-1) ticks of 1/V stage each, a bubble of (p-1)/(Vm+p-1), for V times the
+messages.
+
+The gloo deadlock, and why these schedules cannot have it. A gloo send does not complete until the
+peer posts the matching receive. In the 1F1B steady state of 3 stages x 4 microbatches,
+stage 1 finishes F2 and sends microbatch 2 forward while stage 2, the last, finishes B1
+and sends microbatch 1's gradient back. If each waits for its own send before posting its next
+receive, stage 1 never posts "receive the gradient of 1" and stage 2 never posts "receive the
+activation of 2": both block for ever. Here a rank never waits on a send alone: between two
+actions it posts the send of what it just computed together with the receive its next action
+needs, as one batch (send_forward_recv_backward, send_backward_recv_forward, and for interleaved
+the four-way send_forward_backward_recv_forward_backward after each F+B pair), and only then
+waits. Two neighbours that cross have each posted both halves, so both exchanges match. This is
+checked, not hoped for: dry_run() plays every rank's action list with blocking sends and names the
+first cycle of ranks waiting on each other; the tests run it for many (p, m, v), and show that the
+one-message-at-a-time order does deadlock.
 """
 import copy
 import json
