@@ -37,11 +37,11 @@ r+p, r+2p, ...): 2(Vm+p-1) ticks of 1/V stage each, a bubble of (p-1)/(Vm+p-1), 
 messages.
 
 The gloo deadlock, and why these schedules cannot have it. A gloo send does not complete until the
-peer posts the matching receive. In the 1F1B steady state of 3 stages x 4 microbatches,
-stage 1 finishes F2 and sends microbatch 2 forward while stage 2, the last, finishes B1
-and sends microbatch 1's gradient back. If each waits for its own send before posting its next
-receive, stage 1 never posts "receive the gradient of 1" and stage 2 never posts "receive the
-activation of 2": both block for ever. Here a rank never waits on a send alone: between two
+peer posts the matching receive. In the 1F1B steady state (2 stages, counting from 0), stage 0
+finishes F1 and sends microbatch 1 forward while stage 1, the last, finishes B0 and sends
+microbatch 0's gradient back. If each waits for its own send before posting its next
+receive, stage 0 never posts "receive the gradient of 0" and stage 1 never posts "receive the
+activation of 1": both block for ever. Here a rank never waits on a send alone: between two
 actions it posts the send of what it just computed together with the receive its next action
 needs, as one batch (send_forward_recv_backward, send_backward_recv_forward, and for interleaved
 the four-way send_forward_backward_recv_forward_backward after each F+B pair), and only then

@@ -1,6 +1,7 @@
 """The schedules are data: checked against literal tables and played for deadlocks, no processes."""
 import pytest
 
+import pipeline_microbatch as pm
 from pipeline_microbatch import (PipelineRank, compute_order, dry_run, partition, schedule_actions)
 
 
@@ -94,3 +95,42 @@ def test_partition_is_even_or_as_balanced():
     assert partition(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert partition(5, 3) == [(0, 2), (2, 4), (4, 5)]
     assert partition(5, 4, "2,1,1,1") == [(0, 2), (2, 3), (3, 4), (4, 5)]
+
+
+def test_clock_tables_draw_the_bubble_of_the_formula():
+    assert pm.clock_table("1f1b", 4, 4) == [
+        "stage 0: F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3",
+        "stage 1: .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3",
+        "stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3",
+        "stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
+    for schedule, p, m, v in [("gpipe", 4, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 3, 8, 1), ("1f1b", 4, 2, 1),
+                              ("interleaved", 4, 4, 2), ("interleaved", 2, 6, 3)]:
+        rows = [row.split(": ")[1].split() for row in pm.clock_table(schedule, p, m, v)]
+        ticks = max(len(row) for row in rows)
+        assert ticks == 2 * (v * m + p - 1), (schedule, p, m, v)
+        idle = 1 - sum(len(row) - row.count(".") for row in rows) / (p * ticks)
+        assert idle == pytest.approx(pm.bubble_theory(p, m, v))
+
+
+def test_the_module_docstring_shows_the_tables_the_code_runs():
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
+        table = "\n".join("    " + row for row in pm.clock_table(schedule, 4, 4, v))
+        assert table in pm.__doc__, schedule
+
+
+def test_a_forward_never_waits_for_a_gradient_in_gpipe_and_1f1b():
+    """The exchange before F receives only its activation (it used to wait for the next B's gradient too)."""
+    for schedule in ("gpipe", "1f1b"):
+        for actions in every_rank(schedule, 4, 8):
+            for before, action in zip(actions, actions[1:]):
+                if action[0] == "F" and before[0] == "comm":
+                    assert all(msg[0] == "act" for kind, _, msg in before[1] if kind == "recv"), (schedule, before)
+
+
+def test_the_issue_example_deadlocks_one_message_at_a_time():
+    """Counted from 1: stage 2 sends microbatch 2 forward while stage 3 sends microbatch 1's gradient back."""
+    assert dry_run(every_rank("1f1b", 3, 4, fused=False)) == [
+        "rank 1 blocked in send act of microbatch 1 with rank 2",
+        "rank 2 blocked in send grad of microbatch 0 with rank 1"]
+    assert dry_run(every_rank("1f1b", 3, 4)) is None
