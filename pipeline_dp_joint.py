@@ -1,0 +1,148 @@
+"""Data + pipeline parallelism: D pipelines of P stages on a 2-D grid of ranks, trained as one model.
+
+The lesson: a pipeline is a row of the grid, the ranks that hold the same stage are a column.
+Each pipeline takes its own contiguous slice of every global batch and runs a schedule of
+pipeline_microbatch.py on it (imported, not copied); after its last backward, each stage averages
+its gradients with the same stage of the other pipelines (one flattened all-reduce in its column's
+process group), then every rank steps its optimizer. The default is the assignment's: 2 pipelines
+x 3 stages, each stage working through 3 sequential microbatches.
+
+    torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic
+    torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic --check
+
+The grid for 6 ranks: grid = arange(world).view(dp, pp), so rank = dp_rank * pp + pp_rank.
+
+                  stage 0   stage 1   stage 2
+    pipeline 0:   rank 0 -> rank 1 -> rank 2      a row: point-to-point, every microbatch
+    pipeline 1:   rank 3 -> rank 4 -> rank 5
+                    |         |         |
+                 dp group  dp group  dp group     a column: one gradient all-reduce per step
+
+A pipeline's ranks are consecutive, so torchrun puts a whole pipeline on one node when
+--nproc-per-node is a multiple of the stage count: the chatty point-to-point traffic (activations
+and gradients of every microbatch) stays inside the machine, and only the once-per-step gradient
+all-reduce crosses nodes. Adding tensor parallelism makes a third, innermost axis
+(arange(world).view(dp, pp, tp)): the tp ranks of one stage exchange activations inside every
+layer, so they belong on the fastest links of all.
+"""
+import torch
+import torch.distributed as dist
+
+from common import base_parser, distributed, dp_slice, exit_now, fail, load_data, torchrun_env, validate_common
+from pipeline_microbatch import (PipelineError, PipelineRank, add_pipeline_flags, check_and_exit,
+                                 schedule_actions, setup_stage, train, validate_pipeline)
+
+PROGRAM = "pipeline_dp_joint"
+
+
+def parse_args(argv=None):
+    p = add_pipeline_flags(base_parser(__doc__))
+    p.add_argument("--dp", type=int, default=2, help="data-parallel pipelines; stages = world size / dp")
+    p.add_argument("--timeline", default=None, help="replica 0's measured schedule of the last step")
+    p.set_defaults(microbatches=3, batch_size=72)   # 72 = 2 pipelines x 3 microbatches x 12 samples
+    args = p.parse_args(argv)
+    validate_common(args, PROGRAM)
+    world = torchrun_env("gloo").world_size
+    if args.dp <= 0 or world % args.dp:
+        fail(f"the world size {world} is not divisible by --dp {args.dp}: launch dp x stages processes "
+             f"(e.g. --nproc-per-node {args.dp * 3} for {args.dp} pipelines of 3 stages)")
+    validate_pipeline(args, stages=world // args.dp, replicas=args.dp)
+    return args
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+class Grid:
+    """Who am I on the dp x pp grid, and the process groups of my row and my column."""
+
+    def __init__(self, rank, world, dp):
+        self.ranks = torch.arange(world).view(dp, world // dp)   # print it: rows are pipelines
+        self.dp_size, self.pp_size = self.ranks.shape
+        self.dp_rank, self.pp_rank = divmod(rank, self.pp_size)
+        # new_group is itself a collective over all ranks: every rank creates every group, in the
+        # same order, even the groups it is not in; otherwise the creations pair up wrongly and hang
+        columns = [dist.new_group(self.ranks[:, s].tolist()) for s in range(self.pp_size)]
+        rows = [dist.new_group(self.ranks[d].tolist()) for d in range(self.dp_size)]
+        self.dp_group, self.pp_group = columns[self.pp_rank], rows[self.dp_rank]
+
+    def pipeline(self, virtual):
+        """My place in my row's pipeline, its peers addressed by global rank."""
+        return PipelineRank(self.pp_rank, self.pp_size, self.ranks[self.dp_rank].tolist(), virtual, self.pp_group)
+
+
+class DataParallelReplicas:
+    """The hooks pipeline_microbatch.train() calls: slice the batch, average gradients and loss."""
+
+    def __init__(self, grid):
+        self.dp_rank, self.dp_size, self.group = grid.dp_rank, grid.dp_size, grid.dp_group
+
+    def slice(self, tensor):
+        return dp_slice(tensor, self.dp_rank, self.dp_size)     # contiguous: the slices tile the batch
+
+    def sync_grads(self, params):
+        """One all-reduce of all gradients flattened into one buffer, then divided by D: on gloo
+        this measured about 4x faster than one all-reduce per parameter for the cnn (2.0 against
+        8.0 ms for 6 tensors, 2 ranks), since each collective pays a fixed round-trip cost."""
+        if self.dp_size == 1:
+            return
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.dp_size
+        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(new.view_as(g))
+
+    def average(self, loss):
+        """The batch mean: each last stage holds its slice's mean loss; average over the column."""
+        t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return t.item() / self.dp_size
+
+
+def replicas_identical(params, grid):
+    """Are this stage's parameters bit-identical on every replica? (They must be: same start, same
+    averaged gradients, same update.) Every rank learns the answer for the whole grid."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    every = [torch.empty_like(flat) for _ in range(grid.dp_size)]
+    dist.all_gather(every, flat, group=grid.dp_group)
+    same = torch.tensor([int(all(torch.equal(flat, other) for other in every))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data = load_data(args)
+    with distributed(args) as env:
+        grid = Grid(env.rank, env.world_size, args.dp)
+        if env.rank == 0:
+            print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)
+        pos = grid.pipeline(args.virtual_stages if args.schedule == "interleaved" else 1)
+        model, runner = setup_stage(args, env, pos)
+        actions = schedule_actions(args.schedule, pos, args.microbatches)
+        replicas = DataParallelReplicas(grid)
+        try:
+            if args.check:
+                x, y = data.batch(0, args.batch_size)
+                status = check_and_exit(env, runner, actions, model, args, x.to(env.device), y.to(env.device),
+                                        replica=(grid.dp_rank, grid.dp_size), sync_grads=replicas.sync_grads)
+            else:
+                status = train(args, env, pos, runner, actions, data, replicas, PROGRAM)
+                params = [p for chunk in runner.chunks for p in chunk.parameters()]
+                same = replicas_identical(params, grid)
+                if env.rank == 0:
+                    print(f"parameters bit-identical across the {grid.dp_size} replicas of every stage: "
+                          f"{'yes' if same else 'NO'}", flush=True)
+                status = status or (0 if same else 1)
+        except PipelineError as e:
+            print(f"error: {e}", flush=True)
+            exit_now(1)
+    exit_now(status)
+
+
+if __name__ == "__main__":
+    main()

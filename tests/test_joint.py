@@ -1,0 +1,39 @@
+"""pipeline_dp_joint.py: D pipelines x P stages reproduce the baseline; replicas stay identical."""
+import pytest
+
+from helpers import FAST, assert_same_losses, launch
+
+MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "6", "--batch-size", "24", "--steps", "20"]
+
+
+@pytest.mark.parametrize("dp,stages,microbatches,schedule", [
+    (2, 3, 3, "1f1b"), (3, 2, 2, "gpipe"), (2, 2, 4, "1f1b"), (2, 2, 2, "interleaved")])
+def test_per_step_loss_equals_the_baseline_and_replicas_stay_identical(tmp_path, baseline, dp, stages,
+                                                                       microbatches, schedule):
+    run = launch("pipeline_dp_joint.py", MLP + ["--dp", str(dp), "--microbatches", str(microbatches),
+                                                "--schedule", schedule], tmp_path, nproc=dp * stages)
+    assert_same_losses(run, baseline(MLP))
+    assert "parameters bit-identical across the %d replicas of every stage: yes" % dp in run.stdout
+
+
+def test_the_default_grid_is_two_pipelines_of_three_stages_with_three_microbatches(tmp_path, baseline):
+    args = ["--data", "synthetic", "--steps", "6", "--eval-every", "3"]
+    run = launch("pipeline_dp_joint.py", args, tmp_path, nproc=6)
+    assert "tensor([[0, 1, 2],\n        [3, 4, 5]])" in run.stdout
+    config, = run.events("config")
+    assert (config["args"]["dp"], config["args"]["microbatches"], config["world_size"]) == (2, 3, 6)
+    base = baseline(args + ["--batch-size", str(config["args"]["batch_size"])])
+    assert_same_losses(run, base)
+    assert [e["test_acc"] for e in run.events("eval")] == [e["test_acc"] for e in base.events("eval")]
+
+
+def test_check_passes_on_every_rank(tmp_path):
+    run = launch("pipeline_dp_joint.py", MLP + ["--check", "--dp", "2", "--microbatches", "2"], tmp_path, nproc=4)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("tensors match the full model") == 4
+
+
+def test_a_world_size_that_does_not_fit_the_grid(tmp_path):
+    run = launch("pipeline_dp_joint.py", MLP + ["--dp", "3"], tmp_path, nproc=4)
+    ours = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 4 and "the world size 4 is not divisible by --dp 3" in ours[0], run.stderr[-2000:]
