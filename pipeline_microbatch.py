@@ -410,9 +410,10 @@ class StageRunner:
         assert not saved and not outbox and not inbox, "the schedule left work behind"
 
 
-def train_step(runner, actions, x, y, m):
+def train_step(runner, actions, x, y, m, samples=None):
     """One global batch (or this replica's slice of it) through the pipeline; the accumulated
-    gradients are the batch-mean gradient. Returns the batch-mean loss on the last stage, else None."""
+    gradients are the batch-mean gradient. x: inputs (first stage), y: labels (last stage), samples:
+    the batch size, which every stage must know. Returns the batch-mean loss on the last stage, else None."""
     losses = []
 
     def head(mb, logits):
@@ -420,9 +421,10 @@ def train_step(runner, actions, x, y, m):
         losses.append(loss.detach())
         return loss
 
-    x_mb = x.chunk(m) if runner.pos.is_first_stage else None
-    y_mb = y.chunk(m) if runner.pos.is_last_stage else None
-    runner.run(actions, x_mb, head, x.shape[0] // m)
+    x_mb = x.chunk(m) if runner.pos.is_first_stage else None     # only the first stage reads inputs,
+    y_mb = y.chunk(m) if runner.pos.is_last_stage else None      # only the last stage reads labels
+    samples = samples or len(x if x is not None else y)
+    runner.run(actions, x_mb, head, samples // m)
     return torch.stack(losses).sum().item() if losses else None
 
 
@@ -576,13 +578,13 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     log.config(program, args, env)
     progress = Progress(args.steps, enabled=owner)
     for step in range(args.steps):
-        x, y = (replicas.slice(t).to(env.device) for t in data.batch(step, args.batch_size))
+        x, y = next_batch(data, step, args, pos, replicas, env.device)
         if args.timeline and step == args.steps - 1:
             dist.barrier()                    # one clock for the timeline: everyone starts together
             runner.events, runner.origin = [], time.perf_counter()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = train_step(runner, actions, x, y, args.microbatches)
+        loss = train_step(runner, actions, x, y, args.microbatches, args.batch_size // replicas.dp_size)
         replicas.sync_grads(params)           # after the last backward, before the update
         optimizer.step()
         step_time = time.perf_counter() - start
@@ -604,6 +606,14 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
               peak_memory_mb=gather_peak_memory(env), schedule=args.schedule, microbatches=args.microbatches)
     log.close()
     return 0
+
+
+def next_batch(data, step, args, pos, replicas, device):
+    """(inputs, labels) of this step, each only where it is read: the middle stages load nothing."""
+    if not (pos.is_first_stage or pos.is_last_stage):
+        return None, None
+    x, y = (replicas.slice(t) for t in data.batch(step, args.batch_size))
+    return (x.to(device) if pos.is_first_stage else None), (y.to(device) if pos.is_last_stage else None)
 
 
 def write_timeline(trace, path, enabled):
