@@ -47,6 +47,10 @@ def label_of(records, path):
                          else str(args[key]))
     if config["world_size"] > 1:
         parts.append(f"{config['world_size']} ranks")
+    if not any(r["event"] == "summary" for r in records):   # the run stopped before its end
+        steps = sum(r["event"] == "train" for r in records)
+        print(f"warning: {path} has no summary record: the run stopped after {steps} steps", file=sys.stderr)
+        parts.append(f"INCOMPLETE: {steps} of {config['args'].get('steps', '?')} steps")
     return config["program"] + (f" ({', '.join(parts)})" if parts else "")
 
 
@@ -100,7 +104,8 @@ def plot_curves(paths, out):
     ax["loss"].set(xlabel="step", ylabel="training loss", title="training loss")
     if "diff" in ax:
         ax["diff"].axhline(TOLERANCE, color="red", lw=1, ls=":", label=f"contract {TOLERANCE:g}")
-        ax["diff"].set(xlabel="step", ylabel="|loss - baseline loss|", title="difference from the baseline (log)")
+        ax["diff"].set(xlabel="step", ylabel="|loss - baseline loss|  (exact: drawn at 1e-12)",
+                       title="difference from the baseline (log)")
     if "acc" in ax:
         ax["acc"].axhline(0.1, color="grey", lw=1, ls=":", label="chance")
         ax["acc"].set(xlabel="step", ylabel="test accuracy", title="test accuracy", ylim=(0, 1))

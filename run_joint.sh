@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Data + pipeline parallelism against the single-process baseline: train both on the same global
+# batch, plot both into plots/joint_loss.png; plot_curves.py prints the largest per-step
+# |loss difference| (the equivalence contract wants <= 1e-4).
+#
+#   bash run_joint.sh                                  # 2 pipelines x 3 stages x 3 microbatches, cnn, CIFAR-10
+#   DATA=synthetic STEPS=100 bash run_joint.sh         # no network
+#   DP=3 NPROC=6 MICROBATCHES=2 SCHEDULE=gpipe DATA=synthetic bash run_joint.sh
+#
+# Knobs (environment, with defaults); extra arguments go to both programs.
+set -euo pipefail
+
+DP=${DP:-2}                            # data-parallel pipelines
+NPROC=${NPROC:-6}                      # ranks; stages = NPROC / DP
+MICROBATCHES=${MICROBATCHES:-3}        # per pipeline, per step
+SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved
+MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
+STEPS=${STEPS:-300}
+DATA=${DATA:-cifar10}                  # cifar10 | synthetic
+BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
+BATCH_SIZE=${BATCH_SIZE:-72}           # global: a multiple of DP x MICROBATCHES
+SEED=${SEED:-0}
+EVAL_EVERY=${EVAL_EVERY:-50}
+LOGS=${LOGS:-logs}
+PLOT=${PLOT:-plots/joint_loss.png}
+PYTHON=${PYTHON:-python}
+
+cd "$(dirname "$0")"
+mkdir -p "$LOGS" "$(dirname "$PLOT")"
+COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
+        --eval-every "$EVAL_EVERY" "$@")
+BASELINE_LOG="$LOGS/single_baseline_${MODEL}_b${BATCH_SIZE}.jsonl"
+JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}_dp${DP}_n${NPROC}_m${MICROBATCHES}.jsonl"
+
+echo "== baseline: one process"
+"$PYTHON" single_baseline.py "${COMMON[@]}" --log "$BASELINE_LOG" || { echo "run_joint.sh: the baseline failed" >&2; exit 1; }
+
+echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatches ($SCHEDULE)"
+# "--" ends torchrun's own options: otherwise it reads the program's --log as an abbreviation of its --log-dir
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
+    pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
+    --schedule "$SCHEDULE" --log "$JOINT_LOG" || { echo "run_joint.sh: the joint run failed; nothing plotted" >&2; exit 1; }
+
+"$PYTHON" plot_curves.py "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
+echo "plot: $PLOT"
