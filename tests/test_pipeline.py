@@ -2,7 +2,10 @@
 import json
 
 import pytest
+import torch
 
+import pipeline_microbatch as pm
+from common import load_data, torchrun_env
 from helpers import FAST, assert_same_losses, launch
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
@@ -49,11 +52,41 @@ def test_timeline_is_a_chrome_trace_with_the_bubble(tmp_path):
     assert other["bubble_theory"] == pytest.approx(2 / 6) and 0 < other["bubble_measured"] < 1
 
 
-def test_a_thousand_microbatches_on_four_stages(tmp_path):
-    args = FAST + ["--model", "mlp", "--hidden", "16", "--batch-size", "1000", "--steps", "2"]
-    run = launch("pipeline_microbatch.py", args + ["--microbatches", "1000", "--schedule", "1f1b"], tmp_path, nproc=4)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert len(run.losses()) == 2
+def test_a_thousand_microbatches_1f1b_does_not_hold_them_all(tmp_path):
+    """1000 microbatches of one sample on 4 stages. GPipe's first stage holds the activations of all
+    1000 at once (about 60 MB for the cnn's two conv blocks); 1F1B's holds at most 4."""
+    args = FAST + ["--model", "cnn", "--batch-size", "1000", "--microbatches", "1000", "--steps", "1"]
+    runs = {s: launch("pipeline_microbatch.py", args + ["--schedule", s], tmp_path, nproc=4, log_name=f"{s}.jsonl")
+            for s in ("gpipe", "1f1b")}
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert runs["gpipe"].losses() == pytest.approx(runs["1f1b"].losses(), abs=1e-6)
+    peak = {s: run.events("summary")[0]["peak_memory_mb"]["0"] for s, run in runs.items()}
+    assert peak["gpipe"] - peak["1f1b"] > 20, f"peak memory of stage 0 in MB: {peak}"
+
+
+def test_check_fails_naming_a_tensor_that_differs():
+    """In one process (one stage, no messages): the check passes, then catches a stage that scales its output."""
+    args = pm.parse_args(FAST + ["--model", "mlp", "--hidden", "16", "--layers", "3", "--batch-size", "8",
+                                 "--microbatches", "2"])
+    env, pos = torchrun_env("gloo"), pm.PipelineRank(0, 1, [0])
+    x, y = load_data(args).batch(0, args.batch_size)
+    model, runner = pm.setup_stage(args, env, pos)
+    count, worst = pm.run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y)
+    assert count == 2 + 2 * len(list(model.parameters())) and worst < 1e-5
+    model, runner = pm.setup_stage(args, env, pos)
+    runner.chunks[0] = torch.nn.Sequential(runner.chunks[0], Scale(1.001))   # not in the reference copy
+    with pytest.raises(AssertionError, match="differs"):
+        pm.run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y)
+
+
+class Scale(torch.nn.Module):
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
 
 
 @pytest.mark.parametrize("argv,message", [
