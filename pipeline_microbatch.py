@@ -142,6 +142,14 @@ class PipelineRank:
     def is_last_stage(self):
         return self.pp_rank == self.pp_size - 1
 
+    @property
+    def prev_rank(self):                  # global rank of the stage before mine (None: I am the first)
+        return None if self.is_first_stage else self.ranks[self.pp_rank - 1]
+
+    @property
+    def next_rank(self):                  # global rank of the stage after mine (None: I am the last)
+        return None if self.is_last_stage else self.ranks[self.pp_rank + 1]
+
     def peer(self, chunk, step):
         """Global rank and chunk of the virtual stage `step` (+1 or -1) away from my `chunk`."""
         v = chunk * self.pp_size + self.pp_rank + step   # virtual stage index, p*V of them in a ring
