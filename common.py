@@ -164,6 +164,11 @@ class SyntheticData:
     def batch(self, step, batch_size):
         return self._draw(torch.Generator().manual_seed(self.seed * 1_000_003 + step), batch_size)
 
+    def labels(self, step, batch_size):
+        """batch(step, batch_size)[1] without drawing the images (the labels are drawn first)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return torch.randint(NUM_CLASSES, (batch_size,), generator=g)
+
 
 class Cifar10Data:
     """CIFAR-10 held as uint8 tensors, normalised per batch; the order is a seeded permutation
@@ -204,6 +209,13 @@ class Cifar10Data:
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(self.seed + epoch))
         idx = order[i * batch_size:(i + 1) * batch_size]
         return self.normalise(x[idx]), y[idx]
+
+    def labels(self, step, batch_size):
+        """batch(step, batch_size)[1] without normalising the images."""
+        per_epoch = len(self.train[1]) // batch_size
+        epoch, i = divmod(step, per_epoch)
+        order = torch.randperm(len(self.train[1]), generator=torch.Generator().manual_seed(self.seed + epoch))
+        return self.train[1][order[i * batch_size:(i + 1) * batch_size]]
 
     @property
     def test_set(self):

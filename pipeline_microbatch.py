@@ -618,10 +618,12 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
 
 def next_batch(data, step, args, pos, replicas, device):
     """(inputs, labels) of this step, each only where it is read: the middle stages load nothing."""
-    if not (pos.is_first_stage or pos.is_last_stage):
-        return None, None
-    x, y = (replicas.slice(t) for t in data.batch(step, args.batch_size))
-    return (x.to(device) if pos.is_first_stage else None), (y.to(device) if pos.is_last_stage else None)
+    if pos.is_first_stage:
+        x, y = (replicas.slice(t).to(device) for t in data.batch(step, args.batch_size))
+        return x, (y if pos.is_last_stage else None)
+    if pos.is_last_stage:                 # the same samples' labels, without drawing their images
+        return None, replicas.slice(data.labels(step, args.batch_size)).to(device)
+    return None, None
 
 
 def write_timeline(trace, path, enabled):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pipeline_microbatch as pm
-from common import load_data, torchrun_env
+from common import Cifar10Data, SyntheticData, load_data, torchrun_env
 from helpers import FAST, assert_same_losses, launch
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
@@ -102,3 +102,13 @@ def test_bad_input_fails_on_every_rank_before_any_collective(tmp_path, argv, mes
     ours = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 2 and message in ours[0], run.stderr[-2000:]
     assert "pipeline_microbatch.py\", line" not in run.stderr  # no traceback from our code
+
+
+def test_labels_alone_are_the_labels_of_the_batch():
+    """The last stage draws labels without images; they must be the first stage's samples' labels."""
+    synthetic = SyntheticData(3)
+    cifar = Cifar10Data.__new__(Cifar10Data)        # CIFAR-10 shaped, without the download
+    cifar.train, cifar.seed = (torch.randint(256, (100, 3, 32, 32), dtype=torch.uint8), torch.randint(10, (100,))), 5
+    for data in (synthetic, cifar):
+        for step in (0, 7, 12):
+            assert torch.equal(data.labels(step, 16), data.batch(step, 16)[1])
