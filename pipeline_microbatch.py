@@ -365,8 +365,20 @@ class Messenger:
                                    f"{m[1]} {'from' if k == 'recv' else 'to'} rank {peer}" for k, peer, m in parts)
                 raise PipelineError(f"stage {self.pos.pp_rank} waited to {wanted} and gave up (timeout "
                                     f"{self.timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
-        record("wait", "wait " + " ".join(f"{k} {m[0]} mb{m[1]}" for k, _, m in parts), None, start)
+        mbs = [m[1] for k, _, m in sorted(parts, key=lambda part: part[0] != "send")]  # in the name's order
+        record("wait", f"wait {flow_name(parts)} " + " ".join(f"mb{mb}" for mb in mbs), mbs[-1], start)
         return inbox
+
+
+def flow_name(parts):
+    """Megatron's name for one exchange, after the data flow: recv_forward (an activation comes in),
+    send_backward (a gradient goes out), send_forward_recv_backward, ... send_forward_backward_recv_forward_backward."""
+    name = []
+    for kind in ("send", "recv"):
+        ways = [way for what, way in (("act", "forward"), ("grad", "backward"))
+                if any(k == kind and m[0] == what for k, _, m in parts)]
+        name += [f"{kind}_{'_'.join(ways)}"] if ways else []
+    return "_".join(name)
 
 
 class PipelineError(RuntimeError):

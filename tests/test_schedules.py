@@ -134,3 +134,12 @@ def test_the_issue_example_deadlocks_one_message_at_a_time():
         "rank 1 blocked in send act of microbatch 1 with rank 2",
         "rank 2 blocked in send grad of microbatch 0 with rank 1"]
     assert dry_run(every_rank("1f1b", 3, 4)) is None
+
+
+def test_1f1b_exchanges_are_megatrons_fused_pairs():
+    """Stage 1 of 4, 4 microbatches: each action is preceded by one exchange named after its data flow."""
+    actions = schedule_actions("1f1b", PipelineRank(1, 4, [0, 1, 2, 3]), 4)
+    assert [pm.flow_name(a[1]) if a[0] == "comm" else f"{a[0]}{a[1]}" for a in actions] == [
+        "recv_forward", "F0", "send_forward_recv_forward", "F1", "send_forward_recv_forward", "F2",
+        "send_forward_recv_backward", "B0", "send_backward_recv_forward", "F3", "send_forward_recv_backward", "B1",
+        "send_backward_recv_backward", "B2", "send_backward_recv_backward", "B3", "send_backward"]
