@@ -390,7 +390,7 @@ def gather_peak_memory(env):
 
 def check_finite(loss, step):
     if not math.isfinite(loss):
-        fail(f"the loss became {loss} at step {step}; lower --lr (now the run would only draw nonsense)")
+        fail(f"the loss became {loss} at step {step}; training stopped (try a smaller --lr)")
 
 
 class Progress:

@@ -54,3 +54,10 @@ def test_cifar10_without_torchvision_or_network_is_a_clear_error(tmp_path):
     assert run.returncode == 2
     assert run.stderr.startswith("error: --data cifar10 needs torchvision"), run.stderr
     assert "--data synthetic" in run.stderr and run.stderr.count("\n") == 1
+
+
+def test_a_diverging_loss_stops_training_naming_the_step(tmp_path):
+    run = launch("single_baseline.py", FAST + ["--lr", "1000", "--steps", "50"], tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: the loss became nan at step 3"), run.stderr
+    assert len(run.losses()) == 3  # the steps before it stay in the log, as valid JSON lines
