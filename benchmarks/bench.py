@@ -1,0 +1,257 @@
+"""Benchmark worker: our engines and PyTorch's, stepped alternately in the same torchrun processes.
+
+Launched by benchmarks/report.py (which writes docs/benchmarks.md); by hand:
+
+    torchrun --standalone --nproc-per-node 4 -- benchmarks/bench.py pipeline --out logs/bench/pp.json
+    torchrun --standalone --nproc-per-node 2 -- benchmarks/bench.py tp --out logs/bench/tp2.json
+
+Every engine trains its own copy of the same model (common.build_model, same --seed) on the same
+sequence of global batches, so the losses of the engines must agree step by step (a sanity check
+reported as max_loss_diff). A timed step is: barrier, start clock, one optimizer step, barrier, stop
+clock (rank 0's clock), so every engine pays the same two barriers. The engines take turns step by
+step (the order flips every step), so a noisy neighbour on the shared cores hits them alike.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+import pipeline_microbatch as pm  # noqa: E402
+import single_baseline  # noqa: E402
+import tensor_parallel as tp  # noqa: E402
+from common import SyntheticData, base_parser, build_model, distributed, make_optimizer  # noqa: E402
+
+import patches  # noqa: E402  (benchmarks/patches.py: the fast path, applied only with --patched)
+
+
+def parse_args(argv=None):
+    p = base_parser(__doc__)
+    p.add_argument("what", choices=["pipeline", "tp"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--configs", default=None, help="pipeline: model:m:schedule,... (default: the issue's grid)")
+    p.add_argument("--bubble", default="4,8,16,32", help="pipeline: microbatch counts for the bubble table ('' = none)")
+    p.add_argument("--patched", action="store_true", help="also time our engine with benchmarks/patches.py applied")
+    args = p.parse_args(argv)
+    args.data, args.eval_every = "synthetic", 0
+    return args
+
+
+def model_args(args, model, schedule="1f1b", m=1):
+    a = base_parser("").parse_args([])
+    a.__dict__.update(model=model, layers=args.layers, hidden=args.hidden, seed=args.seed, lr=args.lr,
+                      momentum=args.momentum, batch_size=args.batch_size, microbatches=m, schedule=schedule,
+                      virtual_stages=2, balance=None)
+    return a
+
+
+def timed(fn):
+    """One step between two barriers; returns (seconds, fn's result)."""
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    result = fn()
+    if dist.is_initialized():
+        dist.barrier()
+    return time.perf_counter() - start, result
+
+
+def race(engines, batches, warmup, repeat):
+    """engines: name -> step(x, y) returning the loss (or None off the loss rank). Steps alternate,
+    the order flipping every step. Returns name -> (median seconds, losses)."""
+    times = {n: [] for n in engines}
+    losses = {n: [] for n in engines}
+    names = list(engines)
+    for step in range(warmup + repeat):
+        x, y = batches[step % len(batches)]
+        for name in (names if step % 2 == 0 else names[::-1]):
+            seconds, loss = timed(lambda: engines[name](x, y))
+            losses[name].append(loss)
+            if step >= warmup:
+                times[name].append(seconds)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, losses)           # the loss lives on the last stage, the baseline's on rank 0
+    losses = {n: next((r[n] for r in every if r[n][0] is not None), losses[n]) for n in names}
+    return {n: (statistics.median(times[n]), losses[n]) for n in names}
+
+
+def loss_diff(a, b):
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    return max((abs(x - y) for x, y in pairs), default=None)
+
+
+# ----------------------------------------------------------------------------- pipeline engines
+
+
+def ours_pipeline(margs, env, pos):
+    model, runner = pm.setup_stage(margs, env, pos)
+    actions = pm.schedule_actions(margs.schedule, pos, margs.microbatches)
+    params = [p for chunk in runner.chunks for p in chunk.parameters()]
+    opt = make_optimizer(params, margs)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = pm.train_step(runner, actions, x if pos.is_first_stage else None,
+                             y if pos.is_last_stage else None, margs.microbatches, margs.batch_size)
+        opt.step()
+        return loss
+    return step, runner, actions
+
+
+def torch_pipeline(margs, env, pos):
+    """torch.distributed.pipelining on the same blocks, cut at the same boundaries as ours."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    model = build_model(margs)
+    p, v = pos.pp_size, pos.virtual
+    bounds = pm.partition(len(model), p * v)
+    stages = [PipelineStage(model[slice(*bounds[c * p + pos.pp_rank])], c * p + pos.pp_rank, p * v, env.device)
+              for c in range(v)]
+    m = margs.microbatches
+    if margs.schedule == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=F.cross_entropy)
+    else:
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[margs.schedule](stages[0], m, loss_fn=F.cross_entropy)
+    opt = make_optimizer([q for s in stages for q in s.submod.parameters()], margs)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        losses = [] if pos.is_last_stage else None
+        inputs = (x,) if pos.is_first_stage else ()
+        target = dict(target=y, losses=losses) if pos.is_last_stage else {}
+        schedule.step(*inputs, return_outputs=False, **target)   # no output merge: ours does none either
+        opt.step()
+        return torch.stack(losses).mean().item() if losses else None
+    return step
+
+
+def baseline_engine(margs, env):
+    """The single-process baseline on rank 0, the other ranks waiting in the barrier."""
+    model = build_model(margs)
+    opt = make_optimizer(model.parameters(), margs)
+    return lambda x, y: single_baseline.train_step(model, opt, x, y) if env.rank == 0 else None
+
+
+def bubble_of(runner, actions, pos, margs, step_fn, batches, warmup, repeat):
+    """Median measured bubble over `repeat` recorded steps (pipeline_microbatch's own timeline)."""
+    measured = []
+    for k in range(warmup + repeat):
+        x, y = batches[k % len(batches)]
+        dist.barrier()
+        runner.events, runner.origin = [], time.perf_counter()
+        step_fn(x, y)
+        trace = pm.gather_timeline(runner, pos, margs)
+        runner.events = None
+        if k >= warmup:
+            measured.append(trace["otherData"]["bubble_measured"])
+    return statistics.median(measured), trace["otherData"]["bubble_theory"]
+
+
+def run_pipeline(args, env):
+    data = SyntheticData(args.seed)
+    batches = [data.batch(s, args.batch_size) for s in range(4)]
+    grid = args.configs or ",".join(f"{model}:{m}:{s}" for model in ("mlp", "cnn") for m in (8, 32)
+                                    for s in pm.SCHEDULES if not (model == "cnn" and s == "interleaved"))
+    rows = []
+    for config in grid.split(","):
+        model, m, schedule = config.split(":")
+        margs = model_args(args, model, schedule, int(m))
+        pos = pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
+                              2 if schedule == "interleaved" else 1)
+        engines = {"ours": ours_pipeline(margs, env, pos)[0], "torch": torch_pipeline(margs, env, pos),
+                   "baseline": baseline_engine(margs, env)}
+        if args.patched:
+            with patches.applied():
+                fast = ours_pipeline(margs, env, pos)[0]
+            engines["ours_patched"] = patches.wrap(fast)
+        result = race(engines, batches, args.warmup, args.repeat)
+        rows.append(summarise(config, result))
+        if env.rank == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    bubbles = []
+    for m in [int(s) for s in args.bubble.split(",") if s]:
+        for schedule in pm.SCHEDULES:
+            margs = model_args(args, "mlp", schedule, m)
+            pos = pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
+                                  2 if schedule == "interleaved" else 1)
+            step, runner, actions = ours_pipeline(margs, env, pos)
+            measured, theory = bubble_of(runner, actions, pos, margs, step, batches, 2, 5)
+            bubbles.append({"schedule": schedule, "microbatches": m, "measured": measured, "theory": theory})
+            if env.rank == 0:
+                print(json.dumps(bubbles[-1]), flush=True)
+    return {"rows": rows, "bubble": bubbles}
+
+
+def summarise(config, result):
+    """Median seconds per engine and the ratios, with the loss agreement as a sanity check."""
+    row = {"config": config, **{f"{n}_s": t for n, (t, _) in result.items()}}
+    row["ours_over_torch"] = row["ours_s"] / row["torch_s"]
+    row["baseline_over_ours"] = row["baseline_s"] / row["ours_s"]
+    row["baseline_over_torch"] = row["baseline_s"] / row["torch_s"]
+    if "ours_patched_s" in row:
+        row["patched_over_torch"] = row["ours_patched_s"] / row["torch_s"]
+        row["patched_over_ours"] = row["ours_patched_s"] / row["ours_s"]
+    row["max_loss_diff_vs_torch"] = loss_diff(result["ours"][1], result["torch"][1])
+    row["max_loss_diff_vs_baseline"] = loss_diff(result["ours"][1], result["baseline"][1])
+    return row
+
+
+# ----------------------------------------------------------------------------- tensor parallel engines
+
+
+def ours_tp(margs, env):
+    model = tp.parallelize(build_model(margs), "mlp", dist.group.WORLD)
+    opt = make_optimizer(model.parameters(), margs)
+    return lambda x, y: single_baseline.train_step(model, opt, x, y)
+
+
+def torch_tp(margs, env):
+    """torch.distributed.tensor.parallel with the same column | row pairs as tensor_parallel.parallel_mlp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    model = build_model(margs)
+    names = [f"{b}.{i}" for b, block in enumerate(model) for i, mod in enumerate(block) if isinstance(mod, torch.nn.Linear)]
+    plan = {name: (RowwiseParallel() if k % 2 else ColwiseParallel()) for k, name in enumerate(names)}
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    model = parallelize_module(model, mesh, plan)
+    opt = make_optimizer(model.parameters(), margs)
+    return lambda x, y: single_baseline.train_step(model, opt, x, y)
+
+
+def run_tp(args, env):
+    data = SyntheticData(args.seed)
+    batches = [data.batch(s, args.batch_size) for s in range(4)]
+    margs = model_args(args, "mlp")
+    engines = {"ours": ours_tp(margs, env), "torch": torch_tp(margs, env), "baseline": baseline_engine(margs, env)}
+    if args.patched:
+        with patches.applied(patches.TP_PATCHES):
+            engines["ours_patched"] = patches.wrap(ours_tp(margs, env), patches.TP_PATCHES)
+    result = race(engines, batches, args.warmup, args.repeat)
+    row = summarise(f"mlp:tp{env.world_size}", result)
+    if env.rank == 0:
+        print(json.dumps(row), flush=True)
+    return {"rows": [row]}
+
+
+def main():
+    args = parse_args()
+    with distributed(args) as env:
+        result = (run_pipeline if args.what == "pipeline" else run_tp)(args, env)
+        if env.rank == 0:
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args), "world_size": env.world_size, **result}, f, indent=1)
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # skip gloo's destructors (common.exit_now)
+
+
+if __name__ == "__main__":
+    main()
