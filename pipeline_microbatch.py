@@ -461,11 +461,17 @@ def evaluate(runner, pos, data, device, batch=500):
         totals[0] += F.cross_entropy(logits, labels, reduction="sum").item()
         totals[1] += (logits.argmax(1) == labels).sum().item()
 
-    order = [[("F", mb, c)] for c in range(pos.virtual) for mb in range(len(batches))]
     inputs = [bx.to(device) for bx, _ in batches] if pos.is_first_stage else None
-    runner.run(with_communication(order, pos), inputs, head, batch)
+    runner.run(eval_actions(pos, len(batches)), inputs, head, batch)
     n = batch * len(batches)
     return totals[0] / n, totals[1] / n
+
+
+def eval_actions(pos, n):
+    """Forwards only, batch by batch through my chunks. Not chunk by chunk: with interleaving, rank
+    p-1 would block sending batch 0 into rank 0's chunk 1 while rank 0 blocks sending batch 2 into
+    rank 1's chunk 0 (dry_run finds the cycle)."""
+    return with_communication([[("F", mb, c)] for mb in range(n) for c in range(pos.virtual)], pos)
 
 
 # ----------------------------------------------------------------------------- timeline and check

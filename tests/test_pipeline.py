@@ -21,10 +21,11 @@ def test_per_step_loss_equals_the_baseline(tmp_path, baseline, schedule, stages,
     assert_same_losses(run, baseline(args))
 
 
-@pytest.mark.parametrize("model,extra", [("cnn", []), ("vit", ["--hidden", "16", "--layers", "2", "--heads", "2"])])
-def test_cnn_and_vit_with_eval_match_the_baseline(tmp_path, baseline, model, extra):
+@pytest.mark.parametrize("model,extra,schedule", [
+    ("cnn", [], "1f1b"), ("vit", ["--hidden", "16", "--layers", "6", "--heads", "2"], "interleaved")])
+def test_cnn_and_vit_with_eval_match_the_baseline(tmp_path, baseline, model, extra, schedule):
     args = ["--data", "synthetic", "--model", model, "--steps", "12", "--batch-size", "16", "--eval-every", "6"] + extra
-    run = launch("pipeline_microbatch.py", args + ["--microbatches", "4"], tmp_path, nproc=4)
+    run = launch("pipeline_microbatch.py", args + ["--microbatches", "4", "--schedule", schedule], tmp_path, nproc=4)
     base = baseline(args)
     assert_same_losses(run, base)
     for got, want in zip(run.events("eval"), base.events("eval"), strict=True):

@@ -143,3 +143,12 @@ def test_1f1b_exchanges_are_megatrons_fused_pairs():
         "recv_forward", "F0", "send_forward_recv_forward", "F1", "send_forward_recv_forward", "F2",
         "send_forward_recv_backward", "B0", "send_backward_recv_forward", "F3", "send_forward_recv_backward", "B1",
         "send_backward_recv_backward", "B2", "send_backward_recv_backward", "B3", "send_backward"]
+
+
+def test_the_forward_only_evaluation_order_never_deadlocks():
+    for p, n, v in [(2, 4, 2), (3, 5, 2), (4, 20, 3), (4, 4, 1), (3, 1, 2)]:
+        assert dry_run([pm.eval_actions(PipelineRank(r, p, list(range(p)), v), n) for r in range(p)]) is None
+    chunk_by_chunk = [pm.with_communication([[("F", mb, c)] for c in range(2) for mb in range(4)],
+                                            PipelineRank(r, 2, [0, 1], 2)) for r in range(2)]
+    assert dry_run(chunk_by_chunk) == ["rank 0 blocked in send act of microbatch 2 with rank 1",
+                                       "rank 1 blocked in send act of microbatch 0 with rank 0"]
