@@ -55,16 +55,16 @@ def test_timeline_is_a_chrome_trace_with_the_bubble(tmp_path):
 
 
 def test_a_thousand_microbatches_1f1b_does_not_hold_them_all(tmp_path):
-    """1000 microbatches of one sample on 4 stages. GPipe's first stage holds the activations of all
-    1000 at once (about 60 MB for the cnn's two conv blocks); 1F1B's holds at most 4."""
-    args = FAST + ["--model", "cnn", "--batch-size", "1000", "--microbatches", "1000", "--steps", "1"]
+    """1000 microbatches of four samples on 4 stages. GPipe's first stage holds the activations of all
+    1000 at once (36 KB a sample for the cnn's two conv blocks: 145 MB); 1F1B's at most 4 (0.6 MB)."""
+    args = FAST + ["--model", "cnn", "--batch-size", "4000", "--microbatches", "1000", "--steps", "1"]
     runs = {s: launch("pipeline_microbatch.py", args + ["--schedule", s], tmp_path, nproc=4, log_name=f"{s}.jsonl")
             for s in ("gpipe", "1f1b")}
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-2000:]
     assert runs["gpipe"].losses() == pytest.approx(runs["1f1b"].losses(), abs=1e-6)
     peak = {s: run.events("summary")[0]["peak_memory_mb"]["0"] for s, run in runs.items()}
-    assert peak["gpipe"] - peak["1f1b"] > 20, f"peak memory of stage 0 in MB: {peak}"
+    assert peak["gpipe"] - peak["1f1b"] > 80, f"peak memory of stage 0 in MB: {peak}"  # RSS varies by ~25 MB
 
 
 def test_check_fails_naming_a_tensor_that_differs():
