@@ -104,7 +104,9 @@ def validate_pipeline(args, stages, replicas):
         if args.virtual_stages < 1:
             fail(f"--virtual-stages {args.virtual_stages} must be a positive integer")
         if m % stages:
-            fail(f"--schedule interleaved needs --microbatches a multiple of the {stages} stages, got {m}")
+            near = sorted({max(stages, m // stages * stages), (m // stages + 1) * stages})
+            fail(f"--schedule interleaved needs --microbatches a multiple of the {stages} stages, got {m}; "
+                 f"use {' or '.join(map(str, near))}, or --schedule 1f1b")
     if args.balance is not None:
         try:
             balance = [int(b) for b in args.balance.split(",")]
