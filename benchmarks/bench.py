@@ -80,6 +80,7 @@ def race(engines, batches, warmup, repeat):
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, losses)           # the loss lives on the last stage, the baseline's on rank 0
     losses = {n: next((r[n] for r in every if r[n][0] is not None), losses[n]) for n in names}
+    race.paired = {n: statistics.median(a / b for a, b in zip(times[n], times["torch"])) for n in names}
     return {n: (statistics.median(times[n]), losses[n]) for n in names}
 
 
@@ -198,6 +199,9 @@ def summarise(config, result):
     if "ours_patched_s" in row:
         row["patched_over_torch"] = row["ours_patched_s"] / row["torch_s"]
         row["patched_over_ours"] = row["ours_patched_s"] / row["ours_s"]
+    row["paired_ours_over_torch"] = race.paired["ours"]   # median of per-step ratios: robust to load drift
+    if "ours_patched" in race.paired:
+        row["paired_patched_over_torch"] = race.paired["ours_patched"]
     row["max_loss_diff_vs_torch"] = loss_diff(result["ours"][1], result["torch"][1])
     row["max_loss_diff_vs_baseline"] = loss_diff(result["ours"][1], result["baseline"][1])
     return row

@@ -1,0 +1,86 @@
+"""Where a pipeline step's time goes, per rank and engine: cProfile over timed steps, split into
+communication (c10d send/recv/wait), native compute (every other C++ call: matmuls, autograd,
+allocation) and Python (time spent in Python functions themselves), with the Python call count.
+
+    torchrun --standalone --nproc-per-node 4 -- benchmarks/profile_step.py --configs cnn:32:1f1b --out logs/bench/profile.json
+
+The engines run one after another (not interleaved: cProfile would count the other's time), so read
+the split, not the totals, across engines.
+"""
+import cProfile
+import json
+import os
+import pstats
+import sys
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench  # noqa: E402
+import patches  # noqa: E402
+from common import SyntheticData, distributed  # noqa: E402
+
+
+def split(profile):
+    stats = pstats.Stats(profile).stats      # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    comm = native = python = 0.0
+    calls = 0
+    for (file, _, name), (_, ncalls, tottime, _, _) in stats.items():
+        if file == "~":
+            if "c10d" in name or "distributed" in name:
+                comm += tottime
+            else:
+                native += tottime
+        else:
+            python += tottime
+            calls += ncalls
+    return {"comm_s": comm, "native_s": native, "python_s": python, "python_calls": calls}
+
+
+def profile_engine(step, batches, warmup, repeat):
+    for k in range(warmup):
+        step(*batches[k % len(batches)])
+    dist.barrier()
+    profile = cProfile.Profile()
+    profile.enable()
+    for k in range(repeat):
+        step(*batches[k % len(batches)])
+    profile.disable()
+    dist.barrier()
+    return {key: value / repeat for key, value in split(profile).items()}     # per step
+
+
+def main():
+    args = bench.parse_args(["pipeline"] + sys.argv[1:])
+    with distributed(args) as env:
+        data = SyntheticData(args.seed)
+        batches = [data.batch(s, args.batch_size) for s in range(4)]
+        results = []
+        for config in args.configs.split(","):
+            model, m, schedule = config.split(":")
+            margs = bench.model_args(args, model, schedule, int(m))
+            pos = bench.pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
+                                        2 if schedule == "interleaved" else 1)
+            engines = {"ours": bench.ours_pipeline(margs, env, pos)[0], "torch": bench.torch_pipeline(margs, env, pos)}
+            with patches.applied():
+                engines["ours_patched"] = patches.wrap(bench.ours_pipeline(margs, env, pos)[0])
+            for name, step in engines.items():
+                mine = profile_engine(step, batches, args.warmup, args.repeat)
+                every = [None] * env.world_size
+                dist.all_gather_object(every, mine)
+                results.append({"config": config, "engine": name, "per_rank": every})
+                if env.rank == 0:
+                    print(f"{config:20s} {name:13s} " + "  ".join(
+                        f"r{r}: comm {1e3 * e['comm_s']:6.1f} native {1e3 * e['native_s']:6.1f} "
+                        f"py {1e3 * e['python_s']:5.1f} ms {e['python_calls']:6.0f} calls" for r, e in enumerate(every)),
+                        flush=True)
+        if env.rank == 0:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
