@@ -91,18 +91,29 @@ class Scale(torch.nn.Module):
         return x * self.factor
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--microbatches", "5"], "--batch-size 24 is not divisible by 1 replica(s) x --microbatches 5"),
-    (["--schedule", "interleaved", "--microbatches", "3"], "needs --microbatches a multiple of the 2 stages"),
-    (["--balance", "4,3"], "--balance 4,3 must give 2 positive block counts summing to the 8 blocks"),
-    (["--layers", "1"], "--layers 1: the mlp needs at least 2"),
+@pytest.mark.parametrize("argv,world,message", [
+    (["--microbatches", "5"], 2, "error: --batch-size 24 is not divisible by 1 replica(s) x --microbatches 5; "),
+    (["--schedule", "interleaved", "--microbatches", "6"], 4,
+     "error: --schedule interleaved needs --microbatches a multiple of the 4 stages, got 6; use 4 or 8"),
+    (["--balance", "4,3"], 2, "error: --balance 4,3 must give 2 positive block counts summing to the 8 blocks"),
+    (["--balance", "4,x"], 2, "error: --balance '4,x' must be comma-separated integers"),
+    ([], 9, "error: 9 pipeline stages (ranks x virtual stages) but the mlp has only 8 blocks"),
+    (["--schedule", "interleaved", "--virtual-stages", "0"], 2, "error: --virtual-stages 0 must be a positive"),
+    (["--layers", "1"], 2, "error: --layers 1: the mlp needs at least 2"),
 ])
-def test_bad_input_fails_on_every_rank_before_any_collective(tmp_path, argv, message):
-    run = launch("pipeline_microbatch.py", MLP + argv, tmp_path, nproc=2)
+def test_bad_input_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun tells each rank; parsing comes before any collective
+    with pytest.raises(SystemExit) as exit_:
+        pm.parse_args(MLP + argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_bad_input_under_torchrun_fails_on_every_rank(tmp_path):
+    run = launch("pipeline_microbatch.py", MLP + ["--microbatches", "5"], tmp_path, nproc=2, timeout=60)
     assert run.returncode != 0
-    ours = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 2 and message in ours[0], run.stderr[-2000:]
-    assert "pipeline_microbatch.py\", line" not in run.stderr  # no traceback from our code
+    assert run.stderr.count("error: --batch-size 24 is not divisible by 1 replica(s) x --microbatches 5") == 2
+    assert "exitcode  : 2" in run.stderr and 'pipeline_microbatch.py", line' not in run.stderr
 
 
 def test_labels_alone_are_the_labels_of_the_batch():
