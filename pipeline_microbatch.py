@@ -347,7 +347,7 @@ class Messenger:
 
     def exchange(self, parts, outbox, mb_size, record):
         """Post every part of one communication action at once, then wait for all of them."""
-        ops, inbox = [], {}
+        ops, inbox, start = [], {}, time.perf_counter()     # the timeline's wait includes the posting
         for kind, peer, msg in parts:
             if kind == "send":
                 tensor = outbox.pop(msg)          # held by its P2POp until the wait: gloo reads it until then
@@ -358,7 +358,6 @@ class Messenger:
                                   self.tag(msg)))
         # one batch: on nccl a send and a receive that cross must share one group call, or both block
         works = dist.batch_isend_irecv(ops) if ops else []
-        start = time.perf_counter()
         for work in works:
             try:
                 work.wait()
