@@ -323,12 +323,12 @@ def waiting_cycle(all_actions, at, done):
     waits = {r: next(p for p in all_actions[r][at[r]][1] if p not in done[r])
              for r in range(len(all_actions)) if at[r] < len(all_actions[r])}
     r, path = next(iter(waits)), []
-    while r not in path:
+    while r not in path and r in waits:               # not in waits: r has finished, the message is missing
         path.append(r)
         r = waits[r][1]
-    cycle = path[path.index(r):]
+    cycle = path[path.index(r):] if r in path else path[-1:]
     return [f"rank {q} blocked in {waits[q][0]} {waits[q][2][0]} of microbatch {waits[q][2][1]} "
-            f"with rank {waits[q][1]}" for q in cycle]
+            f"with rank {waits[q][1]}" + ("" if waits[q][1] in waits else ", which has finished") for q in cycle]
 
 
 # ----------------------------------------------------------------------------- point-to-point

@@ -152,3 +152,8 @@ def test_the_forward_only_evaluation_order_never_deadlocks():
                                             PipelineRank(r, 2, [0, 1], 2)) for r in range(2)]
     assert dry_run(chunk_by_chunk) == ["rank 0 blocked in send act of microbatch 2 with rank 1",
                                        "rank 1 blocked in send act of microbatch 0 with rank 0"]
+
+
+def test_the_dry_run_names_a_receive_that_no_rank_sends():
+    assert dry_run([[("comm", [("recv", 1, ("act", 0, 0))])], [("F", 0, 0)]]) == [
+        "rank 0 blocked in recv act of microbatch 0 with rank 1, which has finished"]
