@@ -62,7 +62,8 @@ def load():
 
 def speed_table(rows):
     head = ("| config | ours ms | torch ms | **ours / torch** | ours+patches ms | **patched / torch** | "
-            "patched / ours | baseline ms | baseline / ours (speed-up) | baseline / torch | loss diff vs torch |")
+            "patched / ours | baseline ms | baseline / ours (speed-up) | baseline / torch | paired ours / torch | "
+            "paired patched / torch | loss diff vs torch |")
     lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
     for r in rows:
         lines.append(f"| {r['config']} | {1e3 * r['ours_s']:.1f} | {1e3 * r['torch_s']:.1f} | "
