@@ -75,6 +75,15 @@ def speed_table(rows):
     return lines
 
 
+def verdict(rows):
+    over = [r for r in rows if r["ours_over_torch"] > 1.0]
+    if not over:
+        return "In this run our step time is at most torch's on every row (ours / torch <= 1.0)."
+    return (f"In this run ours / torch is <= 1.0 on {len(rows) - len(over)} of {len(rows)} rows; above 1.0: "
+            + "; ".join(f"{r['config']} {r['ours_over_torch']:.2f} (paired {r['paired_ours_over_torch']:.2f}, "
+                        f"with the patches {r['patched_over_torch']:.2f})" for r in over) + ".")
+
+
 def bubble_table(bubbles):
     lines = ["| schedule | m | theory (p-1)/(vm+p-1) | measured (median of 5 steps) | measured - theory |",
              "| --- | --- | --- | --- | --- |"]
@@ -131,7 +140,8 @@ def write_doc(pipeline, tp_rows, memory, command, seconds):
         pipeline_table="\n".join(speed_table(pipeline["rows"])),
         tp_table="\n".join(speed_table(tp_rows)),
         bubble_table="\n".join(bubble_table(pipeline["bubble"])),
-        memory_table="\n".join(memory_table(memory)))
+        memory_table="\n".join(memory_table(memory)),
+        verdict=verdict(pipeline["rows"] + tp_rows))
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:
         f.write(text)
 
@@ -144,10 +154,15 @@ def main():
     start = time.perf_counter()
     if not args.no_run:
         run_all(args.repeat)
-    seconds = None if args.no_run else time.perf_counter() - start
+    seconds_file = os.path.join(LOGS, "run_seconds.txt")
+    if not args.no_run:
+        with open(seconds_file, "w") as f:
+            f.write(f"{time.perf_counter() - start:.0f}\n")
+    seconds = float(open(seconds_file).read()) if os.path.exists(seconds_file) else None
     pipeline, tp_rows, memory = load()
     plot_memory(memory, os.path.join(ROOT, "plots", "pipeline_memory.png"))
-    write_doc(pipeline, tp_rows, memory, "bash benchmarks/run.sh" + (f" --repeat {args.repeat}" if args.repeat != 10 else ""),
+    repeat = pipeline["args"]["repeat"]
+    write_doc(pipeline, tp_rows, memory, "bash benchmarks/run.sh" + (f" --repeat {repeat}" if repeat != 10 else ""),
               seconds)
     print(f"wrote docs/benchmarks.md and plots/pipeline_memory.png ({seconds or 0:.0f} s)")
 
