@@ -335,8 +335,11 @@ def waiting_cycle(all_actions, at, done):
 
 
 class Messenger:
-    """isend/irecv with a tag per message, so no message can be matched to the wrong receive,
-    and a timeout on every wait that names what was awaited."""
+    """The point-to-point helpers. One exchange is Megatron's send_forward, recv_forward,
+    send_backward, recv_backward, or a fused pair (send_forward_recv_backward, ...: flow_name),
+    posted as one batch. Every message has a tag (microbatch, virtual stage, direction), so on gloo
+    none can match the wrong receive; nccl ignores tags but matches in order, and both sides post
+    each direction's messages in the same order. Every wait has a timeout that names what it awaited."""
 
     def __init__(self, pos, shapes, device, timeout_s):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
