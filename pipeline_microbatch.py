@@ -514,11 +514,12 @@ def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=Non
     F.cross_entropy(ref_logits, y).backward()
     make_optimizer(reference.parameters(), args).step()
     x, y, ref_logits = (dp_slice(t, *replica) for t in (x, y, ref_logits.detach()))
-    m, outputs, y_mb = args.microbatches, {}, y.chunk(args.microbatches)
+    m, outputs, losses, y_mb = args.microbatches, {}, [], y.chunk(args.microbatches)
 
-    def head(mb, logits):
+    def head(mb, logits):                                 # as train_step's, keeping the logits
         outputs[mb] = logits.detach()
-        return F.cross_entropy(logits, y_mb[mb]) / m
+        losses.append(F.cross_entropy(logits, y_mb[mb]) / m)
+        return losses[-1]
 
     runner.run(actions, x.chunk(m) if runner.pos.is_first_stage else None, head, x.shape[0] // m)
     ours = {id(p) for chunk in runner.chunks for p in chunk.parameters()}
@@ -530,7 +531,8 @@ def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=Non
     if outputs:
         logits = torch.cat([outputs[i] for i in range(m)])
         pairs += [("output", logits, ref_logits),
-                  ("loss", F.cross_entropy(logits, y), F.cross_entropy(ref_logits, y))]
+                  ("loss (sum of the scaled microbatch losses)", torch.stack(losses).sum().detach(),
+                   F.cross_entropy(ref_logits, y))]
     make_optimizer([p for _, p in local], args).step()
     pairs += [(f"weight of {n} after one step", p.detach(), ref[n].detach()) for n, p in local]
     for name, got, want in pairs:
