@@ -45,7 +45,7 @@ activation of 1": both block for ever. Here a rank never waits on a send alone: 
 actions it posts the send of what it just computed together with the receive its next action
 needs, as one batch (send_forward_recv_backward, send_backward_recv_forward, and for interleaved
 the four-way send_forward_backward_recv_forward_backward after each F+B pair), and only then
-waits. Two neighbours that cross have each posted both halves, so both exchanges match. This is
+waits, for the receives (Messenger.exchange: sends are waited for at the end of the step). Two neighbours that cross have each posted both halves, so both exchanges match. This is
 checked, not hoped for: dry_run() plays every rank's action list with blocking sends and names the
 first cycle of ranks waiting on each other; the tests run it for many (p, m, v), and show that the
 one-message-at-a-time order does deadlock.
@@ -343,17 +343,23 @@ class Messenger:
 
     def __init__(self, pos, shapes, device, timeout_s):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
+        self.sending = []                     # (work, tensor, part) of sends posted and not yet seen complete
 
     def tag(self, msg):
         what, mb, vstage = msg
         return (mb * self.pos.pp_size * self.pos.virtual + vstage) * 2 + (what == "grad")
 
-    def exchange(self, parts, outbox, mb_size, record):
-        """Post every part of one communication action at once, then wait for all of them."""
+    def exchange(self, parts, outbox, mb_size, record=None):
+        """Post every part of one communication action at once, then wait for its receives only.
+        A gloo send completes only once the peer has posted the matching receive; waiting for it
+        here would hold this stage's next forward until the next stage is ready, in lock step. So
+        sends are kept (with their tensors, which gloo reads until then) and waited in finish().
+        Removing waits cannot create a deadlock: every rank still posts the same messages in the
+        same order, and posting never blocks."""
         ops, inbox, start = [], {}, time.perf_counter()     # the timeline's wait includes the posting
         for kind, peer, msg in parts:
             if kind == "send":
-                tensor = outbox.pop(msg)          # held by its P2POp until the wait: gloo reads it until then
+                tensor = outbox.pop(msg)
             else:
                 tensor = inbox[msg] = torch.empty((mb_size, *self.shapes[msg[2] + (msg[0] == "grad")]),
                                                   device=self.device)
@@ -361,17 +367,35 @@ class Messenger:
                                   self.tag(msg)))
         # one batch: on nccl a send and a receive that cross must share one group call, or both block
         works = dist.batch_isend_irecv(ops) if ops else []
-        for work in works:
-            try:
-                work.wait()
-            except RuntimeError as e:
-                wanted = ", ".join(f"{k} the {'activation' if m[0] == 'act' else 'gradient'} of microbatch "
-                                   f"{m[1]} {'from' if k == 'recv' else 'to'} rank {peer}" for k, peer, m in parts)
-                raise PipelineError(f"stage {self.pos.pp_rank} waited to {wanted} and gave up (timeout "
-                                    f"{self.timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
-        mbs = [m[1] for k, _, m in sorted(parts, key=lambda part: part[0] != "send")]  # in the name's order
-        record("wait", f"wait {flow_name(parts)} " + " ".join(f"mb{mb}" for mb in mbs), mbs[-1], start)
+        if len(works) == len(ops):            # gloo: one work per op
+            for part, op, work in zip(parts, ops, works):
+                if part[0] == "send":
+                    self.sending.append((work, op.tensor, part))
+                else:
+                    self.wait(work, [part])
+        else:                                 # nccl: one work for the whole group
+            for work in works:
+                self.wait(work, parts)
+        self.sending = [s for s in self.sending if not s[0].is_completed()]   # frees the sent tensors
+        if record:
+            mbs = [m[1] for k, _, m in sorted(parts, key=lambda part: part[0] != "send")]  # in the name's order
+            record("wait", f"wait {flow_name(parts)} " + " ".join(f"mb{mb}" for mb in mbs), mbs[-1], start)
         return inbox
+
+    def finish(self):
+        """Wait for the sends still in flight: the end of a step on this rank."""
+        for work, _, part in self.sending:
+            self.wait(work, [part])
+        self.sending = []
+
+    def wait(self, work, parts):
+        try:
+            work.wait()
+        except RuntimeError as e:
+            wanted = ", ".join(f"{k} the {'activation' if m[0] == 'act' else 'gradient'} of microbatch "
+                               f"{m[1]} {'from' if k == 'recv' else 'to'} rank {peer}" for k, peer, m in parts)
+            raise PipelineError(f"stage {self.pos.pp_rank} waited to {wanted} and gave up (timeout "
+                                f"{self.timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
 
 
 def flow_name(parts):
@@ -411,7 +435,8 @@ class StageRunner:
         saved, outbox, inbox = {}, {}, {}
         for action in actions:
             if action[0] == "comm":
-                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, self.record))
+                recording = self.record if self.events is not None else None
+                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording))
                 continue
             kind, mb, chunk = action
             vstage, start = chunk * self.pos.pp_size + self.pos.pp_rank, time.perf_counter()
@@ -431,6 +456,7 @@ class StageRunner:
                 if vstage > 0:
                     outbox[("grad", mb, vstage - 1)] = x.grad.contiguous()
             self.record("forward" if kind == "F" else "backward", f"{kind}{mb}", mb, start, chunk)
+        self.messenger.finish()
         assert not saved and not outbox and not inbox, "the schedule left work behind"
 
 

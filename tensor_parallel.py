@@ -87,7 +87,7 @@ def split_sizes(n, parts):
 def _all_reduce(x, group):
     if tp_size(group) == 1:
         return x
-    x = x.clone(memory_format=torch.contiguous_format)  # in place below; autograd may hold x elsewhere
+    x = x.clone(memory_format=torch.contiguous_format)  # in place below; autograd may hold x (a gradient can be shared)
     dist.all_reduce(x, group=group)
     return x
 
@@ -122,7 +122,13 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        if tp_size(group) == 1 or not x.is_contiguous():
+            return _all_reduce(x, group)
+        # x is a fresh layer output that autograd does not save (linear and conv keep their input),
+        # so it is summed in place rather than copied first; mark_dirty tells autograd so
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):

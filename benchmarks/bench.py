@@ -1,6 +1,6 @@
 """Benchmark worker: our engines and PyTorch's, stepped alternately in the same torchrun processes.
 
-Launched by benchmarks/report.py (which writes docs/benchmarks.md); by hand:
+Launched by benchmarks/report.py (which writes the README's benchmark section); by hand:
 
     torchrun --standalone --nproc-per-node 4 -- benchmarks/bench.py pipeline --out logs/bench/pp.json
     torchrun --standalone --nproc-per-node 2 -- benchmarks/bench.py tp --out logs/bench/tp2.json
@@ -28,8 +28,6 @@ import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
 from common import SyntheticData, base_parser, build_model, distributed, make_optimizer  # noqa: E402
 
-import patches  # noqa: E402  (benchmarks/patches.py: the fast path, applied only with --patched)
-
 
 def parse_args(argv=None):
     p = base_parser(__doc__)
@@ -39,7 +37,6 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--configs", default=None, help="pipeline: model:m:schedule,... (default: the issue's grid)")
     p.add_argument("--bubble", default="4,8,16,32", help="pipeline: microbatch counts for the bubble table ('' = none)")
-    p.add_argument("--patched", action="store_true", help="also time our engine with benchmarks/patches.py applied")
     args = p.parse_args(argv)
     args.data, args.eval_every = "synthetic", 0
     return args
@@ -168,10 +165,6 @@ def run_pipeline(args, env):
                               2 if schedule == "interleaved" else 1)
         engines = {"ours": ours_pipeline(margs, env, pos)[0], "torch": torch_pipeline(margs, env, pos),
                    "baseline": baseline_engine(margs, env)}
-        if args.patched:
-            with patches.applied():
-                fast = ours_pipeline(margs, env, pos)[0]
-            engines["ours_patched"] = patches.wrap(fast)
         result = race(engines, batches, args.warmup, args.repeat)
         rows.append(summarise(config, result))
         if env.rank == 0:
@@ -196,12 +189,7 @@ def summarise(config, result):
     row["ours_over_torch"] = row["ours_s"] / row["torch_s"]
     row["baseline_over_ours"] = row["baseline_s"] / row["ours_s"]
     row["baseline_over_torch"] = row["baseline_s"] / row["torch_s"]
-    if "ours_patched_s" in row:
-        row["patched_over_torch"] = row["ours_patched_s"] / row["torch_s"]
-        row["patched_over_ours"] = row["ours_patched_s"] / row["ours_s"]
     row["paired_ours_over_torch"] = race.paired["ours"]   # median of per-step ratios: robust to load drift
-    if "ours_patched" in race.paired:
-        row["paired_patched_over_torch"] = race.paired["ours_patched"]
     row["max_loss_diff_vs_torch"] = loss_diff(result["ours"][1], result["torch"][1])
     row["max_loss_diff_vs_baseline"] = loss_diff(result["ours"][1], result["baseline"][1])
     return row
@@ -234,9 +222,6 @@ def run_tp(args, env):
     batches = [data.batch(s, args.batch_size) for s in range(4)]
     margs = model_args(args, "mlp")
     engines = {"ours": ours_tp(margs, env), "torch": torch_tp(margs, env), "baseline": baseline_engine(margs, env)}
-    if args.patched:
-        with patches.applied(patches.TP_PATCHES):
-            engines["ours_patched"] = patches.wrap(ours_tp(margs, env), patches.TP_PATCHES)
     result = race(engines, batches, args.warmup, args.repeat)
     row = summarise(f"mlp:tp{env.world_size}", result)
     if env.rank == 0:

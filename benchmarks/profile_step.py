@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
-import patches  # noqa: E402
 from common import SyntheticData, distributed  # noqa: E402
 
 
@@ -62,8 +61,6 @@ def main():
             pos = bench.pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
                                         2 if schedule == "interleaved" else 1)
             engines = {"ours": bench.ours_pipeline(margs, env, pos)[0], "torch": bench.torch_pipeline(margs, env, pos)}
-            with patches.applied():
-                engines["ours_patched"] = patches.wrap(bench.ours_pipeline(margs, env, pos)[0])
             for name, step in engines.items():
                 mine = profile_engine(step, batches, args.warmup, args.repeat)
                 every = [None] * env.world_size

@@ -1,4 +1,5 @@
-"""Run every benchmark of issue 7 in one invocation and write docs/benchmarks.md and plots/pipeline_memory.png.
+"""Run every benchmark of issue 7 in one invocation and rewrite the README's benchmark
+section (between its benchmarks:begin/end markers) and plots/pipeline_memory.png.
 
     bash benchmarks/run.sh            # = python benchmarks/report.py (about 6-8 minutes on 2 cores)
 
@@ -17,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGS = os.path.join(ROOT, "logs", "bench")
 MODEL = ["--layers", "8", "--hidden", "512", "--batch-size", "256"]
 MEMORY_MB = 4   # samples per microbatch in the memory runs: global batch = 4 x m, so GPipe holds O(m)
+BEGIN, END = "<!-- benchmarks:begin (written by benchmarks/report.py) -->", "<!-- benchmarks:end -->"
 
 
 def torchrun(nproc, script, args):
@@ -32,7 +34,7 @@ def torchrun(nproc, script, args):
 
 def run_all(repeat):
     os.makedirs(LOGS, exist_ok=True)
-    common = ["--warmup", "3", "--repeat", str(repeat), "--patched"]
+    common = ["--warmup", "3", "--repeat", str(repeat)]
     torchrun(4, "benchmarks/bench.py", ["pipeline", "--out", f"{LOGS}/pipeline.json", *MODEL, *common])
     for degree in (2, 4):
         torchrun(degree, "benchmarks/bench.py", ["tp", "--out", f"{LOGS}/tp{degree}.json", *MODEL, *common])
@@ -61,17 +63,14 @@ def load():
 
 
 def speed_table(rows):
-    head = ("| config | ours ms | torch ms | **ours / torch** | ours+patches ms | **patched / torch** | "
-            "patched / ours | baseline ms | baseline / ours (speed-up) | baseline / torch | paired ours / torch | "
-            "paired patched / torch | loss diff vs torch |")
+    head = ("| config | ours ms | torch ms | **ours / torch** | paired ours / torch | baseline ms | "
+            "baseline / ours (speed-up) | baseline / torch | loss diff vs torch |")
     lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
     for r in rows:
         lines.append(f"| {r['config']} | {1e3 * r['ours_s']:.1f} | {1e3 * r['torch_s']:.1f} | "
-                     f"**{r['ours_over_torch']:.2f}** | {1e3 * r['ours_patched_s']:.1f} | "
-                     f"**{r['patched_over_torch']:.2f}** | {r['patched_over_ours']:.2f} | "
+                     f"**{r['ours_over_torch']:.2f}** | {r['paired_ours_over_torch']:.2f} | "
                      f"{1e3 * r['baseline_s']:.1f} | {r['baseline_over_ours']:.2f} | "
-                     f"{r['baseline_over_torch']:.2f} | {r['paired_ours_over_torch']:.2f} | "
-                     f"{r['paired_patched_over_torch']:.2f} | {r['max_loss_diff_vs_torch']:.1e} |")
+                     f"{r['baseline_over_torch']:.2f} | {r['max_loss_diff_vs_torch']:.1e} |")
     return lines
 
 
@@ -80,8 +79,7 @@ def verdict(rows):
     if not over:
         return "In this run our step time is at most torch's on every row (ours / torch <= 1.0)."
     return (f"In this run ours / torch is <= 1.0 on {len(rows) - len(over)} of {len(rows)} rows; above 1.0: "
-            + "; ".join(f"{r['config']} {r['ours_over_torch']:.2f} (paired {r['paired_ours_over_torch']:.2f}, "
-                        f"with the patches {r['patched_over_torch']:.2f})" for r in over) + ".")
+            + "; ".join(f"{r['config']} {r['ours_over_torch']:.2f} (paired {r['paired_ours_over_torch']:.2f})" for r in over) + ".")
 
 
 def bubble_table(bubbles):
@@ -142,14 +140,18 @@ def write_doc(pipeline, tp_rows, memory, command, seconds):
         bubble_table="\n".join(bubble_table(pipeline["bubble"])),
         memory_table="\n".join(memory_table(memory)),
         verdict=verdict(pipeline["rows"] + tp_rows))
-    with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as f:
-        f.write(text)
+    readme = os.path.join(ROOT, "README.md")
+    with open(readme) as f:
+        before, rest = f.read().split(BEGIN, 1)
+        after = rest.split(END, 1)[1]
+    with open(readme, "w") as f:
+        f.write(before + BEGIN + "\n" + text.strip() + "\n" + END + after)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeat", type=int, default=10, help="timed steps per engine and configuration")
-    p.add_argument("--no-run", action="store_true", help="only rewrite the doc and plot from logs/bench")
+    p.add_argument("--no-run", action="store_true", help="only rewrite the README section and plot from logs/bench")
     args = p.parse_args()
     start = time.perf_counter()
     if not args.no_run:
@@ -164,7 +166,7 @@ def main():
     repeat = pipeline["args"]["repeat"]
     write_doc(pipeline, tp_rows, memory, "bash benchmarks/run.sh" + (f" --repeat {repeat}" if repeat != 10 else ""),
               seconds)
-    print(f"wrote docs/benchmarks.md and plots/pipeline_memory.png ({seconds or 0:.0f} s)")
+    print(f"rewrote README.md's benchmark section and plots/pipeline_memory.png ({seconds or 0:.0f} s)")
 
 
 if __name__ == "__main__":

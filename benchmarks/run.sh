@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Every benchmark of docs/benchmarks.md in one invocation: ours vs torch.distributed.pipelining and
+# Every benchmark of the README's benchmark section in one invocation: ours vs torch.distributed.pipelining and
 # torch.distributed.tensor.parallel, vs the single-process baseline, bubble, peak memory per stage.
 #   bash benchmarks/run.sh                 # ~7 minutes on 2 CPU cores
 #   PYTHON=.venv/bin/python bash benchmarks/run.sh --repeat 20
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$( [ -x /work/venv/bin/python ] && echo /work/venv/bin/python || echo python3 )}
+PYTHON=${PYTHON:-python}
 exec "$PYTHON" benchmarks/report.py "$@"
