@@ -9,6 +9,8 @@
 #
 # Knobs (environment, with defaults); extra arguments go to both programs.
 set -euo pipefail
+# a failed step stops the script here, with its name, before anything later is plotted
+trap 'rc=$?; echo "$(basename "$0"): stopped: this step failed with exit status $rc: $BASH_COMMAND" >&2' ERR
 
 DP=${DP:-2}                            # data-parallel pipelines
 NPROC=${NPROC:-6}                      # ranks; stages = NPROC / DP
@@ -22,24 +24,25 @@ BATCH_SIZE=${BATCH_SIZE:-72}           # global: a multiple of DP x MICROBATCHES
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
 LOGS=${LOGS:-logs}
-PLOT=${PLOT:-plots/joint_loss.png}
+PLOTS=${PLOTS:-plots}
+PLOT="$PLOTS/joint_loss.png"
 PYTHON=${PYTHON:-python}
 
 cd "$(dirname "$0")"
-mkdir -p "$LOGS" "$(dirname "$PLOT")"
+mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}_b${BATCH_SIZE}.jsonl"
 JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}_dp${DP}_n${NPROC}_m${MICROBATCHES}.jsonl"
 
 echo "== baseline: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log "$BASELINE_LOG" || { echo "run_joint.sh: the baseline failed" >&2; exit 1; }
+"$PYTHON" single_baseline.py "${COMMON[@]}" --log "$BASELINE_LOG"
 
 echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatches ($SCHEDULE)"
 # "--" ends torchrun's own options: otherwise it reads the program's --log as an abbreviation of its --log-dir
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
     pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
-    --schedule "$SCHEDULE" --log "$JOINT_LOG" || { echo "run_joint.sh: the joint run failed; nothing plotted" >&2; exit 1; }
+    --schedule "$SCHEDULE" --log "$JOINT_LOG"
 
 "$PYTHON" plot_curves.py "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
 echo "plot: $PLOT"

@@ -8,6 +8,8 @@
 #
 # Knobs (environment, with defaults); extra arguments go to both programs.
 set -euo pipefail
+# a failed step stops the script here, with its name, before anything later is plotted
+trap 'rc=$?; echo "$(basename "$0"): stopped: this step failed with exit status $rc: $BASH_COMMAND" >&2' ERR
 
 NPROC=${NPROC:-2}              # tensor-parallel degree = number of ranks
 MODEL=${MODEL:-cnn}            # cnn | mlp | vit
@@ -18,11 +20,12 @@ BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
 LOGS=${LOGS:-logs}
-PLOT=${PLOT:-plots/tp_loss.png}
+PLOTS=${PLOTS:-plots}
+PLOT="$PLOTS/tp_loss.png"
 PYTHON=${PYTHON:-python}
 
 cd "$(dirname "$0")"
-mkdir -p "$LOGS" "$(dirname "$PLOT")"
+mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}.jsonl"

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pipeline_microbatch as pm  # noqa: E402
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
-from common import SyntheticData, base_parser, build_model, distributed, make_optimizer  # noqa: E402
+from common import SyntheticData, base_parser, build_model, distributed, fail, make_optimizer  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -39,6 +39,10 @@ def parse_args(argv=None):
     p.add_argument("--bubble", default="4,8,16,32", help="pipeline: microbatch counts for the bubble table ('' = none)")
     args = p.parse_args(argv)
     args.data, args.eval_every = "synthetic", 0
+    counts = [int(c.split(":")[1]) for c in args.configs.split(",")] if args.configs else [8, 32]
+    uneven = [m for m in counts + [int(s) for s in args.bubble.split(",") if s] if args.batch_size % m]
+    if args.what == "pipeline" and uneven:
+        fail(f"--batch-size {args.batch_size} does not split into {uneven} microbatches; use a multiple of each")
     return args
 
 

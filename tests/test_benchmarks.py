@@ -1,0 +1,36 @@
+"""benchmarks/bench.py on tiny sizes: the harness runs, and its engines agree with PyTorch's own
+(torch.distributed.pipelining, torch.distributed.tensor.parallel) step by step, which makes
+PyTorch's engines an independent oracle for ours."""
+import json
+
+import pytest
+
+from helpers import launch
+
+TINY = ["--layers", "8", "--hidden", "32", "--batch-size", "24", "--warmup", "1", "--repeat", "3"]
+
+
+def bench(tmp_path, what, nproc, extra=()):
+    out = tmp_path / f"{what}.json"
+    run = launch("benchmarks/bench.py", [what, "--out", str(out), *TINY, *extra], tmp_path, nproc=nproc)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_our_pipeline_schedules_step_like_torch_pipelining(tmp_path):
+    result = bench(tmp_path, "pipeline", 4, ["--configs", "mlp:4:gpipe,mlp:6:1f1b,mlp:8:interleaved", "--bubble", "4"])
+    assert [r["config"] for r in result["rows"]] == ["mlp:4:gpipe", "mlp:6:1f1b", "mlp:8:interleaved"]
+    for row in result["rows"]:
+        assert row["max_loss_diff_vs_torch"] < 1e-6, row
+        assert row["max_loss_diff_vs_baseline"] < 1e-4, row
+        assert row["ours_s"] > 0 and row["torch_s"] > 0
+    assert {b["schedule"] for b in result["bubble"]} == {"gpipe", "1f1b", "interleaved"}
+    for b in result["bubble"]:
+        assert 0 <= b["measured"] < 1
+        assert b["theory"] == pytest.approx(3 / 7 if b["schedule"] != "interleaved" else 3 / 11)
+
+
+def test_our_tensor_parallel_mlp_steps_like_torch_tensor_parallel(tmp_path):
+    row = bench(tmp_path, "tp", 2)["rows"][0]
+    assert row["config"] == "mlp:tp2"
+    assert row["max_loss_diff_vs_torch"] < 1e-5 and row["max_loss_diff_vs_baseline"] < 1e-4, row
