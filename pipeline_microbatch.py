@@ -45,7 +45,8 @@ activation of 1": both block for ever. Here a rank never waits on a send alone: 
 actions it posts the send of what it just computed together with the receive its next action
 needs, as one batch (send_forward_recv_backward, send_backward_recv_forward, and for interleaved
 the four-way send_forward_backward_recv_forward_backward after each F+B pair), and only then
-waits, for the receives (Messenger.exchange: sends are waited for at the end of the step). Two neighbours that cross have each posted both halves, so both exchanges match. This is
+waits for the receives (the sends are waited for at the end of the step: Messenger.exchange).
+Two neighbours that cross have each posted both halves, so both exchanges match. This is
 checked, not hoped for: dry_run() plays every rank's action list with blocking sends and names the
 first cycle of ranks waiting on each other; the tests run it for many (p, m, v), and show that the
 one-message-at-a-time order does deadlock.
@@ -72,7 +73,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 def add_pipeline_flags(p):
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per global batch (per replica)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks per rank")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="interleaved only: model chunks per rank (default 2)")
     p.add_argument("--balance", default=None, help="blocks per stage, e.g. 2,1,1,1 (default: even)")
     p.add_argument("--check", action="store_true",
                    help="one step on the first batch against the full model in this process; exit 0 on match")
@@ -94,6 +96,11 @@ def num_blocks(args):
 
 def validate_pipeline(args, stages, replicas):
     """Arithmetic of the split, checked from flags and WORLD_SIZE alone: no collective yet."""
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
+    elif args.schedule != "interleaved" and args.virtual_stages != 1:
+        fail(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not "
+             f"{args.schedule}; drop it or use --schedule interleaved")
     m, chunks = args.microbatches, chunk_count(args, stages)
     if m <= 0:
         fail(f"--microbatches {m} must be a positive integer")

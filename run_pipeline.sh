@@ -42,9 +42,11 @@ for SCHEDULE in $SCHEDULES; do
     TRACE="$LOGS/timeline_${MODEL}_${SCHEDULE}_p${NPROC}_m${MICROBATCHES}.json"
     echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches"
     # "--" ends torchrun's own options: otherwise it reads the program's --log as an abbreviation of its --log-dir
+    CHUNKS=()
+    if [ "$SCHEDULE" = interleaved ]; then CHUNKS=(--virtual-stages "$VIRTUAL_STAGES"); fi
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
         pipeline_microbatch.py "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
-        --microbatches "$MICROBATCHES" --virtual-stages "$VIRTUAL_STAGES" --timeline "$TRACE" --log "$LOG"
+        --microbatches "$MICROBATCHES" "${CHUNKS[@]}" --timeline "$TRACE" --log "$LOG"
     LOGS_OF+=("$LOG")
     TRACES+=("$TRACE")
 done
