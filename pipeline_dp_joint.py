@@ -121,7 +121,7 @@ def main(argv=None):
         grid = Grid(env.rank, env.world_size, args.dp)
         if env.rank == 0:
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)
-        pos = grid.pipeline(args.virtual_stages if args.schedule == "interleaved" else 1)
+        pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
         replicas = DataParallelReplicas(grid)

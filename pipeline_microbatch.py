@@ -101,7 +101,7 @@ def validate_pipeline(args, stages, replicas):
     elif args.schedule != "interleaved" and args.virtual_stages != 1:
         fail(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not "
              f"{args.schedule}; drop it or use --schedule interleaved")
-    m, chunks = args.microbatches, chunk_count(args, stages)
+    m, chunks = args.microbatches, stages * args.virtual_stages
     if m <= 0:
         fail(f"--microbatches {m} must be a positive integer")
     if args.batch_size % (replicas * m):
@@ -125,10 +125,6 @@ def validate_pipeline(args, stages, replicas):
     elif chunks > num_blocks(args):
         fail(f"{chunks} pipeline stages (ranks x virtual stages) but the {args.model} has only "
              f"{num_blocks(args)} blocks; use fewer ranks or --virtual-stages, or a deeper model (--layers)")
-
-
-def chunk_count(args, stages):
-    return stages * (args.virtual_stages if args.schedule == "interleaved" else 1)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -604,8 +600,7 @@ def main(argv=None):
     args = parse_args(argv)
     data = load_data(args)
     with distributed(args) as env:
-        pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
-                           args.virtual_stages if args.schedule == "interleaved" else 1)
+        pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
         try:
