@@ -27,9 +27,15 @@ CIFAR_STD = (0.2470, 0.2435, 0.2616)
 # ----------------------------------------------------------------------------- errors and flags
 
 
+def print_error(message):
+    """One `error:` line in a single write, so the lines of ranks sharing a stderr pipe never interleave."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
 def fail(message):
     """Bad input: one line on stderr and exit 2, on every rank (all ranks parse the same flags)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print_error(message)
     sys.exit(2)
 
 
@@ -109,9 +115,29 @@ def torchrun_env(backend="auto"):
     return Env(rank, world, local_rank, local_world, backend, device)
 
 
+class CommError(RuntimeError):
+    """A message or collective that gave up (timeout, or a peer that died): the job cannot go on."""
+
+
+def is_comm_failure(e):
+    return isinstance(e, (CommError, dist.DistError)) or "gloo" in str(e)   # gloo raises plain RuntimeErrors
+
+
+@contextmanager
+def awaiting(what, timeout_s):
+    """Name what the code inside waits for, so a timeout says it: `rank 1 waited for <what> ...`."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, CommError) or not is_comm_failure(e):
+            raise
+        raise CommError(f"{what}, and gave up (timeout {timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
+
+
 @contextmanager
 def distributed(args):
-    """Threads, process group with a timeout (a bug becomes an error, not a hang), teardown."""
+    """Threads, process group with a timeout (a bug becomes an error, not a hang), teardown. A
+    communication failure ends this rank with one `error:` line and exit status 1."""
     torch.set_num_threads(args.threads)
     env = torchrun_env(args.backend)
     if env.device.type == "cuda":
@@ -122,6 +148,11 @@ def distributed(args):
                                 device_id=env.device if env.device.type == "cuda" else None)
     try:
         yield env
+    except RuntimeError as e:
+        if not is_comm_failure(e):
+            raise
+        print_error(e)
+        exit_now(1)                           # the process group is broken: do not wait on it again
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -28,8 +28,9 @@ layer, so they belong on the fastest links of all.
 import torch
 import torch.distributed as dist
 
-from common import base_parser, distributed, dp_slice, exit_now, fail, load_data, torchrun_env, validate_common
-from pipeline_microbatch import (PipelineError, PipelineRank, add_pipeline_flags, check_and_exit,
+from common import (awaiting, base_parser, distributed, dp_slice, exit_now, fail, load_data, torchrun_env,
+                    validate_common)
+from pipeline_microbatch import (PipelineRank, add_pipeline_flags, check_and_exit,
                                  schedule_actions, setup_stage, train, validate_pipeline)
 
 PROGRAM = "pipeline_dp_joint"
@@ -74,8 +75,10 @@ class Grid:
 class DataParallelReplicas:
     """The hooks pipeline_microbatch.train() calls: slice the batch, average gradients and loss."""
 
-    def __init__(self, grid):
+    def __init__(self, grid, timeout_s):
         self.dp_rank, self.dp_size, self.group = grid.dp_rank, grid.dp_size, grid.dp_group
+        self.waiting = (f"stage {grid.pp_rank} of pipeline {grid.dp_rank} waited for the all-reduce with its "
+                        f"data-parallel group, ranks {grid.ranks[:, grid.pp_rank].tolist()}", timeout_s)
 
     def slice(self, tensor):
         return dp_slice(tensor, self.dp_rank, self.dp_size)     # contiguous: the slices tile the batch
@@ -88,7 +91,8 @@ class DataParallelReplicas:
             return
         grads = [p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
+        with awaiting(*self.waiting):
+            dist.all_reduce(flat, group=self.group)
         flat /= self.dp_size
         for g, new in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(new.view_as(g))
@@ -96,7 +100,8 @@ class DataParallelReplicas:
     def average(self, loss):
         """The batch mean: each last stage holds its slice's mean loss; average over the column."""
         t = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(t, group=self.group)
+        with awaiting(*self.waiting):
+            dist.all_reduce(t, group=self.group)
         return t.item() / self.dp_size
 
 
@@ -124,23 +129,19 @@ def main(argv=None):
         pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
-        replicas = DataParallelReplicas(grid)
-        try:
-            if args.check:
-                x, y = data.batch(0, args.batch_size)
-                status = check_and_exit(env, runner, actions, model, args, x.to(env.device), y.to(env.device),
-                                        replica=(grid.dp_rank, grid.dp_size), sync_grads=replicas.sync_grads)
-            else:
-                status = train(args, env, pos, runner, actions, data, replicas, PROGRAM)
-                params = [p for chunk in runner.chunks for p in chunk.parameters()]
-                same = replicas_identical(params, grid)
-                if env.rank == 0:
-                    print(f"parameters bit-identical across the {grid.dp_size} replicas of every stage: "
-                          f"{'yes' if same else 'NO'}", flush=True)
-                status = status or (0 if same else 1)
-        except PipelineError as e:
-            print(f"error: {e}", flush=True)
-            exit_now(1)
+        replicas = DataParallelReplicas(grid, args.timeout_s)
+        if args.check:
+            x, y = data.batch(0, args.batch_size)
+            status = check_and_exit(env, runner, actions, model, args, x.to(env.device), y.to(env.device),
+                                    replica=(grid.dp_rank, grid.dp_size), sync_grads=replicas.sync_grads)
+        else:
+            status = train(args, env, pos, runner, actions, data, replicas, PROGRAM)
+            params = [p for chunk in runner.chunks for p in chunk.parameters()]
+            same = replicas_identical(params, grid)
+            if env.rank == 0:
+                print(f"parameters bit-identical across the {grid.dp_size} replicas of every stage: "
+                      f"{'yes' if same else 'NO'}", flush=True)
+            status = status or (0 if same else 1)
     exit_now(status)
 
 

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import (MetricsLog, Progress, base_parser, build_model, check_finite, distributed, dp_slice, exit_now, fail,
+from common import (CommError, MetricsLog, Progress, base_parser, build_model, check_finite, distributed, dp_slice, exit_now, fail,
                     gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
                     validate_common)
 
@@ -412,7 +412,7 @@ def flow_name(parts):
     return "_".join(name)
 
 
-class PipelineError(RuntimeError):
+class PipelineError(CommError):
     pass
 
 
@@ -603,15 +603,11 @@ def main(argv=None):
         pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
-        try:
-            if args.check:
-                x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-                status = check_and_exit(env, runner, actions, model, args, x, y)
-            else:
-                status = train(args, env, pos, runner, actions, data)
-        except PipelineError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            exit_now(1)                       # the process group is broken: do not wait on it again
+        if args.check:
+            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+            status = check_and_exit(env, runner, actions, model, args, x, y)
+        else:
+            status = train(args, env, pos, runner, actions, data)   # a PipelineError: distributed() reports it
     exit_now(status)
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (Attention, MetricsLog, Progress, base_parser, build_model, check_finite, distributed, exit_now,
+from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, distributed, exit_now,
                     fail, gather_peak_memory, load_data, make_optimizer, torchrun_env, validate_common)
 from single_baseline import evaluate, train_step
 
@@ -361,13 +361,15 @@ def train(model, args, data, env, log):
     for step in range(args.steps):
         x, y = (t.to(env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
         start = time.perf_counter()
-        loss = train_step(model, optimizer, x, y)  # logits are whole on every rank: each computes the loss
+        with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of step {step}", args.timeout_s):
+            loss = train_step(model, optimizer, x, y)  # logits are whole on every rank: each computes the loss
         step_time = time.perf_counter() - start
         check_finite(loss, step)
         log.write("train", step=step, loss=loss, step_time_s=step_time, samples_per_s=args.batch_size / step_time)
         progress.update(step, loss, step_time, args.batch_size)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            test_loss, test_acc = evaluate(model, data, env.device)  # every rank: the forward has collectives
+            with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of the evaluation", args.timeout_s):
+                test_loss, test_acc = evaluate(model, data, env.device)  # every rank: the forward has collectives
             log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
             if env.rank == 0:
                 print(f"step {step + 1}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)

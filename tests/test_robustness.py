@@ -1,10 +1,13 @@
 """Faults and launches: a dead rank, a hung rank, two torchrun agents as two nodes on loopback."""
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 from helpers import FAST, ROOT, launch, read_log
 
@@ -53,10 +56,10 @@ def ranks_of(marker):
     return found
 
 
-def start_and_wait_for_steps(tmp_path, extra, steps_seen=2):
+def start_and_wait_for_steps(tmp_path, extra, steps_seen=2, program="pipeline_microbatch.py", args=PIPELINE):
     log = str(tmp_path / "fault.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--",
-           os.path.join(ROOT, "pipeline_microbatch.py")] + PIPELINE + ["--steps", "100000", "--log", log] + extra
+           os.path.join(ROOT, program)] + args + ["--steps", "100000", "--log", log] + extra
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
@@ -77,11 +80,26 @@ def test_a_dead_rank_takes_the_job_down_quickly(tmp_path):
     read_log(log)  # what was written stays valid JSON lines
 
 
-def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp_path):
-    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "8"])
-    os.kill(ranks_of(log)[2], signal.SIGSTOP)
+@pytest.mark.parametrize("program,args,waited", [
+    ("pipeline_microbatch.py", PIPELINE,             # rank 2 stopped: its neighbours name it
+     r"error: stage [13] waited to (recv|send) the (activation|gradient) of microbatch \d+ (from|to) rank 2 "),
+    ("tensor_parallel.py", FAST + ["--model", "mlp", "--hidden", "32"],
+     r"error: rank [013] waited for the tensor-parallel collectives of step \d+, "),
+    ("pipeline_dp_joint.py", PIPELINE + ["--dp", "2", "--batch-size", "24", "--microbatches", "2"],   # grid [[0, 1], [2, 3]]
+     r"error: stage [01] of pipeline 0 waited for the all-reduce with its data-parallel group, ranks \[[01], [23]\], ")],
+    ids=["pipeline", "tensor-parallel", "joint"])
+def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp_path, program, args, waited):
+    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "8"], program=program, args=args)
+    stopped = ranks_of(log)[2]
+    os.kill(stopped, signal.SIGSTOP)
+    deadline = time.time() + 40
+    while set(ranks_of(log)) - {2} and time.time() < deadline:
+        time.sleep(0.2)
+    assert not set(ranks_of(log)) - {2}, "the other ranks must give up once --timeout-s has passed"
+    os.kill(stopped, signal.SIGKILL)  # torchrun's SIGTERM cannot wake a stopped process: it kills it 30 s later
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "waited" in err and "error:" in err, err[-3000:]
+    assert re.search(waited + r"and gave up \(timeout 8 s\)", err), err[-3000:]
+    assert err.count("Traceback (most recent call last)") <= 1, err[-3000:]   # torchrun's own, none of ours
     assert ranks_of(log) == {}
     read_log(log)
