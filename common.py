@@ -147,6 +147,9 @@ def distributed(args):
                                 timeout=datetime.timedelta(seconds=args.timeout_s),
                                 device_id=env.device if env.device.type == "cuda" else None)
     try:
+        if env.world_size > 1:  # every rank is up; and on nccl, batch_isend_irecv must not be the first collective
+            with awaiting(f"rank {env.rank} waited for all {env.world_size} ranks to start", args.timeout_s):
+                dist.barrier()
         yield env
     except RuntimeError as e:
         if not is_comm_failure(e):

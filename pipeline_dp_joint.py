@@ -75,8 +75,8 @@ class Grid:
 class DataParallelReplicas:
     """The hooks pipeline_microbatch.train() calls: slice the batch, average gradients and loss."""
 
-    def __init__(self, grid, timeout_s):
-        self.dp_rank, self.dp_size, self.group = grid.dp_rank, grid.dp_size, grid.dp_group
+    def __init__(self, grid, timeout_s, device):
+        self.dp_rank, self.dp_size, self.group, self.device = grid.dp_rank, grid.dp_size, grid.dp_group, device
         self.waiting = (f"stage {grid.pp_rank} of pipeline {grid.dp_rank} waited for the all-reduce with its "
                         f"data-parallel group, ranks {grid.ranks[:, grid.pp_rank].tolist()}", timeout_s)
 
@@ -99,7 +99,7 @@ class DataParallelReplicas:
 
     def average(self, loss):
         """The batch mean: each last stage holds its slice's mean loss; average over the column."""
-        t = torch.tensor([loss], dtype=torch.float64)
+        t = torch.tensor([loss], dtype=torch.float64, device=self.device)   # nccl reduces GPU tensors only
         with awaiting(*self.waiting):
             dist.all_reduce(t, group=self.group)
         return t.item() / self.dp_size
@@ -111,7 +111,7 @@ def replicas_identical(params, grid):
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     every = [torch.empty_like(flat) for _ in range(grid.dp_size)]
     dist.all_gather(every, flat, group=grid.dp_group)
-    same = torch.tensor([int(all(torch.equal(flat, other) for other in every))])
+    same = torch.tensor([int(all(torch.equal(flat, other) for other in every))], device=flat.device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     return bool(same.item())
 
@@ -129,7 +129,7 @@ def main(argv=None):
         pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
-        replicas = DataParallelReplicas(grid, args.timeout_s)
+        replicas = DataParallelReplicas(grid, args.timeout_s, env.device)
         if args.check:
             x, y = data.batch(0, args.batch_size)
             status = check_and_exit(env, runner, actions, model, args, x.to(env.device), y.to(env.device),
