@@ -45,7 +45,7 @@ activation of 1": both block for ever. Here a rank never waits on a send alone: 
 actions it posts the send of what it just computed together with the receive its next action
 needs, as one batch (send_forward_recv_backward, send_backward_recv_forward, and for interleaved
 the four-way send_forward_backward_recv_forward_backward after each F+B pair), and only then
-waits for the receives (the sends are waited for at the end of the step: Messenger.exchange).
+waits for the receives (its sends are waited for before its next sends: Messenger.exchange).
 Two neighbours that cross have each posted both halves, so both exchanges match. This is
 checked, not hoped for: dry_run() plays every rank's action list with blocking sends and names the
 first cycle of ranks waiting on each other; the tests run it for many (p, m, v), and show that the
@@ -346,7 +346,7 @@ class Messenger:
 
     def __init__(self, pos, shapes, device, timeout_s):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
-        self.sending = []                     # (work, tensor, part) of sends posted and not yet seen complete
+        self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
 
     def tag(self, msg):
         what, mb, vstage = msg
@@ -355,11 +355,16 @@ class Messenger:
     def exchange(self, parts, outbox, mb_size, record=None):
         """Post every part of one communication action at once, then wait for its receives only.
         A gloo send completes only once the peer has posted the matching receive; waiting for it
-        here would hold this stage's next forward until the next stage is ready, in lock step. So
-        sends are kept (with their tensors, which gloo reads until then) and waited in finish().
-        Removing waits cannot create a deadlock: every rank still posts the same messages in the
-        same order, and posting never blocks."""
-        ops, inbox, start = [], {}, time.perf_counter()     # the timeline's wait includes the posting
+        here would hold this stage's next compute until the next stage is ready, in lock step. So
+        the sends (with their tensors, which gloo reads until then) are waited just before the next
+        exchange that sends, as torch.distributed.pipelining's 1F1B does: a stage runs at most one
+        action ahead of its neighbour, and at most one exchange's sent tensors are alive. Delaying
+        a wait cannot create a deadlock: every rank still posts the same messages in the same order,
+        and posting never blocks."""
+        start = time.perf_counter()           # the timeline's wait includes the posting
+        if any(kind == "send" for kind, _, _ in parts):
+            self.finish()                     # the previous exchange's sends
+        ops, inbox = [], {}
         for kind, peer, msg in parts:
             if kind == "send":
                 tensor = outbox.pop(msg)
@@ -379,14 +384,13 @@ class Messenger:
         else:                                 # nccl: one work for the whole group
             for work in works:
                 self.wait(work, parts)
-        self.sending = [s for s in self.sending if not s[0].is_completed()]   # frees the sent tensors
         if record:
             mbs = [m[1] for k, _, m in sorted(parts, key=lambda part: part[0] != "send")]  # in the name's order
             record("wait", f"wait {flow_name(parts)} " + " ".join(f"mb{mb}" for mb in mbs), mbs[-1], start)
         return inbox
 
     def finish(self):
-        """Wait for the sends still in flight: the end of a step on this rank."""
+        """Wait for the sends still in flight (before the next sends, and at the end of a step)."""
         for work, _, part in self.sending:
             self.wait(work, [part])
         self.sending = []

@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc-per-node 2 -- benchmarks/gloo_send_wait.py
 
-This is why pipeline_microbatch.Messenger.exchange waits only for its receives and leaves the sends
-to the end of the step: waiting for a send would tie a stage's next forward to its neighbour being
-ready to receive (README, "Benchmarks", "Overheads", change 1).
+This is why pipeline_microbatch.Messenger.exchange waits only for its receives and waits for its sends
+just before the next exchange that sends: waiting for a send at once would tie a stage's next
+forward to its neighbour being ready to receive (README, "Benchmarks", "Overheads", change 1).
 """
 import os
 import time
