@@ -1,9 +1,15 @@
-"""Launch a program as a user would (python, or torchrun for several ranks) and read its log."""
+"""Launch a program as a user would (python, or torchrun for several ranks) and read its log; or run
+a test's function on several spawned gloo ranks."""
+import importlib
 import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--data", "synthetic", "--eval-every", "0", "--threads", "1"]  # what most tests add
@@ -55,3 +61,18 @@ def assert_same_losses(run, reference, atol=1e-4):
     worst = max(abs(a - b) for a, b in zip(got, want))
     assert worst <= atol, f"largest |loss - baseline loss| = {worst:.3g} > {atol}"
     return worst
+
+
+def _rank_main(rank, world, init_file, module, name):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    getattr(importlib.import_module(module), name)(rank, world, dist.group.WORLD)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # see common.exit_now: skip the C++ teardown that may abort on gloo
+
+
+def run_ranks(case, world, tmp_path):
+    """Run case(rank, world, group), a module-level function, on `world` spawned gloo ranks; an
+    assertion on any rank fails the test."""
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "rendezvous"), case.__module__, case.__name__), nprocs=world)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import pipeline_microbatch as pm
-from common import Cifar10Data, SyntheticData, load_data, torchrun_env
-from helpers import FAST, assert_same_losses, launch
+from common import Cifar10Data, Env, SyntheticData, load_data, torchrun_env
+from helpers import FAST, assert_same_losses, launch, run_ranks
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
 
@@ -65,6 +65,32 @@ def test_a_thousand_microbatches_1f1b_does_not_hold_them_all(tmp_path):
     assert runs["gpipe"].losses() == pytest.approx(runs["1f1b"].losses(), abs=1e-6)
     peak = {s: run.events("summary")[0]["peak_memory_mb"]["0"] for s, run in runs.items()}
     assert peak["gpipe"] - peak["1f1b"] > 80, f"peak memory of stage 0 in MB: {peak}"  # RSS varies by ~25 MB
+
+
+def test_sends_in_flight_are_only_the_last_exchanges(tmp_path):
+    """The memory bound of Messenger.exchange, on 2 spawned ranks for every schedule."""
+    run_ranks(_sends_in_flight_case, 2, tmp_path)
+
+
+def _sends_in_flight_case(rank, world, group):
+    env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
+    x, y = SyntheticData(0).batch(0, 24)
+    for schedule in pm.SCHEDULES:
+        args = pm.parse_args(MLP + ["--schedule", schedule, "--microbatches", "4"])
+        pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
+        _, runner = pm.setup_stage(args, env, pos)
+        messenger, exchange, last_sends = runner.messenger, runner.messenger.exchange, []
+
+        def watched(parts, *rest):
+            inbox = exchange(parts, *rest)
+            last_sends[:] = [part for part in parts if part[0] == "send"] or last_sends
+            in_flight = [part for _, _, part in messenger.sending]
+            assert all(part in last_sends for part in in_flight), (schedule, in_flight, last_sends)
+            return inbox
+        messenger.exchange = watched
+        pm.train_step(runner, pm.schedule_actions(schedule, pos, 4), x, y, 4)
+        assert messenger.sending == [], f"{schedule}: sends left in flight after the step"
+        assert last_sends, f"{schedule}: no exchange sent anything"
 
 
 def test_check_fails_naming_a_tensor_that_differs():

@@ -1,36 +1,17 @@
 """Tensor parallelism: each parallel layer against its full layer, against torch's own tensor parallelism,
 the collectives of one step counted, and the program against the baseline step by step."""
 import copy
-import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.testing import assert_close
 
 import tensor_parallel as tp
 from common import build_model
-from helpers import FAST, assert_same_losses, launch
-
-# ----------------------------------------------------------------------------- in-process ranks
-
-
-def _rank_main(rank, world, init_file, case_name):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    globals()[case_name](rank, world, dist.group.WORLD)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # see the end of tensor_parallel.py: skip the C++ teardown that may abort on gloo
-
-
-def run_ranks(case, world, tmp_path):
-    """Run case(rank, world, group) on `world` spawned gloo ranks; an assertion on any rank fails the test."""
-    mp.spawn(_rank_main, args=(world, str(tmp_path / "rendezvous"), case.__name__), nprocs=world)
+from helpers import FAST, assert_same_losses, launch, run_ranks
 
 
 def full_and_parallel(make_full, make_parallel, group):
