@@ -62,8 +62,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import (CommError, MetricsLog, Progress, base_parser, build_model, check_finite, distributed, dp_slice, exit_now, fail,
-                    gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
+from common import (CommError, MetricsLog, Progress, base_parser, build_model, check_finite, distributed, dp_slice,
+                    exit_now, fail, gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
                     validate_common)
 
 PROGRAM = "pipeline_microbatch"

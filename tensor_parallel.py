@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, distributed, exit_now,
-                    fail, gather_peak_memory, load_data, make_optimizer, torchrun_env, validate_common)
+from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, distributed,
+                    exit_now, fail, gather_peak_memory, load_data, make_optimizer, torchrun_env, validate_common)
 from single_baseline import evaluate, train_step
 
 PROGRAM = "tensor_parallel"
@@ -368,7 +368,8 @@ def train(model, args, data, env, log):
         log.write("train", step=step, loss=loss, step_time_s=step_time, samples_per_s=args.batch_size / step_time)
         progress.update(step, loss, step_time, args.batch_size)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of the evaluation", args.timeout_s):
+            evaluating = f"rank {env.rank} waited for the tensor-parallel collectives of the evaluation"
+            with awaiting(evaluating, args.timeout_s):
                 test_loss, test_acc = evaluate(model, data, env.device)  # every rank: the forward has collectives
             log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
             if env.rank == 0:

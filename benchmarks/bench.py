@@ -12,6 +12,7 @@ clock (rank 0's clock), so every engine pays the same two barriers. The engines 
 step (the order flips every step), so a noisy neighbour on the shared cores hits them alike.
 """
 import json
+import math
 import os
 import statistics
 import sys
@@ -40,9 +41,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.data, args.eval_every = "synthetic", 0
     counts = [int(c.split(":")[1]) for c in args.configs.split(",")] if args.configs else [8, 32]
-    uneven = [m for m in counts + [int(s) for s in args.bubble.split(",") if s] if args.batch_size % m]
+    counts = sorted(set(counts + [int(s) for s in args.bubble.split(",") if s]))
+    uneven = [m for m in counts if args.batch_size % m]
     if args.what == "pipeline" and uneven:
-        fail(f"--batch-size {args.batch_size} does not split into {uneven} microbatches; use a multiple of each")
+        fail(f"--batch-size {args.batch_size} does not split into {uneven} microbatches; "
+             f"use a multiple of {math.lcm(*counts)}")
     return args
 
 

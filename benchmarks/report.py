@@ -79,7 +79,8 @@ def verdict(rows):
     if not over:
         return "In this run our step time is at most torch's on every row (ours / torch <= 1.0)."
     return (f"In this run ours / torch is <= 1.0 on {len(rows) - len(over)} of {len(rows)} rows; above 1.0: "
-            + "; ".join(f"{r['config']} {r['ours_over_torch']:.3f} (paired {r['paired_ours_over_torch']:.3f})" for r in over) + ".")
+            + "; ".join(f"{r['config']} {r['ours_over_torch']:.3f} (paired {r['paired_ours_over_torch']:.3f})"
+                        for r in over) + ".")
 
 
 def bubble_table(bubbles):

@@ -125,7 +125,8 @@ class Scale(torch.nn.Module):
     (["--balance", "4,x"], 2, "error: --balance '4,x' must be comma-separated integers"),
     ([], 9, "error: 9 pipeline stages (ranks x virtual stages) but the mlp has only 8 blocks"),
     (["--schedule", "interleaved", "--virtual-stages", "0"], 2, "error: --virtual-stages 0 must be a positive"),
-    (["--schedule", "1f1b", "--virtual-stages", "3"], 2, "error: --virtual-stages 3 applies only to --schedule interleaved"),
+    (["--schedule", "1f1b", "--virtual-stages", "3"], 2,
+     "error: --virtual-stages 3 applies only to --schedule interleaved"),
     (["--layers", "1"], 2, "error: --layers 1: the mlp needs at least 2"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world, message):
