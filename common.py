@@ -58,7 +58,7 @@ def base_parser(description):
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50, help="test loss/accuracy every K steps (0: never)")
-    p.add_argument("--log", default=None, help="metrics log, JSON lines (default logs/<program>.jsonl)")
+    p.add_argument("--log-file", default=None, help="metrics log, JSON lines (default logs/<program>.jsonl)")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument("--timeout-s", type=float, default=180.0, help="collective/p2p timeout in seconds")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
@@ -82,8 +82,8 @@ def validate_common(args, program):
     if args.model == "vit" and args.hidden % args.heads:
         fail(f"--hidden {args.hidden} is not divisible by --heads {args.heads}; "
              f"choose --heads among the divisors of {args.hidden}")
-    if args.log is None:
-        args.log = os.path.join("logs", f"{program}.jsonl")
+    if args.log_file is None:
+        args.log_file = os.path.join("logs", f"{program}.jsonl")
 
 
 # ----------------------------------------------------------------------------- distributed setup

@@ -634,7 +634,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     params = [p for chunk in runner.chunks for p in chunk.parameters()]
     optimizer = make_optimizer(params, args)
     owner = pos.is_last_stage and replicas.dp_rank == 0     # the rank that owns the loss
-    log = MetricsLog(args.log, enabled=owner)
+    log = MetricsLog(args.log_file, enabled=owner)
     log.config(program, args, env)
     progress = Progress(args.steps, enabled=owner)
     for step in range(args.steps):

@@ -36,13 +36,13 @@ BASELINE_LOG="$LOGS/single_baseline_${MODEL}_b${BATCH_SIZE}.jsonl"
 JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}_dp${DP}_n${NPROC}_m${MICROBATCHES}.jsonl"
 
 echo "== baseline: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log "$BASELINE_LOG"
+"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatches ($SCHEDULE)"
 # "--" ends torchrun's own options: otherwise it reads the program's --log as an abbreviation of its --log-dir
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
     pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
-    --schedule "$SCHEDULE" --log "$JOINT_LOG"
+    --schedule "$SCHEDULE" --log-file "$JOINT_LOG"
 
 "$PYTHON" plot_curves.py "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
 echo "plot: $PLOT"

@@ -34,7 +34,7 @@ COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SI
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}.jsonl"
 
 echo "== baseline: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log "$BASELINE_LOG"
+"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 LOGS_OF=() TRACES=()
 for SCHEDULE in $SCHEDULES; do
@@ -46,7 +46,7 @@ for SCHEDULE in $SCHEDULES; do
     if [ "$SCHEDULE" = interleaved ]; then CHUNKS=(--virtual-stages "$VIRTUAL_STAGES"); fi
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
         pipeline_microbatch.py "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
-        --microbatches "$MICROBATCHES" "${CHUNKS[@]}" --timeline "$TRACE" --log "$LOG"
+        --microbatches "$MICROBATCHES" "${CHUNKS[@]}" --timeline "$TRACE" --log-file "$LOG"
     LOGS_OF+=("$LOG")
     TRACES+=("$TRACE")
 done

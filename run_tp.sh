@@ -32,12 +32,12 @@ BASELINE_LOG="$LOGS/single_baseline_${MODEL}.jsonl"
 TP_LOG="$LOGS/tensor_parallel_${MODEL}_tp${NPROC}.jsonl"
 
 echo "== baseline: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log "$BASELINE_LOG"
+"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 echo "== tensor parallel: degree $NPROC"
 # "--" ends torchrun's own options: otherwise it reads the program's --log as an abbreviation of its --log-dir
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
-    tensor_parallel.py "${COMMON[@]}" --backend "$BACKEND" --log "$TP_LOG"
+    tensor_parallel.py "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_LOG"
 
 "$PYTHON" plot_curves.py "$BASELINE_LOG" "$TP_LOG" -o "$PLOT"
 echo "plot: $PLOT"

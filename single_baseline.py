@@ -58,7 +58,7 @@ def main(argv=None):
     with distributed(args) as env:
         model = build_model(args).to(env.device)
         optimizer = make_optimizer(model.parameters(), args)
-        log = MetricsLog(args.log, enabled=True)
+        log = MetricsLog(args.log_file, enabled=True)
         log.config(PROGRAM, args, env)
         progress = Progress(args.steps, enabled=True)
         for step in range(args.steps):
@@ -77,7 +77,7 @@ def main(argv=None):
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
                   peak_memory_mb=gather_peak_memory(env))
         log.close()
-        print(f"wrote {args.log}")
+        print(f"wrote {args.log_file}")
 
 
 if __name__ == "__main__":

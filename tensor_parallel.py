@@ -385,14 +385,14 @@ def main(argv=None):
         model = parallelize(build_model(args), args.model, group).to(env.device)
         if args.check:
             return run_check(model, args, data, env, group)
-        log = MetricsLog(args.log, enabled=env.rank == 0)  # TP rank 0 owns the (replicated) loss
+        log = MetricsLog(args.log_file, enabled=env.rank == 0)  # TP rank 0 owns the (replicated) loss
         log.config(PROGRAM, args, env)
         progress = train(model, args, data, env, log)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
                   peak_memory_mb=gather_peak_memory(env))
         log.close()
         if env.rank == 0:
-            print(f"wrote {args.log}")
+            print(f"wrote {args.log_file}")
     return 0
 
 

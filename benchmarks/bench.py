@@ -1,6 +1,6 @@
 """Benchmark worker: our engines and PyTorch's, stepped alternately in the same torchrun processes.
 
-Launched by benchmarks/report.py (which writes the README's benchmark section); by hand:
+Launched by benchmarks/report.py (which writes docs/benchmarks.md); by hand:
 
     torchrun --standalone --nproc-per-node 4 -- benchmarks/bench.py pipeline --out logs/bench/pp.json
     torchrun --standalone --nproc-per-node 2 -- benchmarks/bench.py tp --out logs/bench/tp2.json

@@ -4,7 +4,7 @@
 
 This is why pipeline_microbatch.Messenger.exchange waits only for its receives and waits for its sends
 just before the next exchange that sends: waiting for a send at once would tie a stage's next
-forward to its neighbour being ready to receive (README, "Benchmarks", "Overheads", change 1).
+forward to its neighbour being ready to receive (docs/benchmarks.md, "Overheads", change 1).
 """
 import os
 import time

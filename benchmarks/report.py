@@ -1,5 +1,5 @@
-"""Run every benchmark of issue 7 in one invocation and rewrite the README's benchmark
-section (between its benchmarks:begin/end markers) and plots/pipeline_memory.png.
+"""Run every benchmark in one invocation and rewrite docs/benchmarks.md
+(between its benchmarks:begin/end markers) and plots/pipeline_memory.png.
 
     bash benchmarks/run.sh            # = python benchmarks/report.py (about 6-8 minutes on 2 cores)
 
@@ -43,7 +43,7 @@ def run_all(repeat):
             torchrun(4, "pipeline_microbatch.py", [
                 "--model", "cnn", "--data", "synthetic", "--schedule", schedule, "--microbatches", str(m),
                 "--batch-size", str(MEMORY_MB * m), "--steps", "2", "--eval-every", "0",
-                "--log", f"{LOGS}/memory-{schedule}-{m}.jsonl"])
+                "--log-file", f"{LOGS}/memory-{schedule}-{m}.jsonl"])
 
 
 def load():
@@ -141,18 +141,18 @@ def write_doc(pipeline, tp_rows, memory, command, seconds):
         bubble_table="\n".join(bubble_table(pipeline["bubble"])),
         memory_table="\n".join(memory_table(memory)),
         verdict=verdict(pipeline["rows"] + tp_rows))
-    readme = os.path.join(ROOT, "README.md")
-    with open(readme) as f:
+    doc = os.path.join(ROOT, "docs", "benchmarks.md")
+    with open(doc) as f:
         before, rest = f.read().split(BEGIN, 1)
         after = rest.split(END, 1)[1]
-    with open(readme, "w") as f:
+    with open(doc, "w") as f:
         f.write(before + BEGIN + "\n" + text.strip() + "\n" + END + after)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeat", type=int, default=10, help="timed steps per engine and configuration")
-    p.add_argument("--no-run", action="store_true", help="only rewrite the README section and plot from logs/bench")
+    p.add_argument("--no-run", action="store_true", help="only rewrite docs/benchmarks.md and plot from logs/bench")
     args = p.parse_args()
     start = time.perf_counter()
     if not args.no_run:
@@ -167,7 +167,7 @@ def main():
     repeat = pipeline["args"]["repeat"]
     write_doc(pipeline, tp_rows, memory, "bash benchmarks/run.sh" + (f" --repeat {repeat}" if repeat != 10 else ""),
               seconds)
-    print(f"rewrote README.md's benchmark section and plots/pipeline_memory.png ({seconds or 0:.0f} s)")
+    print(f"rewrote docs/benchmarks.md and plots/pipeline_memory.png ({seconds or 0:.0f} s)")
 
 
 if __name__ == "__main__":

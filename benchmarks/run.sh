@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every benchmark of the README's benchmark section in one invocation: ours vs torch.distributed.pipelining and
+# Every benchmark of docs/benchmarks.md in one invocation: ours vs torch.distributed.pipelining and
 # torch.distributed.tensor.parallel, vs the single-process baseline, bubble, peak memory per stage.
 #   bash benchmarks/run.sh                 # ~7 minutes on 2 CPU cores
 #   PYTHON=.venv/bin/python bash benchmarks/run.sh --repeat 20

@@ -47,7 +47,7 @@ def launch(program, args, tmp_path, nproc=1, timeout=240, log_name=None):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "--", script]  # "--": torchrun 2.13 would take --log for its --log-dir
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd + list(args) + ["--log", log], cwd=str(tmp_path), env=env,
+    proc = subprocess.run(cmd + list(args) + ["--log-file", log], cwd=str(tmp_path), env=env,
                           capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout, proc.stderr, read_log(log))
 

@@ -23,7 +23,7 @@ def free_port():
 def torchrun_node(node_rank, port, args, log, nnodes=2, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--",
-           os.path.join(ROOT, "pipeline_microbatch.py")] + args + ["--log", log]
+           os.path.join(ROOT, "pipeline_microbatch.py")] + args + ["--log-file", log]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -59,7 +59,7 @@ def ranks_of(marker):
 def start_and_wait_for_steps(tmp_path, extra, steps_seen=2, program="pipeline_microbatch.py", args=PIPELINE):
     log = str(tmp_path / "fault.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--",
-           os.path.join(ROOT, program)] + args + ["--steps", "100000", "--log", log] + extra
+           os.path.join(ROOT, program)] + args + ["--steps", "100000", "--log-file", log] + extra
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
