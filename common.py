@@ -6,12 +6,17 @@ every rank can draw identically, the three models as ordered lists of blocks, an
 """
 import argparse
 import datetime
+import fcntl
+import functools
 import json
 import math
 import os
 import resource
+import shutil
 import sys
+import tempfile
 import time
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -50,8 +55,9 @@ def base_parser(description):
     p.add_argument("--layers", type=int, default=4, help="mlp: Linear layers; vit: blocks")
     p.add_argument("--hidden", type=int, default=128, help="mlp: width; vit: embedding width")
     p.add_argument("--heads", type=int, default=4, help="vit: attention heads")
-    p.add_argument("--data", choices=["cifar10", "synthetic"], default="cifar10")
-    p.add_argument("--data-dir", default="./data")
+    p.add_argument("--data", choices=["auto", "cifar10", "synthetic"], default="auto",
+                   help="auto: CIFAR-10 if it is in --data-dir or can be downloaded, else synthetic")
+    p.add_argument("--data-dir", default="./data", help="where CIFAR-10 is, or is downloaded to once")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=64, help="global batch of one optimizer step")
     p.add_argument("--lr", type=float, default=0.02)
@@ -176,17 +182,23 @@ def seed_everything(seed):
 
 # ----------------------------------------------------------------------------- data
 
+DOWNLOAD_TIMEOUT_S = 30   # no answer from the server for this long: treat the machine as offline
+LOCK_TIMEOUT_S = 900      # how long a rank waits while another process downloads and extracts
+FAILED_MARK = ".cifar10-download-failed"   # a failed attempt, so the next ranks do not retry it
+
 
 class SyntheticData:
     """CIFAR-shaped, learnable and deterministic: each class is a smooth random 3x32x32 pattern;
     a sample is its class pattern at a random contrast plus noise. Batches are generated from
     (seed, step) on demand, so memory stays small however long the run."""
+    name = "synthetic"
 
-    def __init__(self, seed, test_size=2000):
+    def __init__(self, seed, test_size=2000, note=None):
         g = torch.Generator().manual_seed(seed)
         coarse = torch.randn(NUM_CLASSES, 3, 8, 8, generator=g)
         self.prototypes = F.interpolate(coarse, size=32, mode="bilinear", align_corners=False)
         self.seed = seed
+        self.note = note       # why --data auto fell back to this set (None when asked for)
         self.test_set = self._draw(torch.Generator().manual_seed(seed + 7919), test_size)
 
     def _draw(self, g, n):
@@ -207,26 +219,22 @@ class SyntheticData:
 class Cifar10Data:
     """CIFAR-10 held as uint8 tensors, normalised per batch; the order is a seeded permutation
     per epoch, so batch k is the same on every rank and in every program."""
+    name = "cifar10"
+    note = None
 
-    def __init__(self, data_dir, seed):
-        try:
-            import torchvision  # imported here: the CPU torch often cannot import it (DESIGN.md)
-        except Exception as e:  # noqa: BLE001 (any import failure means the same thing here)
-            fail(f"--data cifar10 needs torchvision, which failed to import ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:120]}); install a torchvision matching torch "
-                 f"{torch.__version__}, or use --data synthetic")
+    def __init__(self, torchvision, data_dir, seed):
         self.train = self._load(torchvision, data_dir, train=True)
         self.test = self._load(torchvision, data_dir, train=False)
         self.seed = seed
 
     @staticmethod
     def _load(torchvision, data_dir, train):
-        try:
-            ds = torchvision.datasets.CIFAR10(data_dir, train=train, download=True)
-        except Exception as e:  # noqa: BLE001 (no network, a partial file, a full disk, ...)
-            fail(f"CIFAR-10 is not in --data-dir {data_dir} and could not be downloaded "
-                 f"({type(e).__name__}); download it on a machine with network into that folder, "
-                 f"or use --data synthetic")
+        try:  # download=False: the files are there (ensure_cifar10); this checks their md5 sums
+            ds = torchvision.datasets.CIFAR10(data_dir, train=train, download=False)
+        except Exception as e:  # noqa: BLE001 (a missing or damaged batch file, a bad pickle)
+            folder = os.path.join(data_dir, torchvision.datasets.CIFAR10.base_folder)
+            fail(f"the CIFAR-10 files in {folder} are damaged ({str(e).splitlines()[0][:100]}); "
+                 f"move that folder away to download it afresh, or use --data synthetic")
         x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # uint8 N x 3 x 32 x 32
         return x, torch.tensor(ds.targets)
 
@@ -236,31 +244,156 @@ class Cifar10Data:
         std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
         return (x.float() / 255 - mean) / std
 
-    def batch(self, step, batch_size):
-        x, y = self.train
-        per_epoch = len(y) // batch_size
-        epoch, i = divmod(step, per_epoch)
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(self.seed + epoch))
-        idx = order[i * batch_size:(i + 1) * batch_size]
-        return self.normalise(x[idx]), y[idx]
-
-    def labels(self, step, batch_size):
-        """batch(step, batch_size)[1] without normalising the images."""
+    def _order(self, step, batch_size):
         per_epoch = len(self.train[1]) // batch_size
         epoch, i = divmod(step, per_epoch)
         order = torch.randperm(len(self.train[1]), generator=torch.Generator().manual_seed(self.seed + epoch))
-        return self.train[1][order[i * batch_size:(i + 1) * batch_size]]
+        return order[i * batch_size:(i + 1) * batch_size]
 
-    @property
-    def test_set(self):
+    def batch(self, step, batch_size):
+        idx = self._order(step, batch_size)
+        return self.normalise(self.train[0][idx]), self.train[1][idx]
+
+    def labels(self, step, batch_size):
+        """batch(step, batch_size)[1] without normalising the images."""
+        return self.train[1][self._order(step, batch_size)]
+
+    @functools.cached_property
+    def test_set(self):  # normalised once: every evaluation reuses it
         return self.normalise(self.test[0]), self.test[1]
 
 
+class DataUnavailable(Exception):
+    """CIFAR-10 cannot be had here (no torchvision, no network): --data auto falls back."""
+
+
+@contextmanager
+def file_lock(path, what, timeout_s):
+    """An exclusive lock on `path` (released by the kernel if its holder dies), waited for with a timeout."""
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    fail(f"waited {timeout_s:g} s for {path}, held by another process {what}; "
+                         f"wait for it to finish, or use another --data-dir")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def import_torchvision():
+    try:
+        import torchvision  # imported here: only the CIFAR-10 path needs it
+        return torchvision
+    except Exception as e:  # noqa: BLE001 (any import failure means the same thing here)
+        raise DataUnavailable(f"torchvision failed to import ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:100]}); install the torchvision that matches "
+                              f"torch {torch.__version__}") from None
+
+
+def download_archive(cifar, archive):
+    """Stream the archive into a private temporary file, check its md5, then rename it into place."""
+    part = f"{archive}.part{os.getpid()}"
+    print(f"downloading CIFAR-10 from {cifar.url} ...", end="", flush=True)
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(cifar.url, timeout=DOWNLOAD_TIMEOUT_S) as r, open(part, "wb") as f:
+            shutil.copyfileobj(r, f, 1 << 20)
+    except (OSError, ValueError) as e:  # URLError, refused, timeout, DNS: no network
+        print(" failed", flush=True)
+        if os.path.exists(part):
+            os.remove(part)             # our own partial file, never the user's
+        reason = getattr(e, "reason", e)
+        raise DataUnavailable(f"could not download {cifar.url} ({type(e).__name__}: {reason})") from None
+    size = os.path.getsize(part)
+    from torchvision.datasets.utils import check_integrity
+    if not check_integrity(part, cifar.tgz_md5):
+        os.remove(part)
+        print(" failed", flush=True)
+        raise DataUnavailable(f"the download from {cifar.url} ({size} bytes) failed its md5 check")
+    os.replace(part, archive)           # atomic: the archive is whole or absent
+    print(f" {size / 1e6:.0f} MB in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def extract_archive(torchvision, cifar, archive, data_dir):
+    """Unpack into a temporary folder, then rename: a reader sees the whole folder or none."""
+    from torchvision.datasets.utils import check_integrity
+    if not check_integrity(archive, cifar.tgz_md5):
+        fail(f"{archive} is truncated or corrupt (its md5 is not {cifar.tgz_md5}); it was left as it is: "
+             f"delete or move it to download afresh, or use --data synthetic")
+    tmp = tempfile.mkdtemp(prefix=".extract-", dir=data_dir)
+    try:
+        torchvision.datasets.utils.extract_archive(archive, tmp)
+        os.rename(os.path.join(tmp, cifar.base_folder), os.path.join(data_dir, cifar.base_folder))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_cifar10(torchvision, data_dir):
+    """Make CIFAR-10 present in data_dir: one process at a time per data dir (every rank and every
+    job on this machine) downloads or extracts; the others wait for the lock, then find it done."""
+    cifar = torchvision.datasets.CIFAR10
+    if os.path.isdir(os.path.join(data_dir, cifar.base_folder)):
+        return                                    # already there: read-only data dirs work too
+    os.makedirs(data_dir, exist_ok=True)
+    with file_lock(os.path.join(data_dir, ".cifar10.lock"), "downloading CIFAR-10", LOCK_TIMEOUT_S):
+        if os.path.isdir(os.path.join(data_dir, cifar.base_folder)):
+            return                                # another rank or job made it while we waited
+        archive, failed = os.path.join(data_dir, cifar.filename), os.path.join(data_dir, FAILED_MARK)
+        if not os.path.exists(archive):
+            # a rank that just failed to download says why; the next ranks do not wait 30 s each again
+            if os.path.exists(failed) and time.time() - os.path.getmtime(failed) < 2 * DOWNLOAD_TIMEOUT_S:
+                raise DataUnavailable(open(failed).read())
+            try:
+                download_archive(cifar, archive)
+            except DataUnavailable as e:
+                with open(failed, "w") as f:
+                    f.write(str(e))
+                raise
+        extract_archive(torchvision, cifar, archive, data_dir)
+        if os.path.exists(failed):
+            os.remove(failed)
+
+
 def load_data(args):
-    """The data set of --data; call before init so a missing data set fails before any collective."""
+    """The data of --data, before init, so a missing data set fails before any collective.
+    --data auto falls back to the synthetic set here; agree_on_data() then makes every rank agree."""
     if args.data == "synthetic":
         return SyntheticData(args.seed)
-    return Cifar10Data(args.data_dir, args.seed)
+    try:
+        torchvision = import_torchvision()
+        ensure_cifar10(torchvision, args.data_dir)
+    except DataUnavailable as e:
+        if args.data == "cifar10":
+            fail(f"CIFAR-10 is not in --data-dir {args.data_dir} and cannot be had: {e}; "
+                 f"put cifar-10-python.tar.gz there, or use --data synthetic")
+        return SyntheticData(args.seed, note=f"CIFAR-10 is not in --data-dir {args.data_dir} and {e}")
+    return Cifar10Data(torchvision, args.data_dir, args.seed)
+
+
+def agree_on_data(data, args, env):
+    """After init, under --data auto: if any rank fell back (a node without the files or the
+    network), every rank uses the synthetic set. Sets args.data to the data actually used (the
+    config record and the plot titles read it) and prints the one note, from rank 0."""
+    if args.data == "auto" and env.world_size > 1:
+        mine = torch.tensor([data.name == "cifar10"], dtype=torch.int32, device=env.device)
+        every = [torch.zeros_like(mine) for _ in range(env.world_size)]
+        with awaiting(f"rank {env.rank} waited for every rank to say which data it found", args.timeout_s):
+            dist.all_gather(every, mine)
+        lacking = [r for r, t in enumerate(every) if not t.item()]
+        if lacking and data.name == "cifar10":
+            data = SyntheticData(args.seed, note=f"ranks {lacking} have no CIFAR-10 in --data-dir {args.data_dir}")
+    if args.data == "auto" and data.note and env.rank == 0:
+        print(f"note: --data auto uses the SYNTHETIC data: {data.note}. For CIFAR-10, run once with "
+              f"network, or put cifar-10-python.tar.gz into {args.data_dir}", flush=True)
+    args.data = data.name
+    return data
 
 
 def test_batches(data, batch_size):

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from common import (awaiting, base_parser, distributed, dp_slice, exit_now, fail, load_data, torchrun_env,
                     validate_common)
+from common import agree_on_data
 from pipeline_microbatch import (PipelineRank, add_pipeline_flags, check_and_exit,
                                  schedule_actions, setup_stage, train, validate_pipeline)
 
@@ -123,6 +124,7 @@ def main(argv=None):
     args = parse_args(argv)
     data = load_data(args)
     with distributed(args) as env:
+        data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         grid = Grid(env.rank, env.world_size, args.dp)
         if env.rank == 0:
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)

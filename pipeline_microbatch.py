@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from common import (CommError, MetricsLog, Progress, base_parser, build_model, check_finite, distributed, dp_slice,
                     exit_now, fail, gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
                     validate_common)
+from common import agree_on_data
 
 PROGRAM = "pipeline_microbatch"
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -604,6 +605,7 @@ def main(argv=None):
     args = parse_args(argv)
     data = load_data(args)
     with distributed(args) as env:
+        data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)

@@ -15,7 +15,7 @@ trap 'rc=$?; echo "$(basename "$0"): stopped: this step failed with exit status 
 NPROC=${NPROC:-4}                      # pipeline stages = number of ranks
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
-DATA=${DATA:-cifar10}                  # cifar10 | synthetic
+DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
 MICROBATCHES=${MICROBATCHES:-4}
 SCHEDULES=${SCHEDULES:-"gpipe 1f1b"}   # any of gpipe 1f1b interleaved
 VIRTUAL_STAGES=${VIRTUAL_STAGES:-2}    # interleaved only

@@ -14,7 +14,7 @@ trap 'rc=$?; echo "$(basename "$0"): stopped: this step failed with exit status 
 NPROC=${NPROC:-2}              # tensor-parallel degree = number of ranks
 MODEL=${MODEL:-cnn}            # cnn | mlp | vit
 STEPS=${STEPS:-300}
-DATA=${DATA:-cifar10}          # cifar10 | synthetic
+DATA=${DATA:-auto}             # auto | cifar10 | synthetic
 BACKEND=${BACKEND:-auto}       # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from common import (MetricsLog, Progress, base_parser, build_model, check_finite, distributed, fail,
                     gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
                     validate_common)
+from common import agree_on_data
 
 PROGRAM = "single_baseline"
 
@@ -56,6 +57,7 @@ def main(argv=None):
     args = parse_args(argv)
     data = load_data(args)
     with distributed(args) as env:
+        data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         model = build_model(args).to(env.device)
         optimizer = make_optimizer(model.parameters(), args)
         log = MetricsLog(args.log_file, enabled=True)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, distributed,
                     exit_now, fail, gather_peak_memory, load_data, make_optimizer, torchrun_env, validate_common)
+from common import agree_on_data
 from single_baseline import evaluate, train_step
 
 PROGRAM = "tensor_parallel"
@@ -381,6 +382,7 @@ def main(argv=None):
     args = parse_args(argv)
     data = load_data(args)
     with distributed(args) as env:
+        data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         group = dist.group.WORLD if dist.is_initialized() else None
         model = parallelize(build_model(args), args.model, group).to(env.device)
         if args.check:
