@@ -1,0 +1,98 @@
+"""The data path a user takes: --data cifar10 through torchvision's CIFAR10, downloaded once from a
+loopback mirror of a fabricated archive; --data auto falling back offline; a corrupt archive."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import cifar_mirror as cm
+from helpers import ROOT, launch, read_log
+
+ARGS = ["--model", "mlp", "--layers", "4", "--hidden", "32", "--steps", "4", "--batch-size", "16",
+        "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return cm.make_archive()
+
+
+@pytest.fixture
+def mirror(fake, tmp_path, monkeypatch):
+    archive, md5s = fake
+    server = cm.Mirror(archive)
+    cm.mirror_env(monkeypatch, cm.write_spec(tmp_path / "spec.json", server.url, archive, md5s))
+    yield server
+    server.close()
+
+
+def torchrun(program, args, tmp_path, nproc):
+    """As a user types it: torchrun, the script, its flags (no `--`)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(ROOT, program), *args]
+    return subprocess.run(cmd, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_four_ranks_download_once_train_evaluate_and_match_the_baseline(mirror, tmp_path, fake):
+    data_dir = str(tmp_path / "data")
+    args = ARGS + ["--data", "cifar10", "--data-dir", data_dir, "--eval-every", "2"]
+    run = torchrun("pipeline_microbatch.py", args + ["--log-file", "pipe.jsonl"], tmp_path, nproc=4)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert mirror.requests == 1                                   # one download for 4 ranks, train and test
+    assert run.stdout.count("downloading CIFAR-10") == 1 and "%|" not in run.stdout + run.stderr  # no tqdm bars
+    records = read_log(str(tmp_path / "pipe.jsonl"))
+    assert records[0]["args"]["data"] == "cifar10"
+    assert len([r for r in records if r["event"] == "eval"]) == 2
+    reference = launch("single_baseline.py", args, tmp_path)      # the same files: no second download
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert mirror.requests == 1
+    got = [r["loss"] for r in records if r["event"] == "train"]
+    assert len(got) == len(reference.losses()) == 4
+    assert max(abs(a - b) for a, b in zip(got, reference.losses())) <= 1e-4
+    assert sorted(os.listdir(data_dir)) == [".cifar10.lock", cm.FOLDER, cm.ARCHIVE]  # no temp files left
+
+
+def test_a_truncated_archive_is_one_error_and_stays_where_it_was(mirror, tmp_path, fake):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / cm.ARCHIVE).write_bytes(fake[0][: len(fake[0]) // 2])
+    run = launch("single_baseline.py", ARGS + ["--data", "cifar10", "--data-dir", str(data_dir)], tmp_path)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "truncated or corrupt" in lines[0], run.stderr
+    assert (data_dir / cm.ARCHIVE).stat().st_size == len(fake[0]) // 2    # the user's file, untouched
+    assert mirror.requests == 0 and not (data_dir / cm.FOLDER).exists()
+
+
+@pytest.fixture
+def offline(fake, tmp_path, monkeypatch):
+    archive, md5s = fake
+    cm.mirror_env(monkeypatch, cm.write_spec(tmp_path / "spec.json", cm.closed_port_url(), archive, md5s))
+
+
+def test_offline_auto_falls_back_to_synthetic_with_one_note_and_cifar10_fails(offline, tmp_path):
+    data_dir = str(tmp_path / "data")
+    run = torchrun("tensor_parallel.py", ARGS + ["--data-dir", data_dir, "--log-file", "tp.jsonl"], tmp_path, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    notes = [line for line in run.stdout.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "SYNTHETIC" in notes[0] and "could not download" in notes[0], run.stdout
+    assert read_log(str(tmp_path / "tp.jsonl"))[0]["args"]["data"] == "synthetic"
+    strict = launch("single_baseline.py", ARGS + ["--data", "cifar10", "--data-dir", data_dir], tmp_path)
+    assert strict.returncode == 2
+    lines = strict.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: CIFAR-10 is not in --data-dir"), strict.stderr
+
+
+def test_run_tp_with_no_data_knob_runs_offline_and_plots(offline, tmp_path):
+    """Only STEPS is set (the 300 default steps take minutes on two shared cores); --data-dir keeps
+    the test out of the repository's data/ (the launcher runs in its own folder)."""
+    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), PLOTS=str(tmp_path / "plots"),
+               STEPS="20", OMP_NUM_THREADS="1")
+    env.pop("DATA", None)
+    run = subprocess.run(["bash", os.path.join(ROOT, "run_tp.sh"), "--data-dir", str(tmp_path / "data")], cwd=str(tmp_path), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "note: --data auto uses the SYNTHETIC data" in run.stdout
+    assert (tmp_path / "plots" / "tp_loss.png").stat().st_size > 10_000
