@@ -368,7 +368,10 @@ def load_data(args):
         return SyntheticData(args.seed)
     try:
         torchvision = import_torchvision()
-        ensure_cifar10(torchvision, args.data_dir)
+        try:
+            ensure_cifar10(torchvision, args.data_dir)
+        except OSError as e:  # a data dir we may not write, a full disk
+            raise DataUnavailable(f"could not be written there ({type(e).__name__}: {e})") from None
     except DataUnavailable as e:
         if args.data == "cifar10":
             fail(f"CIFAR-10 is not in --data-dir {args.data_dir} and cannot be had: {e}; "

@@ -96,3 +96,38 @@ def test_run_tp_with_no_data_knob_runs_offline_and_plots(offline, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "note: --data auto uses the SYNTHETIC data" in run.stdout
     assert (tmp_path / "plots" / "tp_loss.png").stat().st_size > 10_000
+
+
+def test_two_jobs_on_one_empty_data_dir_download_once(mirror, tmp_path):
+    data_dir = str(tmp_path / "data")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    jobs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "single_baseline.py"), *ARGS, "--data", "cifar10",
+                              "--data-dir", data_dir, "--eval-every", "0", "--log-file", f"job{i}.jsonl"],
+                             cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)]
+    outputs = [job.communicate(timeout=300) for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert mirror.requests == 1
+    first, second = (read_log(str(tmp_path / f"job{i}.jsonl")) for i in range(2))
+    assert [r["loss"] for r in first if r["event"] == "train"] == [r["loss"] for r in second if r["event"] == "train"]
+
+
+class FoundCifar:
+    """Stands in for a Cifar10Data on the ranks that found the files."""
+    name, note = "cifar10", None
+
+
+def ranks_disagree(rank, world, group):
+    import argparse
+    import torch
+    from common import Env, SyntheticData, agree_on_data
+    args = argparse.Namespace(data="auto", seed=0, data_dir="data", timeout_s=60.0)
+    env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
+    found = FoundCifar() if rank != 1 else SyntheticData(0, note="no network")
+    data = agree_on_data(found, args, env)
+    assert data.name == "synthetic" and args.data == "synthetic", (rank, data.name)
+
+
+def test_when_one_rank_has_no_cifar10_every_rank_uses_synthetic(tmp_path):
+    from helpers import run_ranks
+    run_ranks(ranks_disagree, 3, tmp_path)
