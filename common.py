@@ -310,13 +310,14 @@ def download_archive(cifar, archive):
         if os.path.exists(part):
             os.remove(part)             # our own partial file, never the user's
         reason = getattr(e, "reason", e)
-        raise DataUnavailable(f"could not download {cifar.url} ({type(e).__name__}: {reason})") from None
+        raise DataUnavailable(f"could not download {cifar.url} ({type(e).__name__}: {reason}); for CIFAR-10, "
+                              f"run once with network or copy {cifar.filename} into {os.path.dirname(archive)}") from None
     size = os.path.getsize(part)
     from torchvision.datasets.utils import check_integrity
     if not check_integrity(part, cifar.tgz_md5):
         os.remove(part)
         print(" failed", flush=True)
-        raise DataUnavailable(f"the download from {cifar.url} ({size} bytes) failed its md5 check")
+        raise DataUnavailable(f"the download from {cifar.url} ({size} bytes) failed its md5 check; try again later")
     os.replace(part, archive)           # atomic: the archive is whole or absent
     print(f" {size / 1e6:.0f} MB in {time.perf_counter() - start:.0f} s", flush=True)
 
@@ -371,19 +372,19 @@ def load_data(args):
         try:
             ensure_cifar10(torchvision, args.data_dir)
         except OSError as e:  # a data dir we may not write, a full disk
-            raise DataUnavailable(f"could not be written there ({type(e).__name__}: {e})") from None
+            raise DataUnavailable(f"cannot write there ({type(e).__name__}: {e}); choose another --data-dir") from None
     except DataUnavailable as e:
         if args.data == "cifar10":
-            fail(f"CIFAR-10 is not in --data-dir {args.data_dir} and cannot be had: {e}; "
-                 f"put cifar-10-python.tar.gz there, or use --data synthetic")
-        return SyntheticData(args.seed, note=f"CIFAR-10 is not in --data-dir {args.data_dir} and {e}")
+            fail(f"CIFAR-10 is not in --data-dir {args.data_dir}: {e}; or use --data synthetic")
+        return SyntheticData(args.seed, note=f"CIFAR-10 is not in --data-dir {args.data_dir}: {e}")
     return Cifar10Data(torchvision, args.data_dir, args.seed)
 
 
 def agree_on_data(data, args, env):
     """After init, under --data auto: if any rank fell back (a node without the files or the
     network), every rank uses the synthetic set. Sets args.data to the data actually used (the
-    config record and the plot titles read it) and prints the one note, from rank 0."""
+    config record and the plot titles read it); the first rank that fell back prints the one note."""
+    lacking = [env.rank] if data.name != "cifar10" else []
     if args.data == "auto" and env.world_size > 1:
         mine = torch.tensor([data.name == "cifar10"], dtype=torch.int32, device=env.device)
         every = [torch.zeros_like(mine) for _ in range(env.world_size)]
@@ -391,10 +392,10 @@ def agree_on_data(data, args, env):
             dist.all_gather(every, mine)
         lacking = [r for r, t in enumerate(every) if not t.item()]
         if lacking and data.name == "cifar10":
-            data = SyntheticData(args.seed, note=f"ranks {lacking} have no CIFAR-10 in --data-dir {args.data_dir}")
-    if args.data == "auto" and data.note and env.rank == 0:
-        print(f"note: --data auto uses the SYNTHETIC data: {data.note}. For CIFAR-10, run once with "
-              f"network, or put cifar-10-python.tar.gz into {args.data_dir}", flush=True)
+            data = SyntheticData(args.seed)
+    if args.data == "auto" and lacking and env.rank == lacking[0]:
+        ranks = f" (ranks {lacking} of {env.world_size} found no CIFAR-10)" if len(lacking) < env.world_size else ""
+        print(f"note: --data auto uses the SYNTHETIC data{ranks}: {data.note}", flush=True)
     args.data = data.name
     return data
 

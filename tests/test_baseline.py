@@ -52,7 +52,8 @@ def test_bad_input_gives_one_error_line_and_exit_2(tmp_path, argv, message):
 def test_cifar10_without_torchvision_or_network_is_a_clear_error(tmp_path):
     run = launch("single_baseline.py", ["--data", "cifar10", "--data-dir", str(tmp_path / "none")], tmp_path)
     assert run.returncode == 2
-    assert run.stderr.startswith("error: --data cifar10 needs torchvision"), run.stderr
+    assert run.stderr.startswith("error: CIFAR-10 is not in --data-dir"), run.stderr
+    assert "torchvision failed to import" in run.stderr
     assert "--data synthetic" in run.stderr and run.stderr.count("\n") == 1
 
 
