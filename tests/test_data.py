@@ -131,3 +131,12 @@ def ranks_disagree(rank, world, group):
 def test_when_one_rank_has_no_cifar10_every_rank_uses_synthetic(tmp_path):
     from helpers import run_ranks
     run_ranks(ranks_disagree, 3, tmp_path)
+
+
+def test_the_test_split_is_normalised_once():
+    import torch
+    from common import Cifar10Data
+    data = Cifar10Data.__new__(Cifar10Data)         # CIFAR-10 shaped, without the files
+    data.test = torch.randint(256, (20, 3, 32, 32), dtype=torch.uint8), torch.randint(10, (20,))
+    first = data.test_set
+    assert data.test_set is first and torch.equal(first[0], Cifar10Data.normalise(data.test[0]))
