@@ -1,13 +1,16 @@
 """The data path a user takes: --data cifar10 through torchvision's CIFAR10, downloaded once from a
 loopback mirror of a fabricated archive; --data auto falling back offline; a corrupt archive."""
+import argparse
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import cifar_mirror as cm
-from helpers import ROOT, launch, read_log
+from common import Cifar10Data, Env, SyntheticData, agree_on_data
+from helpers import ROOT, launch, read_log, run_ranks
 
 ARGS = ["--model", "mlp", "--layers", "4", "--hidden", "32", "--steps", "4", "--batch-size", "16",
         "--threads", "1"]
@@ -118,9 +121,6 @@ class FoundCifar:
 
 
 def ranks_disagree(rank, world, group):
-    import argparse
-    import torch
-    from common import Env, SyntheticData, agree_on_data
     args = argparse.Namespace(data="auto", seed=0, data_dir="data", timeout_s=60.0)
     env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
     found = FoundCifar() if rank != 1 else SyntheticData(0, note="no network")
@@ -129,13 +129,10 @@ def ranks_disagree(rank, world, group):
 
 
 def test_when_one_rank_has_no_cifar10_every_rank_uses_synthetic(tmp_path):
-    from helpers import run_ranks
     run_ranks(ranks_disagree, 3, tmp_path)
 
 
 def test_the_test_split_is_normalised_once():
-    import torch
-    from common import Cifar10Data
     data = Cifar10Data.__new__(Cifar10Data)         # CIFAR-10 shaped, without the files
     data.test = torch.randint(256, (20, 3, 32, 32), dtype=torch.uint8), torch.randint(10, (20,))
     first = data.test_set
