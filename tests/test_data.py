@@ -88,12 +88,14 @@ def test_offline_auto_falls_back_to_synthetic_with_one_note_and_cifar10_fails(of
     assert len(lines) == 1 and lines[0].startswith("error: CIFAR-10 is not in --data-dir"), strict.stderr
 
 
-def test_run_tp_with_no_data_knob_runs_offline_and_plots(offline, tmp_path):
-    """Only STEPS is set (the 300 default steps take minutes on two shared cores); --data-dir keeps
-    the test out of the repository's data/ (the launcher runs in its own folder)."""
+def test_run_tp_with_no_knobs_runs_offline_and_plots(offline, tmp_path):
+    """The defaults (300 steps of the cnn: about 40 s on two shared cores, hardly more than 20 steps,
+    as start-up dominates); only where outputs go is set, and --data-dir keeps the test out of the
+    repository's data/ (the launcher runs in its own folder)."""
     env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), PLOTS=str(tmp_path / "plots"),
-               STEPS="20", OMP_NUM_THREADS="1")
-    env.pop("DATA", None)
+               OMP_NUM_THREADS="1")
+    for knob in ("DATA", "STEPS", "MODEL", "NPROC", "EVAL_EVERY", "BATCH_SIZE"):
+        env.pop(knob, None)
     run = subprocess.run(["bash", os.path.join(ROOT, "run_tp.sh"), "--data-dir", str(tmp_path / "data")], cwd=str(tmp_path), env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
