@@ -108,6 +108,9 @@ def validate_pipeline(args, stages, replicas):
         fail(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x --microbatches {m}; "
              f"use a batch size that is a multiple of {replicas * m}")
     if args.schedule == "interleaved":
+        if stages == 1:   # chunk a would send to chunk b on the same rank: a message to itself
+            fail("--schedule interleaved needs at least 2 stages (processes); with one, use --schedule "
+                 "1f1b or gpipe (the same computation, no messages)")
         if args.virtual_stages < 1:
             fail(f"--virtual-stages {args.virtual_stages} must be a positive integer")
         if m % stages:
