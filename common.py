@@ -446,21 +446,57 @@ class MetricsLog:
             self.file.close()
 
 
-def peak_memory_mb(device):
-    """This process's peak resident set (CPU) or peak allocated GPU memory, in MB."""
+def to_device(tensor, device):
+    """A batch onto the rank's device. On a GPU through pinned (page-locked) host memory, which lets
+    the copy run asynchronously: the CPU goes on queueing kernels, which the copy precedes on the stream."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def clock(device):
+    """perf_counter for step times; on a GPU after the queued work (the optimizer step's kernels
+    included) has run, or the clock would stop while the device is still busy."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def start_memory_count(device):
+    """Call after set-up: on a GPU the peak counts from here (the CPU's peak RSS cannot be reset,
+    so it includes set-up: see memory_fields' label)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device, kind="allocated"):
+    """This process's peak resident set (CPU), or the peak of GPU memory held by tensors
+    (allocated) or by PyTorch's caching allocator (reserved, what the GPU actually lost), in MB."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_reserved if kind == "reserved" else torch.cuda.max_memory_allocated
+        return peak(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KB
 
 
-def gather_peak_memory(env):
+def gather_peak_memory(env, kind="allocated"):
     """{rank: MB} from every rank (a collective: every rank must call it)."""
-    mine = torch.tensor([peak_memory_mb(env.device)], dtype=torch.float64, device=env.device)
+    mine = torch.tensor([peak_memory_mb(env.device, kind)], dtype=torch.float64, device=env.device)
     if env.world_size == 1:
         return {0: round(mine.item(), 1)}
     every = [torch.zeros_like(mine) for _ in range(env.world_size)]
     dist.all_gather(every, mine)
     return {r: round(t.item(), 1) for r, t in enumerate(every)}
+
+
+def memory_fields(env):
+    """The summary record's memory, labelled so that CPU and GPU tables are not mixed up:
+    peak_memory_mb is peak RSS on the CPU, peak allocated on a GPU (plus peak_reserved_mb)."""
+    if env.device.type != "cuda":
+        return {"peak_memory_mb": gather_peak_memory(env),
+                "peak_memory_kind": "cpu peak RSS of the process (includes set-up)"}
+    return {"peak_memory_mb": gather_peak_memory(env), "peak_reserved_mb": gather_peak_memory(env, "reserved"),
+            "peak_memory_kind": "cuda peak allocated by tensors since set-up (peak_reserved_mb: by the allocator)"}
 
 
 def check_finite(loss, step):

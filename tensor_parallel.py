@@ -35,8 +35,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, distributed,
-                    exit_now, fail, gather_peak_memory, load_data, make_optimizer, torchrun_env, validate_common)
+from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
+                    distributed, exit_now, fail, load_data, make_optimizer, memory_fields, start_memory_count,
+                    to_device, torchrun_env, validate_common)
 from single_baseline import evaluate, train_step
 
 PROGRAM = "tensor_parallel"
@@ -359,11 +360,11 @@ def train(model, args, data, env, log):
     optimizer = make_optimizer(model.parameters(), args)
     progress = Progress(args.steps, enabled=env.rank == 0)
     for step in range(args.steps):
-        x, y = (t.to(env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
+        x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
         start = time.perf_counter()
         with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of step {step}", args.timeout_s):
             loss = train_step(model, optimizer, x, y)  # logits are whole on every rank: each computes the loss
-        step_time = time.perf_counter() - start
+        step_time = clock(env.device) - start
         check_finite(loss, step)
         log.write("train", step=step, loss=loss, step_time_s=step_time, samples_per_s=args.batch_size / step_time)
         progress.update(step, loss, step_time, args.batch_size)
@@ -387,9 +388,10 @@ def main(argv=None):
             return run_check(model, args, data, env, group)
         log = MetricsLog(args.log_file, enabled=env.rank == 0)  # TP rank 0 owns the (replicated) loss
         log.config(PROGRAM, args, env)
+        start_memory_count(env.device)
         progress = train(model, args, data, env, log)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-                  peak_memory_mb=gather_peak_memory(env))
+                  **memory_fields(env))
         log.close()
         if env.rank == 0:
             print(f"wrote {args.log_file}")
