@@ -202,6 +202,18 @@ def leave_without_teardown(e):
     exit_now(1)
 
 
+def replicas_identical(params, group):
+    """Are these parameters bit-identical on every rank of `group`? (Replicas must be: same start,
+    same gradients, same update.) A collective of every rank of the world, even those in other
+    groups: every rank learns the answer for all groups."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, flat, group=group)
+    same = torch.tensor([int(all(torch.equal(flat, other) for other in every))], device=flat.device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
 def exit_now(status):
     """Flush and leave without running gloo's destructors, which in torch 2.13 sometimes abort
     (SIGABRT, "terminate called without an active exception") after all work is done."""

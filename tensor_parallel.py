@@ -36,8 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
-                    distributed, exit_now, fail, load_data, make_optimizer, memory_fields, start_memory_count,
-                    to_device, torchrun_env, validate_common)
+                    distributed, exit_now, fail, load_data, make_optimizer, memory_fields, replicas_identical,
+                    start_memory_count, to_device, torchrun_env, validate_common)
 from single_baseline import evaluate, train_step
 
 PROGRAM = "tensor_parallel"
@@ -301,6 +301,37 @@ def full_slice(model, name, full):
     return full.narrow(*spec) if spec else full
 
 
+def replicated_parameters(model):
+    """The parameters every tp rank holds whole: row-parallel biases, norms, (vit) embedding and head."""
+    return [p for name, p in model.named_parameters() if shard_of(model, name) is None]
+
+
+def average_replicated_grads(model, group):
+    """Keep the replicated parameters identical on a GPU. Their gradients are computed from whole,
+    identical tensors on every rank, so on the CPU they are bit-identical; but GPU kernels (cuDNN's
+    among them) may sum in another order from run to run, and a last-bit difference would make the
+    replicas drift apart. So each gradient is averaged over the group once accumulated (a hook per
+    parameter: backward fires them in the same order on every rank)."""
+    size = tp_size(group)
+
+    def average(p):
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= size
+
+    for p in replicated_parameters(model):
+        p.register_post_accumulate_grad_hook(average)
+
+
+def report_replicas(model, group, env, timeout_s):
+    """End of a run: the replicated parameters must be bit-identical on every tp rank. 0 if so, else 1."""
+    with awaiting(f"rank {env.rank} waited to compare the replicated parameters", timeout_s):
+        same = replicas_identical(replicated_parameters(model), group)
+    if env.rank == 0:
+        print(f"replicated parameters bit-identical across the {tp_size(group)} tensor-parallel ranks: "
+              f"{'yes' if same else 'NO'}", flush=True)
+    return 0 if same else 1
+
+
 # ----------------------------------------------------------------------------- --check
 
 
@@ -384,6 +415,8 @@ def main(argv=None):
     with distributed(args) as env:
         group = dist.group.WORLD if dist.is_initialized() else None
         model = parallelize(build_model(args), args.model, group).to(env.device)
+        if env.device.type == "cuda":   # on the CPU the gradients are bit-identical already
+            average_replicated_grads(model, group)
         if args.check:
             return run_check(model, args, data, env, group)
         log = MetricsLog(args.log_file, enabled=env.rank == 0)  # TP rank 0 owns the (replicated) loss
@@ -395,7 +428,7 @@ def main(argv=None):
         log.close()
         if env.rank == 0:
             print(f"wrote {args.log_file}")
-    return 0
+        return report_replicas(model, group, env, args.timeout_s)
 
 
 if __name__ == "__main__":
