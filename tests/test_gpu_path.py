@@ -66,7 +66,7 @@ def _timeout_case(rank, world, group):
     """A receive whose send never comes ends after --timeout-s with the pipeline's named error,
     through the one-Work branch too (the wait takes the timeout, as nccl's needs to block)."""
     if rank == 0:
-        time.sleep(8)                         # alive, sending nothing, while rank 1 waits 1 s
+        time.sleep(5)                         # alive, sending nothing, while rank 1 waits 1 s
         return
     pos = pm.PipelineRank(1, 2, [0, 1])
     pm.dist.batch_isend_irecv = as_on_nccl
