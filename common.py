@@ -16,7 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -117,8 +117,33 @@ def torchrun_env(backend="auto"):
     if backend == "nccl" and gpus < local_world:
         fail(f"--backend nccl needs one GPU per local rank: {local_world} local ranks, {gpus} GPUs; "
              f"use --backend gloo or fewer processes per node")
+    if backend == "nccl" and world > 1 and "LOCAL_RANK" not in os.environ:
+        fail(f"--backend nccl at world size {world} needs LOCAL_RANK (which GPU is mine), which this "
+             f"launcher did not set: every rank would use cuda:0; launch with torchrun, or set LOCAL_RANK")
     device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
     return Env(rank, world, local_rank, local_world, backend, device)
+
+
+def agree_on_backend(env, requested, timeout_s, store=None):
+    """--backend auto is decided from this node's GPU count, so nodes with different counts would
+    pick different backends and hang in the first collective. On one node the choice is the same
+    everywhere; across nodes the ranks compare choices on torchrun's store before any process group
+    exists, and all refuse with the numbers if they differ."""
+    if requested != "auto" or env.world_size == env.local_world_size:
+        return
+    if store is None:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            fail(f"--backend auto on {env.world_size // env.local_world_size} nodes needs torchrun (its store "
+                 f"lets the nodes agree on one backend); use --backend gloo or --backend nccl")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.PrefixStore(f"backend-auto/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    store.set(str(env.rank), env.backend)
+    choices = [store.get(str(r)).decode() for r in range(env.world_size)]
+    if len(set(choices)) > 1:
+        nccl = [r for r, c in enumerate(choices) if c == "nccl"]
+        fail(f"--backend auto chose nccl on ranks {nccl} and gloo on the others (nodes with different GPU "
+             f"counts); pass --backend gloo, or --backend nccl with one GPU per local rank on every node")
 
 
 class CommError(RuntimeError):
@@ -143,28 +168,55 @@ def awaiting(what, timeout_s):
 @contextmanager
 def distributed(args):
     """Threads, process group with a timeout (a bug becomes an error, not a hang), teardown. A
-    communication failure ends this rank with one `error:` line and exit status 1."""
+    communication failure ends this rank with one `error:` line and exit status 1. One process
+    (world size 1, `python prog.py`) gets a process group of its own too, so every collective of
+    --check, --timeline and the summary runs unchanged."""
     torch.set_num_threads(args.threads)
     env = torchrun_env(args.backend)
+    agree_on_backend(env, args.backend, args.timeout_s)
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
-    if env.world_size > 1:
-        dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=args.timeout_s),
-                                device_id=env.device if env.device.type == "cuda" else None)
+        # without it, nccl's synchronous collectives neither block the CPU nor raise: a dead peer
+        # is left to the watchdog, which aborts the process. Read at init, so set before it.
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size,
+                            store=dist.HashStore() if env.world_size == 1 else None,
+                            timeout=datetime.timedelta(seconds=args.timeout_s),
+                            device_id=env.device if env.device.type == "cuda" else None)
     try:
-        if env.world_size > 1:  # every rank is up; and on nccl, batch_isend_irecv must not be the first collective
-            with awaiting(f"rank {env.rank} waited for all {env.world_size} ranks to start", args.timeout_s):
-                dist.barrier()
+        # every rank is up; and on nccl, batch_isend_irecv must not be the first collective
+        with awaiting(f"rank {env.rank} waited for all {env.world_size} ranks to start", args.timeout_s):
+            dist.barrier()
         yield env
-    except RuntimeError as e:
-        if not is_comm_failure(e):
-            raise
+    except BaseException as e:  # noqa: BLE001 (every way out must skip the teardown below)
+        leave_without_teardown(e)
+    dist.destroy_process_group()
+
+
+def leave_without_teardown(e):
+    """End this rank after an exception without destroy_process_group: on nccl it drains pending
+    work, so a rank that failed outside communication (or stopped with an `error:` line) would
+    stall until its peers time out. A communication failure prints one `error:` line (exit 1); an
+    exit keeps its status; anything else is our bug and keeps its traceback (exit 1)."""
+    if isinstance(e, SystemExit):
+        exit_now(e.code if isinstance(e.code, int) else 1)
+    if isinstance(e, RuntimeError) and is_comm_failure(e):
         print_error(e)
-        exit_now(1)                           # the process group is broken: do not wait on it again
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    else:
+        traceback.print_exception(e)
+    exit_now(1)
+
+
+def replicas_identical(params, group):
+    """Are these parameters bit-identical on every rank of `group`? (Replicas must be: same start,
+    same gradients, same update.) A collective of every rank of the world, even those in other
+    groups: every rank learns the answer for all groups."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, flat, group=group)
+    same = torch.tensor([int(all(torch.equal(flat, other) for other in every))], device=flat.device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
 
 
 def exit_now(status):
@@ -542,21 +594,57 @@ class MetricsLog:
             self.file.close()
 
 
-def peak_memory_mb(device):
-    """This process's peak resident set (CPU) or peak allocated GPU memory, in MB."""
+def to_device(tensor, device):
+    """A batch onto the rank's device. On a GPU through pinned (page-locked) host memory, which lets
+    the copy run asynchronously: the CPU goes on queueing kernels, which the copy precedes on the stream."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def clock(device):
+    """perf_counter for step times; on a GPU after the queued work (the optimizer step's kernels
+    included) has run, or the clock would stop while the device is still busy."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def start_memory_count(device):
+    """Call after set-up: on a GPU the peak counts from here (the CPU's peak RSS cannot be reset,
+    so it includes set-up: see memory_fields' label)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device, kind="allocated"):
+    """This process's peak resident set (CPU), or the peak of GPU memory held by tensors
+    (allocated) or by PyTorch's caching allocator (reserved, what the GPU actually lost), in MB."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_reserved if kind == "reserved" else torch.cuda.max_memory_allocated
+        return peak(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KB
 
 
-def gather_peak_memory(env):
+def gather_peak_memory(env, kind="allocated"):
     """{rank: MB} from every rank (a collective: every rank must call it)."""
-    mine = torch.tensor([peak_memory_mb(env.device)], dtype=torch.float64, device=env.device)
+    mine = torch.tensor([peak_memory_mb(env.device, kind)], dtype=torch.float64, device=env.device)
     if env.world_size == 1:
         return {0: round(mine.item(), 1)}
     every = [torch.zeros_like(mine) for _ in range(env.world_size)]
     dist.all_gather(every, mine)
     return {r: round(t.item(), 1) for r, t in enumerate(every)}
+
+
+def memory_fields(env):
+    """The summary record's memory, labelled so that CPU and GPU tables are not mixed up:
+    peak_memory_mb is peak RSS on the CPU, peak allocated on a GPU (plus peak_reserved_mb)."""
+    if env.device.type != "cuda":
+        return {"peak_memory_mb": gather_peak_memory(env),
+                "peak_memory_kind": "cpu peak RSS of the process (includes set-up)"}
+    return {"peak_memory_mb": gather_peak_memory(env), "peak_reserved_mb": gather_peak_memory(env, "reserved"),
+            "peak_memory_kind": "cuda peak allocated by tensors since set-up (peak_reserved_mb: by the allocator)"}
 
 
 def check_finite(loss, step):

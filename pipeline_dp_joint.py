@@ -28,8 +28,8 @@ layer, so they belong on the fastest links of all.
 import torch
 import torch.distributed as dist
 
-from common import (awaiting, base_parser, distributed, dp_slice, exit_now, fail, load_data, torchrun_env,
-                    validate_common)
+from common import (awaiting, base_parser, distributed, dp_slice, exit_now, fail, load_data, replicas_identical,
+                    torchrun_env, validate_common)
 from common import agree_on_data
 from pipeline_microbatch import (PipelineRank, add_pipeline_flags, check_and_exit,
                                  schedule_actions, setup_stage, train, validate_pipeline)
@@ -106,17 +106,6 @@ class DataParallelReplicas:
         return t.item() / self.dp_size
 
 
-def replicas_identical(params, grid):
-    """Are this stage's parameters bit-identical on every replica? (They must be: same start, same
-    averaged gradients, same update.) Every rank learns the answer for the whole grid."""
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    every = [torch.empty_like(flat) for _ in range(grid.dp_size)]
-    dist.all_gather(every, flat, group=grid.dp_group)
-    same = torch.tensor([int(all(torch.equal(flat, other) for other in every))], device=flat.device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return bool(same.item())
-
-
 # ----------------------------------------------------------------------------- training
 
 
@@ -139,7 +128,7 @@ def main(argv=None):
         else:
             status = train(args, env, pos, runner, actions, data, replicas, PROGRAM)
             params = [p for chunk in runner.chunks for p in chunk.parameters()]
-            same = replicas_identical(params, grid)
+            same = replicas_identical(params, grid.dp_group)
             if env.rank == 0:
                 print(f"parameters bit-identical across the {grid.dp_size} replicas of every stage: "
                       f"{'yes' if same else 'NO'}", flush=True)

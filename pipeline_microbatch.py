@@ -52,6 +52,7 @@ first cycle of ranks waiting on each other; the tests run it for many (p, m, v),
 one-message-at-a-time order does deadlock.
 """
 import copy
+import datetime
 import json
 import os
 import sys
@@ -62,9 +63,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import (CommError, MetricsLog, Progress, base_parser, build_model, check_finite, distributed, dp_slice,
-                    exit_now, fail, gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
-                    validate_common)
+from common import (CommError, MetricsLog, Progress, base_parser, build_model, check_finite, clock, distributed,
+                    dp_slice, exit_now, fail, load_data, make_optimizer, memory_fields, start_memory_count,
+                    test_batches, to_device, torchrun_env, validate_common)
 from common import agree_on_data
 
 PROGRAM = "pipeline_microbatch"
@@ -109,6 +110,9 @@ def validate_pipeline(args, stages, replicas):
         fail(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x --microbatches {m}; "
              f"use a batch size that is a multiple of {replicas * m}")
     if args.schedule == "interleaved":
+        if stages == 1:   # chunk a would send to chunk b on the same rank: a message to itself
+            fail("--schedule interleaved needs at least 2 stages (processes); with one, use --schedule "
+                 "1f1b or gpipe (the same computation, no messages)")
         if args.virtual_stages < 1:
             fail(f"--virtual-stages {args.virtual_stages} must be a positive integer")
         if m % stages:
@@ -397,8 +401,8 @@ class Messenger:
         self.sending = []
 
     def wait(self, work, parts):
-        try:
-            work.wait()
+        try:   # with a timeout, nccl's wait blocks the CPU and raises too (without, it only orders streams)
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             wanted = ", ".join(f"{k} the {'activation' if m[0] == 'act' else 'gradient'} of microbatch "
                                f"{m[1]} {'from' if k == 'recv' else 'to'} rank {peer}" for k, peer, m in parts)
@@ -432,9 +436,16 @@ class StageRunner:
         self.chunks, self.pos, self.messenger = chunks, pos, messenger
         self.events = None                    # a list while the timeline is recorded
 
+    def clock(self):
+        """perf_counter; while the timeline records on a GPU, after the queued kernels have run (a
+        kernel launch returns at once, so the time would be the CPU's, not the device's)."""
+        if self.events is not None and self.messenger.device.type == "cuda":
+            torch.cuda.synchronize(self.messenger.device)
+        return time.perf_counter()
+
     def record(self, cat, name, mb, start, chunk=0):
         if self.events is not None:
-            self.events.append((cat, name, mb, chunk, start, time.perf_counter()))
+            self.events.append((cat, name, mb, chunk, start, self.clock()))
 
     def run(self, actions, inputs, head, mb_size):
         """inputs: microbatches for virtual stage 0 (first stage only). head(mb, output) -> the
@@ -447,7 +458,7 @@ class StageRunner:
                 inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording))
                 continue
             kind, mb, chunk = action
-            vstage, start = chunk * self.pos.pp_size + self.pos.pp_rank, time.perf_counter()
+            vstage, start = chunk * self.pos.pp_size + self.pos.pp_rank, self.clock()
             if kind == "F":
                 x = inputs[mb] if vstage == 0 else inbox.pop(("act", mb, vstage)).requires_grad_()
                 y = self.chunks[chunk](x)
@@ -639,6 +650,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     log = MetricsLog(args.log_file, enabled=owner)
     log.config(program, args, env)
     progress = Progress(args.steps, enabled=owner)
+    start_memory_count(env.device)
     for step in range(args.steps):
         x, y = next_batch(data, step, args, pos, replicas, env.device)
         if args.timeline and step == args.steps - 1:
@@ -649,7 +661,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
         loss = train_step(runner, actions, x, y, args.microbatches, args.batch_size // replicas.dp_size)
         replicas.sync_grads(params)           # after the last backward, before the update
         optimizer.step()
-        step_time = time.perf_counter() - start
+        step_time = clock(env.device) - start   # the optimizer step's kernels included
         if runner.events is not None:
             write_timeline(gather_timeline(runner, pos, args), args.timeline, owner)
             runner.events = None
@@ -665,7 +677,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step + 1}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-              peak_memory_mb=gather_peak_memory(env), schedule=args.schedule, microbatches=args.microbatches)
+              **memory_fields(env), schedule=args.schedule, microbatches=args.microbatches)
     log.close()
     return 0
 
@@ -673,10 +685,10 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
 def next_batch(data, step, args, pos, replicas, device):
     """(inputs, labels) of this step, each only where it is read: the middle stages load nothing."""
     if pos.is_first_stage:
-        x, y = (replicas.slice(t).to(device) for t in data.batch(step, args.batch_size))
+        x, y = (to_device(replicas.slice(t), device) for t in data.batch(step, args.batch_size))
         return x, (y if pos.is_last_stage else None)
     if pos.is_last_stage:                 # the same samples' labels, without drawing their images
-        return None, replicas.slice(data.labels(step, args.batch_size)).to(device)
+        return None, to_device(replicas.slice(data.labels(step, args.batch_size)), device)
     return None, None
 
 

@@ -12,9 +12,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import (MetricsLog, Progress, base_parser, build_model, check_finite, distributed, fail,
-                    gather_peak_memory, load_data, make_optimizer, test_batches, torchrun_env,
-                    validate_common)
+from common import (MetricsLog, Progress, base_parser, build_model, check_finite, clock, distributed, fail,
+                    load_data, make_optimizer, memory_fields, start_memory_count, test_batches, to_device,
+                    torchrun_env, validate_common)
 from common import agree_on_data
 
 PROGRAM = "single_baseline"
@@ -63,11 +63,12 @@ def main(argv=None):
         log = MetricsLog(args.log_file, enabled=True)
         log.config(PROGRAM, args, env)
         progress = Progress(args.steps, enabled=True)
+        start_memory_count(env.device)
         for step in range(args.steps):
-            x, y = (t.to(env.device) for t in data.batch(step, args.batch_size))
+            x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))
             start = time.perf_counter()
             loss = train_step(model, optimizer, x, y)
-            step_time = time.perf_counter() - start
+            step_time = clock(env.device) - start
             check_finite(loss, step)
             log.write("train", step=step, loss=loss, step_time_s=step_time,
                       samples_per_s=args.batch_size / step_time)
@@ -77,7 +78,7 @@ def main(argv=None):
                 log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
                 print(f"step {step + 1}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-                  peak_memory_mb=gather_peak_memory(env))
+                  **memory_fields(env))
         log.close()
         print(f"wrote {args.log_file}")
 

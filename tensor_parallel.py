@@ -35,8 +35,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, distributed,
-                    exit_now, fail, gather_peak_memory, load_data, make_optimizer, torchrun_env, validate_common)
+from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
+                    distributed, exit_now, fail, load_data, make_optimizer, memory_fields, replicas_identical,
+                    start_memory_count, to_device, torchrun_env, validate_common)
 from common import agree_on_data
 from single_baseline import evaluate, train_step
 
@@ -301,6 +302,37 @@ def full_slice(model, name, full):
     return full.narrow(*spec) if spec else full
 
 
+def replicated_parameters(model):
+    """The parameters every tp rank holds whole: row-parallel biases, norms, (vit) embedding and head."""
+    return [p for name, p in model.named_parameters() if shard_of(model, name) is None]
+
+
+def average_replicated_grads(model, group):
+    """Keep the replicated parameters identical on a GPU. Their gradients are computed from whole,
+    identical tensors on every rank, so on the CPU they are bit-identical; but GPU kernels (cuDNN's
+    among them) may sum in another order from run to run, and a last-bit difference would make the
+    replicas drift apart. So each gradient is averaged over the group once accumulated (a hook per
+    parameter: backward fires them in the same order on every rank)."""
+    size = tp_size(group)
+
+    def average(p):
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= size
+
+    for p in replicated_parameters(model):
+        p.register_post_accumulate_grad_hook(average)
+
+
+def report_replicas(model, group, env, timeout_s):
+    """End of a run: the replicated parameters must be bit-identical on every tp rank. 0 if so, else 1."""
+    with awaiting(f"rank {env.rank} waited to compare the replicated parameters", timeout_s):
+        same = replicas_identical(replicated_parameters(model), group)
+    if env.rank == 0:
+        print(f"replicated parameters bit-identical across the {tp_size(group)} tensor-parallel ranks: "
+              f"{'yes' if same else 'NO'}", flush=True)
+    return 0 if same else 1
+
+
 # ----------------------------------------------------------------------------- --check
 
 
@@ -360,11 +392,11 @@ def train(model, args, data, env, log):
     optimizer = make_optimizer(model.parameters(), args)
     progress = Progress(args.steps, enabled=env.rank == 0)
     for step in range(args.steps):
-        x, y = (t.to(env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
+        x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
         start = time.perf_counter()
         with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of step {step}", args.timeout_s):
             loss = train_step(model, optimizer, x, y)  # logits are whole on every rank: each computes the loss
-        step_time = time.perf_counter() - start
+        step_time = clock(env.device) - start
         check_finite(loss, step)
         log.write("train", step=step, loss=loss, step_time_s=step_time, samples_per_s=args.batch_size / step_time)
         progress.update(step, loss, step_time, args.batch_size)
@@ -385,17 +417,20 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         group = dist.group.WORLD if dist.is_initialized() else None
         model = parallelize(build_model(args), args.model, group).to(env.device)
+        if env.device.type == "cuda":   # on the CPU the gradients are bit-identical already
+            average_replicated_grads(model, group)
         if args.check:
             return run_check(model, args, data, env, group)
         log = MetricsLog(args.log_file, enabled=env.rank == 0)  # TP rank 0 owns the (replicated) loss
         log.config(PROGRAM, args, env)
+        start_memory_count(env.device)
         progress = train(model, args, data, env, log)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-                  peak_memory_mb=gather_peak_memory(env))
+                  **memory_fields(env))
         log.close()
         if env.rank == 0:
             print(f"wrote {args.log_file}")
-    return 0
+        return report_replicas(model, group, env, args.timeout_s)
 
 
 if __name__ == "__main__":

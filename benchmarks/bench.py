@@ -10,6 +10,10 @@ sequence of global batches, so the losses of the engines must agree step by step
 reported as max_loss_diff). A timed step is: barrier, start clock, one optimizer step, barrier, stop
 clock (rank 0's clock), so every engine pays the same two barriers. The engines take turns step by
 step (the order flips every step), so a noisy neighbour on the shared cores hits them alike.
+
+Backend and device are the programs' (--backend, default auto): gloo on the CPU, or nccl with
+every engine, batch and baseline on the rank's GPU; the output records which (backend, device).
+Only the CPU has been run (docs/gpu.md).
 """
 import json
 import math
@@ -27,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pipeline_microbatch as pm  # noqa: E402
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
-from common import SyntheticData, base_parser, build_model, distributed, fail, make_optimizer  # noqa: E402
+from common import SyntheticData, base_parser, build_model, clock, distributed, fail, make_optimizer  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -57,18 +61,17 @@ def model_args(args, model, schedule="1f1b", m=1):
     return a
 
 
-def timed(fn):
-    """One step between two barriers; returns (seconds, fn's result)."""
-    if dist.is_initialized():
-        dist.barrier()
-    start = time.perf_counter()
+def timed(fn, device):
+    """One step between two barriers; returns (seconds, fn's result). On a GPU the clock stops after
+    the queued kernels have run (common.clock)."""
+    dist.barrier()
+    start = clock(device)
     result = fn()
-    if dist.is_initialized():
-        dist.barrier()
-    return time.perf_counter() - start, result
+    dist.barrier()
+    return clock(device) - start, result
 
 
-def race(engines, batches, warmup, repeat):
+def race(engines, batches, warmup, repeat, device):
     """engines: name -> step(x, y) returning the loss (or None off the loss rank). Steps alternate,
     the order flipping every step. Returns name -> (median seconds, losses)."""
     times = {n: [] for n in engines}
@@ -77,7 +80,7 @@ def race(engines, batches, warmup, repeat):
     for step in range(warmup + repeat):
         x, y = batches[step % len(batches)]
         for name in (names if step % 2 == 0 else names[::-1]):
-            seconds, loss = timed(lambda: engines[name](x, y))
+            seconds, loss = timed(lambda: engines[name](x, y), device)
             losses[name].append(loss)
             if step >= warmup:
                 times[name].append(seconds)
@@ -114,7 +117,7 @@ def ours_pipeline(margs, env, pos):
 def torch_pipeline(margs, env, pos):
     """torch.distributed.pipelining on the same blocks, cut at the same boundaries as ours."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    model = build_model(margs)
+    model = build_model(margs).to(env.device)
     p, v = pos.pp_size, pos.virtual
     bounds = pm.partition(len(model), p * v)
     stages = [PipelineStage(model[slice(*bounds[c * p + pos.pp_rank])], c * p + pos.pp_rank, p * v, env.device)
@@ -139,7 +142,7 @@ def torch_pipeline(margs, env, pos):
 
 def baseline_engine(margs, env):
     """The single-process baseline on rank 0, the other ranks waiting in the barrier."""
-    model = build_model(margs)
+    model = build_model(margs).to(env.device)
     opt = make_optimizer(model.parameters(), margs)
     return lambda x, y: single_baseline.train_step(model, opt, x, y) if env.rank == 0 else None
 
@@ -159,9 +162,14 @@ def bubble_of(runner, actions, pos, margs, step_fn, batches, warmup, repeat):
     return statistics.median(measured), trace["otherData"]["bubble_theory"]
 
 
-def run_pipeline(args, env):
+def device_batches(args, env):
+    """Four synthetic global batches, on the rank's device (every engine reads the same tensors)."""
     data = SyntheticData(args.seed)
-    batches = [data.batch(s, args.batch_size) for s in range(4)]
+    return [tuple(t.to(env.device) for t in data.batch(s, args.batch_size)) for s in range(4)]
+
+
+def run_pipeline(args, env):
+    batches = device_batches(args, env)
     grid = args.configs or ",".join(f"{model}:{m}:{s}" for model in ("mlp", "cnn") for m in (8, 32)
                                     for s in pm.SCHEDULES if not (model == "cnn" and s == "interleaved"))
     rows = []
@@ -172,7 +180,7 @@ def run_pipeline(args, env):
                               2 if schedule == "interleaved" else 1)
         engines = {"ours": ours_pipeline(margs, env, pos)[0], "torch": torch_pipeline(margs, env, pos),
                    "baseline": baseline_engine(margs, env)}
-        result = race(engines, batches, args.warmup, args.repeat)
+        result = race(engines, batches, args.warmup, args.repeat, env.device)
         rows.append(summarise(config, result))
         if env.rank == 0:
             print(json.dumps(rows[-1]), flush=True)
@@ -206,7 +214,7 @@ def summarise(config, result):
 
 
 def ours_tp(margs, env):
-    model = tp.parallelize(build_model(margs), "mlp", dist.group.WORLD)
+    model = tp.parallelize(build_model(margs), "mlp", dist.group.WORLD).to(env.device)
     opt = make_optimizer(model.parameters(), margs)
     return lambda x, y: single_baseline.train_step(model, opt, x, y)
 
@@ -215,21 +223,20 @@ def torch_tp(margs, env):
     """torch.distributed.tensor.parallel with the same column | row pairs as tensor_parallel.parallel_mlp."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    model = build_model(margs)
+    model = build_model(margs).to(env.device)
     names = [f"{b}.{i}" for b, block in enumerate(model) for i, mod in enumerate(block) if isinstance(mod, torch.nn.Linear)]
     plan = {name: (RowwiseParallel() if k % 2 else ColwiseParallel()) for k, name in enumerate(names)}
-    mesh = init_device_mesh("cpu", (env.world_size,))
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
     model = parallelize_module(model, mesh, plan)
     opt = make_optimizer(model.parameters(), margs)
     return lambda x, y: single_baseline.train_step(model, opt, x, y)
 
 
 def run_tp(args, env):
-    data = SyntheticData(args.seed)
-    batches = [data.batch(s, args.batch_size) for s in range(4)]
+    batches = device_batches(args, env)
     margs = model_args(args, "mlp")
     engines = {"ours": ours_tp(margs, env), "torch": torch_tp(margs, env), "baseline": baseline_engine(margs, env)}
-    result = race(engines, batches, args.warmup, args.repeat)
+    result = race(engines, batches, args.warmup, args.repeat, env.device)
     row = summarise(f"mlp:tp{env.world_size}", result)
     if env.rank == 0:
         print(json.dumps(row), flush=True)
@@ -243,7 +250,8 @@ def main():
         if env.rank == 0:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:
-                json.dump({"args": vars(args), "world_size": env.world_size, **result}, f, indent=1)
+                json.dump({"args": vars(args), "world_size": env.world_size, "backend": env.backend,
+                           "device": env.device.type, **result}, f, indent=1)
         dist.barrier()
     sys.stdout.flush()
     os._exit(0)  # skip gloo's destructors (common.exit_now)

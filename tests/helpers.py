@@ -65,6 +65,7 @@ def assert_same_losses(run, reference, atol=1e-4):
 
 def _rank_main(rank, world, init_file, module, name):
     torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))   # as torchrun would: parse_args reads them
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     getattr(importlib.import_module(module), name)(rank, world, dist.group.WORLD)
     dist.destroy_process_group()

@@ -31,6 +31,8 @@ def test_our_pipeline_schedules_step_like_torch_pipelining(tmp_path):
 
 
 def test_our_tensor_parallel_mlp_steps_like_torch_tensor_parallel(tmp_path):
-    row = bench(tmp_path, "tp", 2)["rows"][0]
+    result = bench(tmp_path, "tp", 2)
+    assert (result["backend"], result["device"]) == ("gloo", "cpu")   # the report says where it ran
+    row = result["rows"][0]
     assert row["config"] == "mlp:tp2"
     assert row["max_loss_diff_vs_torch"] < 1e-5 and row["max_loss_diff_vs_baseline"] < 1e-4, row

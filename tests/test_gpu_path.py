@@ -1,0 +1,206 @@
+"""The code that exists for nccl and CUDA, driven on gloo and the CPU where a test can reach it (no
+GPU here: docs/gpu.md says what was only reasoned). The one-Work-per-batch branch of the pipeline's
+exchange, the waits with --timeout-s, the backend agreement, LOCAL_RANK, the teardown after an
+exception, the timeline's device clock, and the averaging of tensor-parallel replicated gradients."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import common
+import pipeline_microbatch as pm
+import tensor_parallel as tp
+from common import Env, SyntheticData, build_model
+from helpers import FAST, ROOT, run_ranks
+
+MLP = FAST + ["--model", "mlp", "--hidden", "16", "--layers", "4", "--batch-size", "8"]
+
+
+class OneWork:
+    """What nccl's batch_isend_irecv returns: one Work for the whole batch of operations."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout=None):
+        for work in self.works:
+            work.wait(timeout)
+        return True
+
+
+GLOO_BATCH = dist.batch_isend_irecv          # one Work per operation
+
+
+def as_on_nccl(ops):
+    return [OneWork(GLOO_BATCH(ops))] if ops else []
+
+
+def _one_work_case(rank, world, group):
+    """Training steps of every schedule through the nccl branch give the same loss as the gloo branch."""
+    env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
+    x, y = SyntheticData(0).batch(0, 8)
+    for schedule in pm.SCHEDULES:
+        args = pm.parse_args(MLP + ["--schedule", schedule, "--microbatches", "4"])
+        pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
+        losses = []
+        for batched in (GLOO_BATCH, as_on_nccl):
+            pm.dist.batch_isend_irecv = batched
+            _, runner = pm.setup_stage(args, env, pos)
+            losses.append(pm.train_step(runner, pm.schedule_actions(schedule, pos, 4), x, y, 4))
+            assert runner.messenger.sending == []
+        pm.dist.batch_isend_irecv = GLOO_BATCH
+        assert losses[0] == losses[1], (schedule, losses)
+
+
+def test_the_one_work_per_batch_branch_trains_like_gloos(tmp_path):
+    run_ranks(_one_work_case, 2, tmp_path)
+
+
+def _timeout_case(rank, world, group):
+    """A receive whose send never comes ends after --timeout-s with the pipeline's named error,
+    through the one-Work branch too (the wait takes the timeout, as nccl's needs to block)."""
+    if rank == 0:
+        time.sleep(5)                         # alive, sending nothing, while rank 1 waits 1 s
+        return
+    pos = pm.PipelineRank(1, 2, [0, 1])
+    pm.dist.batch_isend_irecv = as_on_nccl
+    messenger = pm.Messenger(pos, [(16,), (16,)], torch.device("cpu"), timeout_s=1.0)
+    start = time.perf_counter()
+    with pytest.raises(pm.PipelineError) as error:
+        messenger.exchange([("recv", 0, ("act", 0, 1))], {}, 2)
+    assert time.perf_counter() - start < 20
+    assert str(error.value).startswith("stage 1 waited to recv the activation of microbatch 0 from rank 0 "
+                                       "and gave up (timeout 1 s)"), error.value
+    sys.stdout.flush()
+    os._exit(0)                               # gloo closed the pair: no teardown to wait for
+
+
+def test_a_wait_gives_up_after_the_timeout_with_its_name(tmp_path):
+    run_ranks(_timeout_case, 2, tmp_path)
+
+
+def test_nccl_without_local_rank_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        common.torchrun_env("nccl")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --backend nccl at world size 2 needs LOCAL_RANK")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert common.torchrun_env("nccl").device == torch.device("cuda:1")
+
+
+def agree(choices):
+    """agree_on_backend on one rank per choice (threads sharing one store, 1 rank per node)."""
+    store, outcome = dist.HashStore(), {}
+
+    def rank(r):
+        env = Env(r, len(choices), 0, 1, choices[r], torch.device("cpu"))
+        try:
+            common.agree_on_backend(env, "auto", 10, store)
+            outcome[r] = 0
+        except SystemExit as e:
+            outcome[r] = e.code
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(choices))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return [outcome.get(r) for r in range(len(choices))]
+
+
+def test_backend_auto_is_agreed_across_nodes(capsys):
+    assert agree(["gloo", "gloo", "gloo"]) == [0, 0, 0]
+    capsys.readouterr()
+    assert agree(["nccl", "gloo", "nccl"]) == [2, 2, 2]          # every rank refuses, none hangs
+    err = capsys.readouterr().err
+    assert err.count("error: --backend auto chose nccl on ranks [0, 2] and gloo on the others") == 3, err
+
+
+SCRIPT = """
+import argparse, sys
+import common
+common.dist.destroy_process_group = lambda: print("destroyed", flush=True)
+args = argparse.Namespace(threads=1, backend="gloo", timeout_s=10.0)
+with common.distributed(args):
+    {body}
+common.exit_now(0)
+"""
+
+
+@pytest.mark.parametrize("body,status,says", [
+    ("pass", 0, "destroyed"),
+    ("raise ValueError('a bug of ours')", 1, "ValueError: a bug of ours"),
+    ("common.fail('stopped')", 2, "error: stopped"),
+    ("raise common.CommError('rank 0 waited for x')", 1, "error: rank 0 waited for x")])
+def test_an_exception_leaves_without_draining_the_process_group(tmp_path, body, status, says):
+    """destroy_process_group (on nccl it waits for pending work) runs only after a clean exit."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(body=body)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == status, proc.stderr[-2000:]
+    assert says in proc.stdout + proc.stderr
+    assert ("destroyed" in proc.stdout) == (status == 0)
+
+
+def test_the_timeline_times_the_device_only_while_recording(monkeypatch):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    pos = pm.PipelineRank(0, 1, [0])
+    runner = pm.StageRunner([], pos, pm.Messenger(pos, [], torch.device("cuda:0"), 1.0))
+    runner.clock()
+    assert synced == []                     # unrecorded steps stay asynchronous
+    runner.events = []
+    runner.record("forward", "F0", 0, runner.clock())
+    assert len(synced) == 2 and len(runner.events) == 1
+    cpu = pm.StageRunner([], pos, pm.Messenger(pos, [], torch.device("cpu"), 1.0))
+    cpu.events = []
+    cpu.clock()
+    assert len(synced) == 2
+
+
+def _average_case(rank, world, group):
+    """Replicated gradients made to differ per rank (different inputs) come out as their mean, the
+    same on every rank; replicas_identical sees a difference and its absence."""
+    args = tp.parse_args(FAST + ["--model", "cnn"])
+    plain, averaged = (tp.parallelize(build_model(args), "cnn", group) for _ in range(2))
+    tp.average_replicated_grads(averaged, group)
+    x, y = SyntheticData(rank).batch(0, 4)          # rank-dependent: the replicated gradients differ
+    for model in (plain, averaged):
+        F.cross_entropy(model(x), y).backward()
+    for mine, got in zip(tp.replicated_parameters(plain), tp.replicated_parameters(averaged)):
+        mean = mine.grad.clone()
+        dist.all_reduce(mean)
+        torch.testing.assert_close(got.grad, mean / world)
+        every = [torch.empty_like(got.grad) for _ in range(world)]
+        dist.all_gather(every, got.grad)
+        assert all(torch.equal(every[0], g) for g in every)
+    assert common.replicas_identical(tp.replicated_parameters(plain), group)
+    with torch.no_grad():
+        tp.replicated_parameters(plain)[0].add_(rank)
+    assert not common.replicas_identical(tp.replicated_parameters(plain), group)
+
+
+def test_replicated_gradients_are_averaged_over_the_tp_group(tmp_path):
+    run_ranks(_average_case, 2, tmp_path)
+
+
+def test_memory_is_labelled_and_batches_stay_put_on_the_cpu():
+    env = common.torchrun_env("gloo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fields = common.memory_fields(env)
+    finally:
+        dist.destroy_process_group()
+    assert fields["peak_memory_kind"].startswith("cpu peak RSS") and "peak_reserved_mb" not in fields
+    x = torch.ones(2)
+    assert common.to_device(x, env.device) is x
