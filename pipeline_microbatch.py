@@ -123,8 +123,21 @@ def validate_pipeline(args, stages, replicas):
             fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
                  f"{num_blocks(args)} blocks of the {args.model}")
     elif chunks > num_blocks(args):
-        fail(f"{chunks} pipeline stages (ranks x virtual stages) but the {args.model} has only "
-             f"{num_blocks(args)} blocks; use fewer ranks or --virtual-stages, or a deeper model (--layers)")
+        fail(too_few_blocks(args, stages, replicas))
+
+
+def too_few_blocks(args, stages, replicas):
+    """The message for more model chunks than blocks, with fixes that each work on their own."""
+    v, n = args.virtual_stages, num_blocks(args)
+    what = f"{stages} pipeline stages" if v == 1 else f"{stages} stages x {v} virtual stages = {stages * v} chunks"
+    if v == 1:
+        fixes = [f"{n * replicas} ranks (torchrun --nproc-per-node {n * replicas})"]
+    else:   # fewer ranks would break the interleaved microbatch rule: change the chunks instead
+        fixes = [f"--virtual-stages {n // stages}" if n // stages >= 2 else "--schedule 1f1b (without --virtual-stages)"]
+    depth = {"cnn": "--model vit --layers", "mlp": "--layers", "vit": "--layers"}[args.model]
+    fixes.append(f"{depth} {stages * v - (0 if args.model == 'mlp' else 2)}")   # the vit adds 2 blocks
+    return (f"{what} but the {args.model} has only {n} blocks (one chunk needs at least one); "
+            f"use {' or '.join(fixes)}")
 
 
 # ----------------------------------------------------------------------------- stages
@@ -574,18 +587,27 @@ def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=Non
 
 
 def check_and_exit(env, *check_args, **check_kwargs):
-    """--check on every rank; all ranks agree on the exit status (0 match, 1 mismatch)."""
+    """--check on every rank; rank 0 prints one summary line (and each mismatch, naming its rank),
+    and all ranks agree on the exit status (0 match, 1 mismatch)."""
     try:
         count, worst = run_check(*check_args, **check_kwargs)
-        print(f"check rank {env.rank}: {count} tensors match the full model (output/loss on the last "
-              f"stage, local gradients, weights after one step); largest difference {worst:.2e}", flush=True)
-        ok = 1
+        mine = (count, worst, None)
     except AssertionError as e:
-        print(f"check rank {env.rank}: MISMATCH: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-        ok = 0
-    flag = torch.tensor([ok], device=env.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return 0 if flag.item() else 1
+        mine = (0, float("nan"), str(e).splitlines()[0])
+    every = [None] * env.world_size
+    dist.all_gather_object(every, mine)                  # one line from rank 0, not one per rank in random order
+    if env.rank == 0:
+        for rank, (_, _, error) in enumerate(every):
+            if error:
+                print(f"check: rank {rank}: MISMATCH: {error}", file=sys.stderr, flush=True)
+        bad = sum(error is not None for _, _, error in every)
+        worst = max((w for _, w, error in every if error is None), default=float("nan"))
+        args = check_args[3]                             # run_check(runner, actions, model, args, ...)
+        print(f"--check, {args.schedule} on {env.world_size} ranks, model {args.model}: "
+              f"{sum(c for c, _, _ in every)} tensors compared with the full model (output and loss on the last "
+              f"stage, every rank's local gradients and weights after one step); largest difference {worst:.2e}: "
+              f"{f'MISMATCH on {bad} rank(s)' if bad else 'all tensors match the full model'}", flush=True)
+    return 1 if any(error for _, _, error in every) else 0
 
 
 # ----------------------------------------------------------------------------- training
@@ -661,7 +683,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
             result = evaluate(runner, pos, data, env.device)    # replica 0 only: weights are identical
             if owner:
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
-                print(f"step {step + 1}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
+                print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               peak_memory_mb=gather_peak_memory(env), schedule=args.schedule, microbatches=args.microbatches)
     log.close()

@@ -73,7 +73,7 @@ def main(argv=None):
             if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
                 test_loss, test_acc = evaluate(model, data, env.device)  # weights after step's update
                 log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
-                print(f"step {step + 1}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
+                print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
                   peak_memory_mb=gather_peak_memory(env))
         log.close()

@@ -373,7 +373,7 @@ def train(model, args, data, env, log):
                 test_loss, test_acc = evaluate(model, data, env.device)  # every rank: the forward has collectives
             log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
             if env.rank == 0:
-                print(f"step {step + 1}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
+                print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
     return progress
 
 
