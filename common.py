@@ -47,7 +47,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The module docstring as written, and every option's default after its help."""
 
     def _format_action(self, action):
-        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+        if action.option_strings and not any(action.default is x for x in (None, False, argparse.SUPPRESS)):
             action = copy.copy(action)
             help_ = action.help or ""
             if "%(default)" not in help_:

@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, default=2, help="data-parallel pipelines; stages = world size / dp")
     p.add_argument("--timeline", default=None, help="replica 0's measured schedule of the last step")
     p.set_defaults(microbatches=3, batch_size=72)   # 72 = 2 pipelines x 3 microbatches x 12 samples
+    p.epilog = ("Defaults that differ from pipeline_microbatch.py's: --microbatches 3 (not 4) and\n"
+                "--batch-size 72 (not 64), so that 2 pipelines x 3 microbatches divide the batch.")
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
     world = torchrun_env("gloo").world_size

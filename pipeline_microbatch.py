@@ -74,7 +74,7 @@ def add_pipeline_flags(p):
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per global batch (per replica)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=None,
-                   help="interleaved only: model chunks per rank (default 2)")
+                   help="interleaved only: model chunks per rank (default: 2; always 1 for the other schedules)")
     p.add_argument("--balance", default=None, help="blocks per stage, e.g. 2,1,1,1 (default: even)")
     p.add_argument("--check", action="store_true",
                    help="one step on the first batch against the full model in this process; exit 0 on match")
