@@ -63,7 +63,7 @@ def test_help_at_world_size_1_shows_every_default(program, monkeypatch):
     assert run.returncode == 0, run.stderr
     text = " ".join(run.stdout.split())              # help wraps lines anywhere
     missing = [a.option_strings[0] for a in program_parser(program, monkeypatch)._actions
-               if a.option_strings and not any(a.default is x for x in (None, False, "==SUPPRESS=="))
+               if a.option_strings and a.default is not None and a.default is not False and a.default != "==SUPPRESS=="
                and f"(default: {a.default}" not in text]
     assert not missing, f"{program} --help shows no default for {missing}"
     if program == "pipeline_dp_joint":               # its own defaults, different from the pipeline's
