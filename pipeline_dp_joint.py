@@ -47,8 +47,11 @@ def parse_args(argv=None):
     validate_common(args, PROGRAM)
     world = torchrun_env("gloo").world_size
     if args.dp <= 0 or world % args.dp:
-        fail(f"the world size {world} is not divisible by --dp {args.dp}: launch dp x stages processes "
-             f"(e.g. --nproc-per-node {args.dp * 3} for {args.dp} pipelines of 3 stages)")
+        fixes = [f"--dp {d}" for d in range(2, world + 1) if world % d == 0][:2]
+        if args.dp > 0:
+            fixes.append(f"{args.dp * 3} ranks (torchrun --nproc-per-node {args.dp * 3}: {args.dp} pipelines of 3 stages)")
+        fail(f"the world size {world} is not divisible by --dp {args.dp}: launch dp x stages processes; "
+             f"use {' or '.join(fixes)}")
     validate_pipeline(args, stages=world // args.dp, replicas=args.dp)
     return args
 

@@ -106,14 +106,14 @@ def validate_pipeline(args, stages, replicas):
         fail(f"--microbatches {m} must be a positive integer")
     if args.batch_size % (replicas * m):
         fail(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x --microbatches {m}; "
-             f"use a batch size that is a multiple of {replicas * m}")
+             f"use --batch-size {' or --batch-size '.join(map(str, near_multiples(args.batch_size, replicas * m)))}")
     if args.schedule == "interleaved":
         if args.virtual_stages < 1:
             fail(f"--virtual-stages {args.virtual_stages} must be a positive integer")
         if m % stages:
-            near = sorted({max(stages, m // stages * stages), (m // stages + 1) * stages})
+            near = [f"--microbatches {k}" for k in near_multiples(m, stages)]
             fail(f"--schedule interleaved needs --microbatches a multiple of the {stages} stages, got {m}; "
-                 f"use {' or '.join(map(str, near))}, or --schedule 1f1b")
+                 f"use {' or '.join(near)}, or --schedule 1f1b (without --virtual-stages)")
     if args.balance is not None:
         try:
             balance = [int(b) for b in args.balance.split(",")]
@@ -124,6 +124,11 @@ def validate_pipeline(args, stages, replicas):
                  f"{num_blocks(args)} blocks of the {args.model}")
     elif chunks > num_blocks(args):
         fail(too_few_blocks(args, stages, replicas))
+
+
+def near_multiples(n, k):
+    """The multiples of k just below and just above n (the one below only if positive)."""
+    return sorted({max(k, n // k * k), (n // k + 1) * k})
 
 
 def too_few_blocks(args, stages, replicas):

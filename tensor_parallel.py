@@ -54,9 +54,13 @@ def parse_args(argv=None):
 
 def validate_degree(args, degree):
     """Every rank needs whole heads and at least one neuron of the narrowest split layer."""
-    if args.model == "vit" and args.heads % degree:
+    if args.model == "vit" and args.heads % degree:   # fixes that also keep --hidden divisible by --heads
+        heads = [h for h in range(degree, args.hidden + 1, degree) if args.hidden % h == 0][:2]
+        ranks = [d for d in range(2, args.heads + 1) if args.heads % d == 0][:1]
+        fixes = [f"--heads {h}" for h in heads] + [f"{d} ranks (torchrun --nproc-per-node {d})" for d in ranks]
+        fixes = fixes or [f"--hidden {args.hidden * degree} --heads {degree}"]
         fail(f"--heads {args.heads} is not divisible by the tensor-parallel degree {degree}; each rank "
-             f"needs whole heads: use --heads a multiple of {degree}, or a number of ranks dividing {args.heads}")
+             f"needs whole heads: use {' or '.join(fixes)}")
     if args.model == "cnn":
         width, what = 6, "output channels of cnn conv1"
     elif args.model == "mlp" and args.layers % 2:  # the classifier is split too: 10 outputs
@@ -65,7 +69,7 @@ def validate_degree(args, degree):
         width, what = args.hidden, f"--hidden neurons of the {args.model}"
     if degree > width:
         fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
-             f"use at most {width} ranks")
+             f"use at most {width} ranks (torchrun --nproc-per-node {width})")
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
