@@ -551,7 +551,8 @@ def gather_timeline(runner, pos, args):
     return {"traceEvents": events, "otherData": {
         "schedule": args.schedule, "stages": pos.pp_size, "microbatches": args.microbatches,
         "virtual_stages": pos.virtual, "bubble_measured": 1 - busy,
-        "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual)}}
+        "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual),
+        "device": runner.messenger.device.type, "cpu_cores": os.cpu_count()}}   # ranks > cores: waits for a core
 
 
 def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=None):
