@@ -4,8 +4,12 @@ The lesson: a pipeline is a row of the grid, the ranks that hold the same stage 
 Each pipeline takes its own contiguous slice of every global batch and runs a schedule of
 pipeline_microbatch.py on it (imported, not copied); after its last backward, each stage averages
 its gradients with the same stage of the other pipelines (one flattened all-reduce in its column's
-process group), then every rank steps its optimizer. The default is the assignment's: 2 pipelines
+process group), then every rank steps its optimizer. The default is 2 pipelines
 x 3 stages, each stage working through 3 sequential microbatches.
+
+What this adds to pipeline_microbatch.py (itself the baseline plus a pipeline): the Grid of ranks
+and its row and column process groups, and the three data-parallel hooks of DataParallelReplicas
+(slice the batch, average the gradients, average the logged loss).
 
     torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic
     torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic --check

@@ -6,6 +6,12 @@ them through, so that stage r works on microbatch i while stage r+1 works on mic
 Gradients of the M microbatches accumulate (each loss divided by M), then every stage takes one
 optimizer step: the same update as one process on the whole batch.
 
+What this adds to single_baseline.py (whose data, seeding, optimizer and metrics it shares): each
+rank keeps only its stage's blocks of the full model (build_chunks), every message's shape is known
+up front (boundary_shapes), activations go forward and gradients back by isend/irecv (Messenger),
+a schedule orders each rank's forwards and backwards (schedule_actions, run by StageRunner), and
+only the last stage sees labels and the loss (train_step's head).
+
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
 

@@ -1,8 +1,8 @@
 """The single-process reference: plain SGD training that every parallel program must reproduce.
 
 Same model, same weights (built from --seed), same global batches in the same order, same loss.
-Each parallel program logs the per-step training loss of this program within 1e-4 (DESIGN.md,
-the equivalence contract); diff this file against one of them to see what the parallelism adds.
+Each parallel program logs the per-step training loss of this program within 1e-4 (the equivalence
+contract, docs/equivalence.md); each one's docstring lists what it adds to this file.
 
     python single_baseline.py --data synthetic --steps 300
     python plot_curves.py logs/single_baseline.jsonl -o plots/baseline.png

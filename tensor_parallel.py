@@ -5,6 +5,12 @@ by output features (column-parallel), feed its split output straight into a Line
 features (row-parallel), and the pair needs one all-reduce in forward and one in backward. The
 degree is the world size; every rank sees the whole global batch and logs the baseline's losses.
 
+What this adds to single_baseline.py, whose train_step and evaluate it imports unchanged: the
+conjugate operators (copy_to_tp_region, reduce_from_tp_region, gather_from_tp_region: autograd
+functions around one all-reduce or all-gather), the sharded layers that slice a full layer's
+weights (ColumnParallelLinear, RowParallelLinear and their conv and attention kin), and
+parallelize(), which swaps them into the baseline's model.
+
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model cnn
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --check
 
