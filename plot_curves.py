@@ -205,7 +205,7 @@ def draw_gantt(ax, trace, colours, path):
         if kind != "wait":           # the action's name, F3 or B1b as in the docs' tables
             chunk = e.get("args", {}).get("chunk") or 0
             name = e.get("name", "") + (chr(ord("a") + chunk) if interleaved else "")
-            if width > span * 0.007 * len(name):   # only where the name fits in its box
+            if width > span * 0.012 * len(name):   # only where the name fits in its box
                 ax.text(left + width / 2, e["pid"], name, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()  # stage 0 on top, as pipelines are drawn in papers
