@@ -598,11 +598,11 @@ def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=Non
     return len(pairs), max((got - want).abs().max().item() for _, got, want in pairs)
 
 
-def check_and_exit(env, *check_args, **check_kwargs):
+def check_and_exit(env, runner, actions, model, args, x, y, **replicas):
     """--check on every rank; rank 0 prints one summary line (and each mismatch, naming its rank),
     and all ranks agree on the exit status (0 match, 1 mismatch)."""
     try:
-        count, worst = run_check(*check_args, **check_kwargs)
+        count, worst = run_check(runner, actions, model, args, x, y, **replicas)
         mine = (count, worst, None)
     except AssertionError as e:
         mine = (0, float("nan"), str(e).splitlines()[0])
@@ -614,7 +614,6 @@ def check_and_exit(env, *check_args, **check_kwargs):
                 print(f"check: rank {rank}: MISMATCH: {error}", file=sys.stderr, flush=True)
         bad = sum(error is not None for _, _, error in every)
         worst = max((w for _, w, error in every if error is None), default=float("nan"))
-        args = check_args[3]                             # run_check(runner, actions, model, args, ...)
         print(f"--check, {args.schedule} on {env.world_size} ranks, model {args.model}: "
               f"{sum(c for c, _, _ in every)} tensors compared with the full model (output and loss on the last "
               f"stage, every rank's local gradients and weights after one step); largest difference {worst:.2e}: "
