@@ -73,7 +73,8 @@ def base_parser(description):
     p.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
-    p.add_argument("--eval-every", type=int, default=50, help="test loss/accuracy every K steps and after the last (0: never)")
+    p.add_argument("--eval-every", type=int, default=50,
+                   help="test loss/accuracy every K steps and after the last (0: never)")
     p.add_argument("--log-file", default=None, help="metrics log, JSON lines (default: logs/<program>.jsonl)")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="auto: nccl with one GPU per local rank, else gloo")

@@ -53,7 +53,8 @@ def parse_args(argv=None):
     if args.dp <= 0 or world % args.dp:
         fixes = [f"--dp {d}" for d in range(2, world + 1) if world % d == 0][:2]
         if args.dp > 0:
-            fixes.append(f"{args.dp * 3} ranks (torchrun --nproc-per-node {args.dp * 3}: {args.dp} pipelines of 3 stages)")
+            n = args.dp * 3
+            fixes.append(f"{n} ranks (torchrun --nproc-per-node {n}: {args.dp} pipelines of 3 stages)")
         fail(f"the world size {world} is not divisible by --dp {args.dp}: launch dp x stages processes; "
              f"use {' or '.join(fixes)}")
     validate_pipeline(args, stages=world // args.dp, replicas=args.dp)

@@ -144,7 +144,8 @@ def too_few_blocks(args, stages, replicas):
     if v == 1:
         fixes = [f"{n * replicas} ranks (torchrun --nproc-per-node {n * replicas})"]
     else:   # fewer ranks would break the interleaved microbatch rule: change the chunks instead
-        fixes = [f"--virtual-stages {n // stages}" if n // stages >= 2 else "--schedule 1f1b (without --virtual-stages)"]
+        fixes = [f"--virtual-stages {n // stages}" if n // stages >= 2
+                 else "--schedule 1f1b (without --virtual-stages)"]
     depth = {"cnn": "--model vit --layers", "mlp": "--layers", "vit": "--layers"}[args.model]
     fixes.append(f"{depth} {stages * v - (0 if args.model == 'mlp' else 2)}")   # the vit adds 2 blocks
     return (f"{what} but the {args.model} has only {n} blocks (one chunk needs at least one); "

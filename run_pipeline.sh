@@ -38,7 +38,8 @@ chunks_of() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTUAL_ST
 # the parallel program's arguments at its world size, for every schedule, before anything trains
 for SCHEDULE in $SCHEDULES; do
     WORLD_SIZE=$NPROC "$PYTHON" -c 'import sys, pipeline_microbatch as p; p.parse_args(sys.argv[1:])' \
-        "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" --microbatches "$MICROBATCHES" $(chunks_of "$SCHEDULE")
+        "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" --microbatches "$MICROBATCHES" \
+        $(chunks_of "$SCHEDULE")
 done
 
 echo "== baseline: one process"

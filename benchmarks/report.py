@@ -122,7 +122,8 @@ def plot_memory(memory, path):
     ax.set_ylabel("peak resident memory per stage (MB)")
     # what the curves show: 1F1B's stage 0 grows too, with the global batch of inputs it draws
     ax.set_title("cnn, 4 stages: GPipe's stage 0 grows with m (it keeps every microbatch's activations);\n"
-                 "1F1B's stage 0 grows less (only the global batch of inputs); stages 1-3 stay near the floor", fontsize=9)
+                 "1F1B's stage 0 grows less (only the global batch of inputs); stages 1-3 stay near the floor",
+                 fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -120,7 +120,8 @@ class Scale(torch.nn.Module):
 @pytest.mark.parametrize("argv,world,message", [
     (["--microbatches", "5"], 2, "error: --batch-size 24 is not divisible by 1 replica(s) x --microbatches 5; "),
     (["--schedule", "interleaved", "--microbatches", "6"], 4,
-     "error: --schedule interleaved needs --microbatches a multiple of the 4 stages, got 6; use --microbatches 4 or --microbatches 8"),
+     "error: --schedule interleaved needs --microbatches a multiple of the 4 stages, got 6; "
+     "use --microbatches 4 or --microbatches 8"),
     (["--balance", "4,3"], 2, "error: --balance 4,3 must give 2 positive block counts summing to the 8 blocks"),
     (["--balance", "4,x"], 2, "error: --balance '4,x' must be comma-separated integers"),
     ([], 9, "error: 9 pipeline stages but the mlp has only 8 blocks"),
