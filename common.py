@@ -5,6 +5,7 @@ process group, seeding, the data (CIFAR-10 or a synthetic stand-in) as a global-
 every rank can draw identically, the three models as ordered lists of blocks, and the metrics log.
 """
 import argparse
+import copy
 import datetime
 import fcntl
 import functools
@@ -38,10 +39,25 @@ def print_error(message):
     sys.stderr.flush()
 
 
-def fail(message):
-    """Bad input: one line on stderr and exit 2, on every rank (all ranks parse the same flags)."""
-    print_error(message)
+def fail(message, every_rank_sees_it=True):
+    """Bad input: one `error:` line and exit status 2 on every rank. Input that every rank checks
+    alike (the flags, WORLD_SIZE) is reported by rank 0 alone, so the user reads it once; pass
+    every_rank_sees_it=False for what only this rank detects (a NaN loss on the loss owner)."""
+    if not every_rank_sees_it or int(os.environ.get("RANK", 0)) == 0:
+        print_error(message)
     sys.exit(2)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every option's default after its help."""
+
+    def _format_action(self, action):
+        if action.option_strings and not any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            action = copy.copy(action)
+            help_ = action.help or ""
+            if "%(default)" not in help_:
+                action.help = f"{help_} (default: %(default)s)".lstrip()
+        return super()._format_action(action)
 
 
 class Parser(argparse.ArgumentParser):
@@ -50,22 +66,24 @@ class Parser(argparse.ArgumentParser):
 
 
 def base_parser(description):
-    p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--model", choices=["cnn", "mlp", "vit"], default="cnn")
-    p.add_argument("--layers", type=int, default=4, help="mlp: Linear layers; vit: blocks")
+    p.add_argument("--layers", type=int, default=4, help="mlp: Linear layers; vit: blocks (the cnn has 5 fixed blocks)")
     p.add_argument("--hidden", type=int, default=128, help="mlp: width; vit: embedding width")
     p.add_argument("--heads", type=int, default=4, help="vit: attention heads")
     p.add_argument("--data", choices=["auto", "cifar10", "synthetic"], default="auto",
                    help="auto: CIFAR-10 if it is in --data-dir or can be downloaded, else synthetic")
     p.add_argument("--data-dir", default="./data", help="where CIFAR-10 is, or is downloaded to once")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps, numbered from 0 on screen and in the log")
     p.add_argument("--batch-size", type=int, default=64, help="global batch of one optimizer step")
-    p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=50, help="test loss/accuracy every K steps (0: never)")
-    p.add_argument("--log-file", default=None, help="metrics log, JSON lines (default logs/<program>.jsonl)")
-    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    p.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    p.add_argument("--eval-every", type=int, default=50,
+                   help="test loss/accuracy every K steps and after the last (0: never)")
+    p.add_argument("--log-file", default=None, help="metrics log, JSON lines (default: logs/<program>.jsonl)")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="auto: nccl with one GPU per local rank, else gloo")
     p.add_argument("--timeout-s", type=float, default=180.0, help="collective/p2p timeout in seconds")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     return p
@@ -649,11 +667,12 @@ def memory_fields(env):
 
 def check_finite(loss, step):
     if not math.isfinite(loss):
-        fail(f"the loss became {loss} at step {step}; training stopped (try a smaller --lr)")
+        fail(f"the loss became {loss} at step {step}; training stopped (try a smaller --lr)", every_rank_sees_it=False)
 
 
 class Progress:
-    """A short console line every few seconds, and the step times for the summary."""
+    """A short console line every few seconds, and the step times for the summary. Steps are
+    numbered from 0 here as in the metrics log and the plots: the last of 300 is `step 299/299`."""
 
     def __init__(self, total_steps, enabled, every_s=5.0):
         self.total, self.enabled, self.every_s = total_steps, enabled, every_s
@@ -664,7 +683,7 @@ class Progress:
         self.step_times.append(step_time)
         now = time.perf_counter()
         if self.enabled and (now - self.last_print >= self.every_s or step == self.total - 1):
-            print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {samples / step_time:.0f} samples/s",
+            print(f"step {step}/{self.total - 1}  loss {loss:.4f}  {samples / step_time:.0f} samples/s",
                   flush=True)
             self.last_print = now
 

@@ -4,8 +4,12 @@ The lesson: a pipeline is a row of the grid, the ranks that hold the same stage 
 Each pipeline takes its own contiguous slice of every global batch and runs a schedule of
 pipeline_microbatch.py on it (imported, not copied); after its last backward, each stage averages
 its gradients with the same stage of the other pipelines (one flattened all-reduce in its column's
-process group), then every rank steps its optimizer. The default is the assignment's: 2 pipelines
+process group), then every rank steps its optimizer. The default is 2 pipelines
 x 3 stages, each stage working through 3 sequential microbatches.
+
+What this adds to pipeline_microbatch.py (itself the baseline plus a pipeline): the Grid of ranks
+and its row and column process groups, and the three data-parallel hooks of DataParallelReplicas
+(slice the batch, average the gradients, average the logged loss).
 
     torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic
     torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic --check
@@ -42,12 +46,18 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, default=2, help="data-parallel pipelines; stages = world size / dp")
     p.add_argument("--timeline", default=None, help="replica 0's measured schedule of the last step")
     p.set_defaults(microbatches=3, batch_size=72)   # 72 = 2 pipelines x 3 microbatches x 12 samples
+    p.epilog = ("Defaults that differ from pipeline_microbatch.py's: --microbatches 3 (not 4) and\n"
+                "--batch-size 72 (not 64), so that 2 pipelines x 3 microbatches divide the batch.")
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
     world = torchrun_env("gloo").world_size
     if args.dp <= 0 or world % args.dp:
-        fail(f"the world size {world} is not divisible by --dp {args.dp}: launch dp x stages processes "
-             f"(e.g. --nproc-per-node {args.dp * 3} for {args.dp} pipelines of 3 stages)")
+        fixes = [f"--dp {d}" for d in range(2, world + 1) if world % d == 0][:2]
+        if args.dp > 0:
+            n = args.dp * 3
+            fixes.append(f"{n} ranks (torchrun --nproc-per-node {n}: {args.dp} pipelines of 3 stages)")
+        fail(f"the world size {world} is not divisible by --dp {args.dp}: launch dp x stages processes; "
+             f"use {' or '.join(fixes)}")
     validate_pipeline(args, stages=world // args.dp, replicas=args.dp)
     return args
 

@@ -6,6 +6,12 @@ them through, so that stage r works on microbatch i while stage r+1 works on mic
 Gradients of the M microbatches accumulate (each loss divided by M), then every stage takes one
 optimizer step: the same update as one process on the whole batch.
 
+What this adds to single_baseline.py (whose data, seeding, optimizer and metrics it shares): each
+rank keeps only its stage's blocks of the full model (build_chunks), every message's shape is known
+up front (boundary_shapes), activations go forward and gradients back by isend/irecv (Messenger),
+a schedule orders each rank's forwards and backwards (schedule_actions, run by StageRunner), and
+only the last stage sees labels and the loss (train_step's head).
+
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
 
@@ -76,7 +82,7 @@ def add_pipeline_flags(p):
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per global batch (per replica)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=None,
-                   help="interleaved only: model chunks per rank (default 2)")
+                   help="interleaved only: model chunks per rank (default: 2; always 1 for the other schedules)")
     p.add_argument("--balance", default=None, help="blocks per stage, e.g. 2,1,1,1 (default: even)")
     p.add_argument("--check", action="store_true",
                    help="one step on the first batch against the full model in this process; exit 0 on match")
@@ -108,7 +114,7 @@ def validate_pipeline(args, stages, replicas):
         fail(f"--microbatches {m} must be a positive integer")
     if args.batch_size % (replicas * m):
         fail(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x --microbatches {m}; "
-             f"use a batch size that is a multiple of {replicas * m}")
+             f"use --batch-size {' or --batch-size '.join(map(str, near_multiples(args.batch_size, replicas * m)))}")
     if args.schedule == "interleaved":
         if stages == 1:   # chunk a would send to chunk b on the same rank: a message to itself
             fail("--schedule interleaved needs at least 2 stages (processes); with one, use --schedule "
@@ -116,9 +122,9 @@ def validate_pipeline(args, stages, replicas):
         if args.virtual_stages < 1:
             fail(f"--virtual-stages {args.virtual_stages} must be a positive integer")
         if m % stages:
-            near = sorted({max(stages, m // stages * stages), (m // stages + 1) * stages})
+            near = [f"--microbatches {k}" for k in near_multiples(m, stages)]
             fail(f"--schedule interleaved needs --microbatches a multiple of the {stages} stages, got {m}; "
-                 f"use {' or '.join(map(str, near))}, or --schedule 1f1b")
+                 f"use {' or '.join(near)}, or --schedule 1f1b (without --virtual-stages)")
     if args.balance is not None:
         try:
             balance = [int(b) for b in args.balance.split(",")]
@@ -128,8 +134,27 @@ def validate_pipeline(args, stages, replicas):
             fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
                  f"{num_blocks(args)} blocks of the {args.model}")
     elif chunks > num_blocks(args):
-        fail(f"{chunks} pipeline stages (ranks x virtual stages) but the {args.model} has only "
-             f"{num_blocks(args)} blocks; use fewer ranks or --virtual-stages, or a deeper model (--layers)")
+        fail(too_few_blocks(args, stages, replicas))
+
+
+def near_multiples(n, k):
+    """The multiples of k just below and just above n (the one below only if positive)."""
+    return sorted({max(k, n // k * k), (n // k + 1) * k})
+
+
+def too_few_blocks(args, stages, replicas):
+    """The message for more model chunks than blocks, with fixes that each work on their own."""
+    v, n = args.virtual_stages, num_blocks(args)
+    what = f"{stages} pipeline stages" if v == 1 else f"{stages} stages x {v} virtual stages = {stages * v} chunks"
+    if v == 1:
+        fixes = [f"{n * replicas} ranks (torchrun --nproc-per-node {n * replicas})"]
+    else:   # fewer ranks would break the interleaved microbatch rule: change the chunks instead
+        fixes = [f"--virtual-stages {n // stages}" if n // stages >= 2
+                 else "--schedule 1f1b (without --virtual-stages)"]
+    depth = {"cnn": "--model vit --layers", "mlp": "--layers", "vit": "--layers"}[args.model]
+    fixes.append(f"{depth} {stages * v - (0 if args.model == 'mlp' else 2)}")   # the vit adds 2 blocks
+    return (f"{what} but the {args.model} has only {n} blocks (one chunk needs at least one); "
+            f"use {' or '.join(fixes)}")
 
 
 # ----------------------------------------------------------------------------- stages
@@ -545,7 +570,8 @@ def gather_timeline(runner, pos, args):
     return {"traceEvents": events, "otherData": {
         "schedule": args.schedule, "stages": pos.pp_size, "microbatches": args.microbatches,
         "virtual_stages": pos.virtual, "bubble_measured": 1 - busy,
-        "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual)}}
+        "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual),
+        "device": runner.messenger.device.type, "cpu_cores": os.cpu_count()}}   # ranks > cores: waits for a core
 
 
 def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=None):
@@ -585,19 +611,27 @@ def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=Non
     return len(pairs), max((got - want).abs().max().item() for _, got, want in pairs)
 
 
-def check_and_exit(env, *check_args, **check_kwargs):
-    """--check on every rank; all ranks agree on the exit status (0 match, 1 mismatch)."""
+def check_and_exit(env, runner, actions, model, args, x, y, **replicas):
+    """--check on every rank; rank 0 prints one summary line (and each mismatch, naming its rank),
+    and all ranks agree on the exit status (0 match, 1 mismatch)."""
     try:
-        count, worst = run_check(*check_args, **check_kwargs)
-        print(f"check rank {env.rank}: {count} tensors match the full model (output/loss on the last "
-              f"stage, local gradients, weights after one step); largest difference {worst:.2e}", flush=True)
-        ok = 1
+        count, worst = run_check(runner, actions, model, args, x, y, **replicas)
+        mine = (count, worst, None)
     except AssertionError as e:
-        print(f"check rank {env.rank}: MISMATCH: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-        ok = 0
-    flag = torch.tensor([ok], device=env.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return 0 if flag.item() else 1
+        mine = (0, float("nan"), str(e).splitlines()[0])
+    every = [None] * env.world_size
+    dist.all_gather_object(every, mine)                  # one line from rank 0, not one per rank in random order
+    if env.rank == 0:
+        for rank, (_, _, error) in enumerate(every):
+            if error:
+                print(f"check: rank {rank}: MISMATCH: {error}", file=sys.stderr, flush=True)
+        bad = sum(error is not None for _, _, error in every)
+        worst = max((w for _, w, error in every if error is None), default=float("nan"))
+        print(f"--check, {args.schedule} on {env.world_size} ranks, model {args.model}: "
+              f"{sum(c for c, _, _ in every)} tensors compared with the full model (output and loss on the last "
+              f"stage, every rank's local gradients and weights after one step); largest difference {worst:.2e}: "
+              f"{f'MISMATCH on {bad} rank(s)' if bad else 'all tensors match the full model'}", flush=True)
+    return 1 if any(error for _, _, error in every) else 0
 
 
 # ----------------------------------------------------------------------------- training
@@ -675,7 +709,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
             result = evaluate(runner, pos, data, env.device)    # replica 0 only: weights are identical
             if owner:
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
-                print(f"step {step + 1}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
+                print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env), schedule=args.schedule, microbatches=args.microbatches)
     log.close()

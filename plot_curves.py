@@ -3,10 +3,15 @@
     python plot_curves.py logs/single_baseline.jsonl logs/pipeline_1f1b.jsonl -o plots/pipeline_loss.png
     python plot_curves.py --timeline logs/timeline_gpipe.json logs/timeline_1f1b.json -o plots/pipeline_timeline.png
 
-Curves: the first log is the baseline. One figure: training loss of every log, test accuracy where
-logged, and |loss - baseline loss| per step on a log scale with the 1e-4 contract line.
-Timelines: Chrome-trace files (DESIGN.md) drawn as Gantt charts, one above the other: a row per
-rank, forward / backward / communication wait in distinct colours, microbatch numbers on the boxes.
+Curves: the first log is the baseline. One figure: training loss of every log, the largest
+|loss - baseline loss| per window of steps on a log scale with the 1e-4 line of the equivalence
+contract (every parallel program logs the baseline's per-step loss within 1e-4), and test accuracy
+where logged. Steps are numbered from 0, as in the logs and on the programs' consoles. Runs whose
+settings differ (model, data, seed, batch size, lr, momentum, steps, sizes) are not comparable
+step by step: each difference is named on stderr and in the title.
+Timelines: the Chrome-trace files that `pipeline_microbatch.py --timeline` writes, drawn as Gantt
+charts on one time axis, one above the other: a row per rank, a colour per event category (forward,
+backward, waiting for a message, and any other the trace carries), the action's name on each box.
 """
 import argparse
 import json
@@ -18,8 +23,13 @@ import matplotlib
 matplotlib.use("Agg")  # no screen on the machines that draw these
 import matplotlib.pyplot as plt  # noqa: E402
 
-TOLERANCE = 1e-4  # the equivalence contract (DESIGN.md)
+TOLERANCE = 1e-4  # the equivalence contract: |loss - baseline loss| <= 1e-4 at every step
 COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C0C0C0"}
+MEANINGS = {"forward": "forward", "backward": "backward", "wait": "waiting for a message"}
+SPARE = ["#55A868", "#8172B3", "#C44E52", "#937860", "#DA8BC3", "#CCB974"]  # categories a trace adds later
+# the settings two runs must share for their losses to be compared step by step
+SAME = ("model", "data", "seed", "batch_size", "lr", "momentum", "steps")
+SIZES = {"mlp": ("layers", "hidden"), "vit": ("layers", "hidden", "heads"), "cnn": ()}
 
 
 def fail(message):
@@ -35,9 +45,13 @@ def read_json_lines(path):
         fail(f"cannot read metrics log {path}: {e}")
 
 
+def config_of(records):
+    return next((r for r in records if r["event"] == "config"), None)
+
+
 def label_of(records, path):
-    """A short name for a run: program plus the settings that tell runs of it apart."""
-    config = next((r for r in records if r["event"] == "config"), None)
+    """A short name for a run: program plus the settings that tell runs of it apart, its own batch too."""
+    config = config_of(records)
     if config is None:
         return os.path.basename(path)
     args, parts = config["args"], []
@@ -47,11 +61,23 @@ def label_of(records, path):
                          else str(args[key]))
     if config["world_size"] > 1:
         parts.append(f"{config['world_size']} ranks")
+    parts.append(f"batch {args.get('batch_size', '?')}")
     if not any(r["event"] == "summary" for r in records):   # the run stopped before its end
         steps = sum(r["event"] == "train" for r in records)
         print(f"warning: {path} has no summary record: the run stopped after {steps} steps", file=sys.stderr)
-        parts.append(f"INCOMPLETE: {steps} of {config['args'].get('steps', '?')} steps")
-    return config["program"] + (f" ({', '.join(parts)})" if parts else "")
+        parts.append(f"INCOMPLETE: {steps} of {args.get('steps', '?')} steps")
+    return config["program"] + f" ({', '.join(parts)})"
+
+
+def setting_differences(runs):
+    """['batch_size 32 (baseline) vs 64 (label)', ...]: the settings in which a run differs from the baseline."""
+    base = (config_of(runs[0][1]) or {}).get("args", {})
+    keys = SAME + SIZES.get(base.get("model"), ())
+    out = []
+    for label, records in runs[1:]:
+        args = (config_of(records) or {}).get("args", {})
+        out += [f"{k} {base.get(k)} (baseline) vs {args.get(k)} ({label})" for k in keys if args.get(k) != base.get(k)]
+    return out
 
 
 def series(records, event, key):
@@ -59,24 +85,35 @@ def series(records, event, key):
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
+def differences(base, records):
+    """(steps, |loss - baseline loss|) over the steps both runs logged."""
+    base_loss = dict(zip(*series(base, "train", "loss")))
+    return [(s, abs(loss - base_loss[s])) for s, loss in zip(*series(records, "train", "loss")) if s in base_loss]
+
+
 def largest_differences(runs):
     """{label: max |loss - baseline loss|} over the steps both logged, for every run but the baseline."""
-    _, base_losses = series(runs[0][1], "train", "loss")
-    out = {}
-    for label, records in runs[1:]:
-        _, losses = series(records, "train", "loss")
-        n = min(len(losses), len(base_losses))
-        out[label] = max((abs(a - b) for a, b in zip(losses[:n], base_losses[:n])), default=float("nan"))
-    return out
+    return {label: max((d for _, d in differences(runs[0][1], records)), default=float("nan"))
+            for label, records in runs[1:]}
 
 
-def title_of(runs):
-    args = next((r["args"] for r in runs[0][1] if r["event"] == "config"), {})
+def window_maxima(pairs, windows=40):
+    """The largest difference in each window of consecutive steps: (last step of the window, max)."""
+    size = max(1, -(-len(pairs) // windows))
+    return [(chunk[-1][0], max(d for _, d in chunk)) for chunk in
+            (pairs[i:i + size] for i in range(0, len(pairs), size))], size
+
+
+def title_of(runs, mismatches):
+    args = (config_of(runs[0][1]) or {}).get("args", {})
     data = args.get("data", "?")
-    data = "SYNTHETIC data (not CIFAR-10)" if data == "synthetic" else data.upper()
-    title = f"model {args.get('model', '?')}, {data}, global batch {args.get('batch_size', '?')}"
+    data = "SYNTHETIC data (not CIFAR-10)" if data == "synthetic" else str(data).upper()
+    title = f"model {args.get('model', '?')}, {data}; baseline batch {args.get('batch_size', '?')}"
     diffs = largest_differences(runs)
-    if diffs:
+    if mismatches:
+        title += "\nNOT COMPARABLE, the settings differ: " + "; ".join(mismatches[:3]) + (
+            f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
+    elif diffs:
         title += f"\nlargest |loss - baseline| = {max(diffs.values()):.2e} (contract: {TOLERANCE:g})"
     return title
 
@@ -85,11 +122,13 @@ def plot_curves(paths, out):
     runs = [(label_of(recs, p), recs) for p, recs in ((p, read_json_lines(p)) for p in paths)]
     if not series(runs[0][1], "train", "loss")[0]:
         fail(f"{paths[0]} has no training steps; was the run finished?")
+    mismatches = setting_differences(runs)
+    for m in mismatches:
+        print(f"warning: not comparable step by step: {m}", file=sys.stderr)
     panels = ["loss"] + (["diff"] if len(runs) > 1 else [])
     panels += ["acc"] if any(series(recs, "eval", "test_acc")[0] for _, recs in runs) else []
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
     ax = dict(zip(panels, axes[0]))
-    base_losses = series(runs[0][1], "train", "loss")[1]
     for i, (label, records) in enumerate(runs):
         # the baseline wide and pale underneath, so curves that match it sit visibly on top
         style = {"lw": 3, "color": "black", "alpha": 0.3} if i == 0 else {"lw": 1.2, "ls": "--"}
@@ -97,63 +136,93 @@ def plot_curves(paths, out):
         if "acc" in ax:
             ax["acc"].plot(*series(records, "eval", "test_acc"), marker="o", label=label, **style)
         if i > 0:
-            steps, losses = series(records, "train", "loss")
-            n = min(len(losses), len(base_losses))
-            diff = [max(abs(a - b), 1e-12) for a, b in zip(losses[:n], base_losses[:n])]  # log axis: no zeros
-            ax["diff"].semilogy(steps[:n], diff, lw=1, label=label)
-    ax["loss"].set(xlabel="step", ylabel="training loss", title="training loss")
-    if "diff" in ax:
-        ax["diff"].axhline(TOLERANCE, color="red", lw=1, ls=":", label=f"contract {TOLERANCE:g}")
-        ax["diff"].set(xlabel="step", ylabel="|loss - baseline loss|  (exact: drawn at 1e-12)",
-                       title="difference from the baseline (log)")
+            draw_differences(ax["diff"], differences(runs[0][1], records), label)
+    ax["loss"].set(xlabel="step (from 0)", ylabel="training loss", title="training loss")
     if "acc" in ax:
         ax["acc"].axhline(0.1, color="grey", lw=1, ls=":", label="chance")
-        ax["acc"].set(xlabel="step", ylabel="test accuracy", title="test accuracy", ylim=(0, 1))
+        ax["acc"].set(xlabel="step (from 0)", ylabel="test accuracy", title="test accuracy", ylim=(0, 1),
+                      xlim=ax["loss"].get_xlim())     # one evaluation is a point on the run's step axis
     for a in ax.values():
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
-    fig.suptitle(title_of(runs))
+    fig.suptitle(title_of(runs, mismatches), color="red" if mismatches else "black")
     save(fig, out)
     return largest_differences(runs)
 
 
+def draw_differences(ax, pairs, label, floor=1e-12):
+    """The largest |loss - baseline| per window of steps, as a line on a log scale (exact: the floor)."""
+    if not pairs:
+        return
+    maxima, size = window_maxima(pairs)
+    steps, worst = zip(*maxima)
+    ax.semilogy(steps, [max(d, floor) for d in worst], marker=".", lw=1.2, label=label)
+    ax.axhline(TOLERANCE, color="red", lw=1, ls=":")
+    ax.set(xlabel="step (from 0)", ylim=(floor / 3, 1),
+           ylabel="|loss - baseline loss|" + (f", largest per {size} steps" if size > 1 else ""),
+           title=f"difference from the baseline (red: contract {TOLERANCE:g}; exact 0 drawn at {floor:g})")
+
+
 def plot_timelines(paths, out):
-    fig, axes = plt.subplots(len(paths), 1, figsize=(13, 1.2 + 0.9 * 4 * len(paths)), squeeze=False)
-    for ax, path in zip(axes[:, 0], paths):
+    traces = []
+    for path in paths:
         try:
             with open(path) as f:
-                trace = json.load(f)
+                traces.append(json.load(f))
         except (OSError, json.JSONDecodeError) as e:
             fail(f"cannot read timeline {path}: {e}")
-        draw_gantt(ax, trace)
+    # one time axis for all: a slower schedule is a longer row of boxes
+    fig, axes = plt.subplots(len(paths), 1, figsize=(13, 1.2 + 0.9 * 4 * len(paths)), squeeze=False, sharex=True)
+    present = {e.get("cat", "wait") for t in traces for e in t["traceEvents"] if e.get("ph") == "X"}
+    added = sorted(present - set(COLOURS))                  # e.g. a later schedule's weight-gradient pass
+    categories = [c for c in COLOURS if c in present] + added
+    colours = {**dict(zip(added, SPARE)), **COLOURS}
+    for ax, trace, path in zip(axes[:, 0], traces, paths):
+        draw_gantt(ax, trace, colours, path)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours.get(c, "#999999")) for c in categories]
+    labels = [MEANINGS.get(c, c) for c in categories]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", lw=0.5))
+    labels.append("blank: not timed (Python between\nactions, optimizer step, or a\nrank waiting for a free core)")
+    axes[0, 0].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    axes[-1, 0].set_xlabel("time in the step (ms), one axis for every chart")
     save(fig, out)
 
 
-def draw_gantt(ax, trace):
+def draw_gantt(ax, trace, colours, path):
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     if not events:
-        fail("the timeline has no events")
+        fail(f"the timeline {path} has no events")
+    other = trace.get("otherData", {})
+    interleaved = other.get("virtual_stages", 1) > 1
     start = min(e["ts"] for e in events)
+    span = (max(e["ts"] + e["dur"] for e in events) - start) / 1000
     ranks = sorted({e["pid"] for e in events})
     for e in events:
         kind = e.get("cat", "wait")
         left, width = (e["ts"] - start) / 1000, e["dur"] / 1000
-        ax.barh(e["pid"], width, left=left, height=0.8, color=COLOURS.get(kind, "#999999"),
+        ax.barh(e["pid"], width, left=left, height=0.8, color=colours.get(kind, "#999999"),
                 edgecolor="white" if kind != "wait" else "none", linewidth=0.5)
-        mb = e.get("args", {}).get("microbatch")
-        if kind != "wait" and mb is not None:
-            ax.text(left + width / 2, e["pid"], str(mb), ha="center", va="center", fontsize=7, color="white")
-    other = trace.get("otherData", {})
+        if kind != "wait":           # the action's name, F3 or B1b as in the docs' tables
+            chunk = e.get("args", {}).get("chunk") or 0
+            name = e.get("name", "") + (chr(ord("a") + chunk) if interleaved else "")
+            if width > span * 0.012 * len(name):   # only where the name fits in its box
+                ax.text(left + width / 2, e["pid"], name, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()  # stage 0 on top, as pipelines are drawn in papers
-    ax.set_xlabel("time in the step (ms)")
-    chunks = f", v={other['virtual_stages']}" if other.get("schedule") == "interleaved" else ""
-    ax.set_title(f"{other.get('schedule', '?')}: {other.get('stages', '?')} stages, "
-                 f"{other.get('microbatches', '?')} microbatches{chunks}; bubble measured "
-                 f"{other.get('bubble_measured', float('nan')):.1%}, theory {other.get('bubble_theory', float('nan')):.1%}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    ax.legend(handles, ["forward", "backward", "waiting for a message"], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.tick_params(labelbottom=True)
+    ax.set_title(gantt_title(other), fontsize=10)
+
+
+def gantt_title(other):
+    chunks = f", v={other['virtual_stages']}" if other.get("virtual_stages", 1) > 1 else ""
+    title = (f"{other.get('schedule', '?')}: {other.get('stages', '?')} stages, {other.get('microbatches', '?')} "
+             f"microbatches{chunks}; bubble measured {other.get('bubble_measured', float('nan')):.1%}, "
+             f"theory {other.get('bubble_theory', float('nan')):.1%}")
+    cores, stages = other.get("cpu_cores"), other.get("stages", 0)
+    if other.get("device", "cpu") == "cpu" and cores and stages > cores:
+        title += (f"\nmeasured > theory: {stages} ranks shared {cores} CPU cores, so a rank often waited "
+                  f"for a core, not for its neighbour")
+    return title
 
 
 def save(fig, out):

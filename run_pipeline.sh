@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Pipeline parallelism against the single-process baseline: train the baseline and one pipeline run
-# per schedule, plot the loss curves and the measured timelines; plot_curves.py prints the largest
-# per-step |loss difference| of each schedule (the equivalence contract wants <= 1e-4).
+# per schedule, plot the loss curves and the measured timelines into $PLOTS; plot_curves.py prints
+# the largest per-step |loss difference| of each schedule (the equivalence contract wants <= 1e-4).
+# The parallel program's arguments are checked first, for every schedule.
 #
 #   bash run_pipeline.sh                                        # cnn, 4 stages, gpipe and 1f1b, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_pipeline.sh               # no network
@@ -24,7 +25,7 @@ BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
 LOGS=${LOGS:-logs}
-PLOTS=${PLOTS:-plots}
+PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figures (docs/running.md)
 PYTHON=${PYTHON:-python}
 
 cd "$(dirname "$0")"
@@ -32,6 +33,14 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}.jsonl"
+
+chunks_of() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTUAL_STAGES"; fi; }
+# the parallel program's arguments at its world size, for every schedule, before anything trains
+for SCHEDULE in $SCHEDULES; do
+    WORLD_SIZE=$NPROC "$PYTHON" -c 'import sys, pipeline_microbatch as p; p.parse_args(sys.argv[1:])' \
+        "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" --microbatches "$MICROBATCHES" \
+        $(chunks_of "$SCHEDULE")
+done
 
 echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
@@ -41,12 +50,10 @@ for SCHEDULE in $SCHEDULES; do
     LOG="$LOGS/pipeline_${MODEL}_${SCHEDULE}_p${NPROC}_m${MICROBATCHES}.jsonl"
     TRACE="$LOGS/timeline_${MODEL}_${SCHEDULE}_p${NPROC}_m${MICROBATCHES}.json"
     echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches"
-    # "--" ends torchrun's own options: otherwise it reads the program's --log as an abbreviation of its --log-dir
-    CHUNKS=()
-    if [ "$SCHEDULE" = interleaved ]; then CHUNKS=(--virtual-stages "$VIRTUAL_STAGES"); fi
+    # "--" ends torchrun's own options, so that every later flag reaches the program
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
         pipeline_microbatch.py "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
-        --microbatches "$MICROBATCHES" "${CHUNKS[@]}" --timeline "$TRACE" --log-file "$LOG"
+        --microbatches "$MICROBATCHES" $(chunks_of "$SCHEDULE") --timeline "$TRACE" --log-file "$LOG"
     LOGS_OF+=("$LOG")
     TRACES+=("$TRACE")
 done

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Tensor parallelism against the single-process baseline: train both, plot both; plot_curves.py
-# prints the largest per-step |loss difference| (the equivalence contract wants <= 1e-4).
+# Tensor parallelism against the single-process baseline: train both, plot both into
+# $PLOTS/tp_loss.png; plot_curves.py prints the largest per-step |loss difference| (the
+# equivalence contract wants <= 1e-4). The parallel program's arguments are checked first.
 #
 #   bash run_tp.sh                                   # cnn, degree 2, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_tp.sh          # no network
@@ -20,7 +21,7 @@ BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
 LOGS=${LOGS:-logs}
-PLOTS=${PLOTS:-plots}
+PLOTS=${PLOTS:-$LOGS/plots}    # PLOTS=plots rewrites the committed figures (docs/running.md)
 PLOT="$PLOTS/tp_loss.png"
 PYTHON=${PYTHON:-python}
 
@@ -31,11 +32,15 @@ COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SI
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}.jsonl"
 TP_LOG="$LOGS/tensor_parallel_${MODEL}_tp${NPROC}.jsonl"
 
+# the parallel program's arguments at its world size, before anything trains (parse_args only)
+WORLD_SIZE=$NPROC "$PYTHON" -c 'import sys, tensor_parallel as p; p.parse_args(sys.argv[1:])' \
+    "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_LOG"
+
 echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 echo "== tensor parallel: degree $NPROC"
-# "--" ends torchrun's own options: otherwise it reads the program's --log as an abbreviation of its --log-dir
+# "--" ends torchrun's own options, so that every later flag reaches the program
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
     tensor_parallel.py "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_LOG"
 

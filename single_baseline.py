@@ -1,8 +1,8 @@
 """The single-process reference: plain SGD training that every parallel program must reproduce.
 
 Same model, same weights (built from --seed), same global batches in the same order, same loss.
-Each parallel program logs the per-step training loss of this program within 1e-4 (DESIGN.md,
-the equivalence contract); diff this file against one of them to see what the parallelism adds.
+Each parallel program logs the per-step training loss of this program within 1e-4 (the equivalence
+contract, docs/equivalence.md); each one's docstring lists what it adds to this file.
 
     python single_baseline.py --data synthetic --steps 300
     python plot_curves.py logs/single_baseline.jsonl -o plots/baseline.png
@@ -76,7 +76,7 @@ def main(argv=None):
             if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
                 test_loss, test_acc = evaluate(model, data, env.device)  # weights after step's update
                 log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
-                print(f"step {step + 1}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
+                print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
                   **memory_fields(env))
         log.close()

@@ -5,6 +5,12 @@ by output features (column-parallel), feed its split output straight into a Line
 features (row-parallel), and the pair needs one all-reduce in forward and one in backward. The
 degree is the world size; every rank sees the whole global batch and logs the baseline's losses.
 
+What this adds to single_baseline.py, whose train_step and evaluate it imports unchanged: the
+conjugate operators (copy_to_tp_region, reduce_from_tp_region, gather_from_tp_region: autograd
+functions around one all-reduce or all-gather), the sharded layers that slice a full layer's
+weights (ColumnParallelLinear, RowParallelLinear and their conv and attention kin), and
+parallelize(), which swaps them into the baseline's model.
+
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model cnn
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --check
 
@@ -56,9 +62,13 @@ def parse_args(argv=None):
 
 def validate_degree(args, degree):
     """Every rank needs whole heads and at least one neuron of the narrowest split layer."""
-    if args.model == "vit" and args.heads % degree:
+    if args.model == "vit" and args.heads % degree:   # fixes that also keep --hidden divisible by --heads
+        heads = [h for h in range(degree, args.hidden + 1, degree) if args.hidden % h == 0][:2]
+        ranks = [d for d in range(2, args.heads + 1) if args.heads % d == 0][:1]
+        fixes = [f"--heads {h}" for h in heads] + [f"{d} ranks (torchrun --nproc-per-node {d})" for d in ranks]
+        fixes = fixes or [f"--hidden {args.hidden * degree} --heads {degree}"]
         fail(f"--heads {args.heads} is not divisible by the tensor-parallel degree {degree}; each rank "
-             f"needs whole heads: use --heads a multiple of {degree}, or a number of ranks dividing {args.heads}")
+             f"needs whole heads: use {' or '.join(fixes)}")
     if args.model == "cnn":
         width, what = 6, "output channels of cnn conv1"
     elif args.model == "mlp" and args.layers % 2:  # the classifier is split too: 10 outputs
@@ -67,7 +77,7 @@ def validate_degree(args, degree):
         width, what = args.hidden, f"--hidden neurons of the {args.model}"
     if degree > width:
         fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
-             f"use at most {width} ranks")
+             f"use at most {width} ranks (torchrun --nproc-per-node {width})")
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
@@ -406,7 +416,7 @@ def train(model, args, data, env, log):
                 test_loss, test_acc = evaluate(model, data, env.device)  # every rank: the forward has collectives
             log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
             if env.rank == 0:
-                print(f"step {step + 1}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
+                print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
     return progress
 
 

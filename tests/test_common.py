@@ -54,7 +54,7 @@ def test_models_are_block_lists_built_identically_from_the_seed(model, blocks):
 
 
 def test_cnn_normalisation_is_per_sample():
-    """A sample's output must not depend on the rest of its batch (DESIGN.md, point 4)."""
+    """A sample's output must not depend on the rest of its batch (docs/equivalence.md, point 4)."""
     model = common.build_model(args_for("--model", "cnn"))
     x = torch.randn(6, 3, 32, 32)
     torch.testing.assert_close(model(x)[:2], model(x[:2]))

@@ -2,12 +2,16 @@
 own flags (`--log` for `--log-dir`, ...). Every flag of every program must reach the program."""
 import importlib
 import io
+import os
+import subprocess
+import sys
 from contextlib import redirect_stderr
 
 import pytest
 from torch.distributed.run import get_args_parser
 
 import common
+from helpers import ROOT
 
 PROGRAMS = ["single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel"]
 
@@ -49,3 +53,18 @@ def test_the_old_log_flag_would_have_been_taken():
     """The check above can fail: `--log` is what torchrun took before the rename."""
     with pytest.raises(SystemExit), redirect_stderr(io.StringIO()):
         get_args_parser().parse_args(["--standalone", "x.py", "--log", "a.jsonl"])
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_help_at_world_size_1_shows_every_default(program, monkeypatch):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, f"{program}.py"), "--help"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())              # help wraps lines anywhere
+    missing = [a.option_strings[0] for a in program_parser(program, monkeypatch)._actions
+               if a.option_strings and a.default is not None and a.default is not False and a.default != "==SUPPRESS=="
+               and f"(default: {a.default}" not in text]
+    assert not missing, f"{program} --help shows no default for {missing}"
+    if program == "pipeline_dp_joint":               # its own defaults, different from the pipeline's
+        assert "--batch-size 72 (not 64)" in text and "(default: 72)" in text and "(default: 3)" in text

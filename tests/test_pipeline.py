@@ -38,7 +38,7 @@ def test_check_compares_every_tensor_with_the_full_model(tmp_path, schedule):
     run = launch("pipeline_microbatch.py", MLP + ["--check", "--schedule", schedule, "--microbatches", "4"],
                  tmp_path, nproc=2)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.count("tensors match the full model") == 2
+    assert run.stdout.count("all tensors match the full model") == 1, run.stdout
 
 
 def test_timeline_is_a_chrome_trace_with_the_bubble(tmp_path):
@@ -120,10 +120,11 @@ class Scale(torch.nn.Module):
 @pytest.mark.parametrize("argv,world,message", [
     (["--microbatches", "5"], 2, "error: --batch-size 24 is not divisible by 1 replica(s) x --microbatches 5; "),
     (["--schedule", "interleaved", "--microbatches", "6"], 4,
-     "error: --schedule interleaved needs --microbatches a multiple of the 4 stages, got 6; use 4 or 8"),
+     "error: --schedule interleaved needs --microbatches a multiple of the 4 stages, got 6; "
+     "use --microbatches 4 or --microbatches 8"),
     (["--balance", "4,3"], 2, "error: --balance 4,3 must give 2 positive block counts summing to the 8 blocks"),
     (["--balance", "4,x"], 2, "error: --balance '4,x' must be comma-separated integers"),
-    ([], 9, "error: 9 pipeline stages (ranks x virtual stages) but the mlp has only 8 blocks"),
+    ([], 9, "error: 9 pipeline stages but the mlp has only 8 blocks"),
     (["--schedule", "interleaved", "--virtual-stages", "0"], 2, "error: --virtual-stages 0 must be a positive"),
     (["--schedule", "1f1b", "--virtual-stages", "3"], 2,
      "error: --virtual-stages 3 applies only to --schedule interleaved"),
@@ -140,8 +141,17 @@ def test_bad_input_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world
 def test_bad_input_under_torchrun_fails_on_every_rank(tmp_path):
     run = launch("pipeline_microbatch.py", MLP + ["--microbatches", "5"], tmp_path, nproc=2, timeout=60)
     assert run.returncode != 0
-    assert run.stderr.count("error: --batch-size 24 is not divisible by 1 replica(s) x --microbatches 5") == 2
+    assert run.stderr.count("error: --batch-size 24 is not divisible by 1 replica(s) x --microbatches 5") == 1
     assert "exitcode  : 2" in run.stderr and 'pipeline_microbatch.py", line' not in run.stderr
+
+
+def test_bad_input_is_printed_by_rank_0_alone_but_every_rank_exits_2(monkeypatch, capsys):
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)          # what torchrun tells each rank
+        with pytest.raises(SystemExit) as exit_:
+            pm.parse_args(MLP + ["--microbatches", "5"])
+        assert exit_.value.code == 2 and capsys.readouterr().err.count("error: ") == lines
 
 
 def test_labels_alone_are_the_labels_of_the_batch():

@@ -39,3 +39,72 @@ def test_missing_log_is_a_clear_error(tmp_path, capsys):
     except SystemExit as e:
         assert e.code == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def fake_log(path, batch_size=32, steps=5, loss_shift=0.0, evals=(), program="single_baseline", **more):
+    """A metrics log written by hand: config, train records, eval records, summary."""
+    args = {"model": "cnn", "data": "synthetic", "seed": 0, "batch_size": batch_size, "lr": 0.02,
+            "momentum": 0.9, "steps": steps, "layers": 4, "hidden": 128, "heads": 4, **more}
+    records = [{"event": "config", "program": program, "args": args, "world_size": 1}]
+    records += [{"event": "train", "step": s, "loss": 2.3 - 0.01 * s + loss_shift} for s in range(steps)]
+    records += [{"event": "eval", "step": s, "test_loss": 2.0, "test_acc": 0.3} for s in evals]
+    records.append({"event": "summary", "steps": steps})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def drawn_figure(monkeypatch):
+    """Keep the figure plot_curves would save, to read its titles and lines."""
+    kept = {}
+    monkeypatch.setattr(plot_curves, "save", lambda fig, out: kept.setdefault("fig", fig))
+    return kept
+
+
+def test_runs_with_different_settings_are_named_not_compared_silently(tmp_path, monkeypatch, capsys):
+    kept = drawn_figure(monkeypatch)
+    base = fake_log(tmp_path / "base.jsonl", batch_size=32, steps=5)
+    other = fake_log(tmp_path / "tp.jsonl", batch_size=64, steps=3, program="tensor_parallel", loss_shift=0.017)
+    plot_curves.plot_curves([base, other], str(tmp_path / "x.png"))
+    err = capsys.readouterr().err
+    assert "batch_size 32 (baseline) vs 64" in err and "steps 5 (baseline) vs 3" in err, err
+    title = kept["fig"]._suptitle.get_text()
+    assert "NOT COMPARABLE" in title and "batch_size 32 (baseline) vs 64" in title, title
+    labels = [t.get_text() for t in kept["fig"].axes[0].get_legend().get_texts()]
+    assert any("batch 32" in x for x in labels) and any("batch 64" in x for x in labels), labels
+
+
+def test_matching_runs_get_the_largest_difference_and_a_line_per_window(tmp_path, monkeypatch, capsys):
+    kept = drawn_figure(monkeypatch)
+    base = fake_log(tmp_path / "base.jsonl", steps=200, evals=[199])
+    other = fake_log(tmp_path / "pp.jsonl", steps=200, evals=[199], program="pipeline_microbatch", loss_shift=3e-7)
+    diffs = plot_curves.plot_curves([base, other], str(tmp_path / "x.png"))
+    assert "warning" not in capsys.readouterr().err
+    assert abs(list(diffs.values())[0] - 3e-7) < 1e-9
+    loss_ax, diff_ax, acc_ax = kept["fig"].axes
+    assert "largest |loss - baseline| = 3.00e-07" in kept["fig"]._suptitle.get_text()
+    line = diff_ax.get_lines()[0]
+    assert len(line.get_xdata()) == 40 and list(line.get_xdata())[-1] == 199   # 40 windows of 5 steps
+    assert acc_ax.get_xlim() == loss_ax.get_xlim()     # one evaluation: a point on the run's step axis
+
+
+def test_timelines_share_one_axis_and_name_chunks_and_new_categories(tmp_path, monkeypatch):
+    kept = drawn_figure(monkeypatch)
+    paths = []
+    for schedule, v, length in (("1f1b", 1, 4), ("interleaved", 2, 8)):
+        events = [{"name": f"{k}{mb}", "cat": cat, "ph": "X", "ts": 1000 * i, "dur": 900, "pid": 0, "tid": 0,
+                   "args": {"microbatch": mb, "chunk": i % v}}
+                  for i, (k, cat, mb) in enumerate([("F", "forward", 0), ("B", "backward", 0), ("W", "weight", 0),
+                                                    ("F", "forward", 1)] * (length // 4))]
+        path = tmp_path / f"{schedule}.json"
+        path.write_text(json.dumps({"traceEvents": events, "otherData": {
+            "schedule": schedule, "stages": 4, "microbatches": 2, "virtual_stages": v, "bubble_measured": 0.6,
+            "bubble_theory": 0.4, "device": "cpu", "cpu_cores": 2}}))
+        paths.append(str(path))
+    plot_curves.plot_timelines(paths, str(tmp_path / "t.png"))
+    top, bottom = kept["fig"].axes
+    assert top.get_xlim() == bottom.get_xlim()                       # the shorter schedule looks shorter
+    assert {"F0", "B0", "W0"} <= {t.get_text() for t in top.texts}
+    assert {"F0a", "B0b", "W0a", "F1b"} <= {t.get_text() for t in bottom.texts}
+    legend = [t.get_text() for t in top.get_legend().get_texts()]
+    assert legend[:3] == ["forward", "backward", "weight"] and "blank: not timed" in legend[-1], legend
+    assert "4 ranks shared 2 CPU cores" in top.get_title()

@@ -1,0 +1,70 @@
+"""Every fix an error message suggests works when followed: parse the advice of each message
+("use A or B"), apply each suggestion alone to the same command line, and the check passes."""
+import re
+
+import pytest
+
+import pipeline_dp_joint
+import pipeline_microbatch
+import tensor_parallel
+
+MLP = ["--data", "synthetic", "--model", "mlp"]
+CASES = [  # program, world size, command line that fails
+    (pipeline_microbatch, 9, ["--data", "synthetic"]),                                     # cnn: 5 blocks
+    (pipeline_microbatch, 6, MLP + ["--layers", "4"]),
+    (pipeline_microbatch, 4, ["--data", "synthetic", "--schedule", "interleaved", "--microbatches", "4"]),
+    (pipeline_microbatch, 3, MLP + ["--layers", "8", "--schedule", "interleaved", "--virtual-stages", "3",
+                                    "--microbatches", "6", "--batch-size", "24"]),
+    (pipeline_microbatch, 2, MLP + ["--microbatches", "5", "--batch-size", "24"]),
+    (pipeline_microbatch, 4, MLP + ["--layers", "8", "--schedule", "interleaved", "--microbatches", "6",
+                                    "--batch-size", "24"]),
+    (pipeline_dp_joint, 6, ["--data", "synthetic", "--schedule", "interleaved"]),        # the launcher's default
+    (pipeline_dp_joint, 4, MLP + ["--dp", "3"]),
+    (tensor_parallel, 3, ["--data", "synthetic", "--model", "vit", "--hidden", "96"]),   # --heads 4
+    (tensor_parallel, 3, ["--data", "synthetic", "--model", "vit"]),                     # --hidden 128
+    (tensor_parallel, 8, ["--data", "synthetic"]),                                       # cnn conv1: 6 channels
+]
+
+
+def error_of(program, world, argv, monkeypatch, capsys):
+    """The `error:` line of parse_args at this world size, or None if the command line is fine."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        program.parse_args(argv)
+    except SystemExit as e:
+        assert e.code == 2
+        return capsys.readouterr().err.strip()
+    return None
+
+
+def follow(fix, world, argv):
+    """(world, argv) after one suggestion: `N ranks (...)`, or flags with their values."""
+    ranks = re.fullmatch(r"(at most )?(\d+) ranks \(torchrun --nproc-per-node \d+.*\)", fix)
+    if ranks:
+        return int(ranks.group(2)), argv
+    argv = list(argv)
+    if "(without --virtual-stages)" in fix:
+        i = argv.index("--virtual-stages") if "--virtual-stages" in argv else None
+        argv = argv if i is None else argv[:i] + argv[i + 2:]
+        fix = fix.replace("(without --virtual-stages)", "")
+    tokens = fix.split()
+    assert tokens and tokens[0].startswith("--") and len(tokens) % 2 == 0, f"not a followable fix: {fix!r}"
+    for flag, value in zip(tokens[::2], tokens[1::2]):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    return world, argv
+
+
+@pytest.mark.parametrize("program,world,argv", CASES)
+def test_every_suggested_fix_works(program, world, argv, monkeypatch, capsys):
+    error = error_of(program, world, argv, monkeypatch, capsys)
+    assert error and error.startswith("error: ") and re.search(r"[;:] use ", error), error
+    fixes = re.split(r",? or ", re.split(r"[;:] use ", error)[-1])
+    assert fixes, error
+    for fix in fixes:
+        new_world, new_argv = follow(fix, world, argv)
+        assert error_of(program, new_world, new_argv, monkeypatch, capsys) is None, \
+            f"{error}\n  followed {fix!r}: {new_argv} at world size {new_world} still fails"
