@@ -5,14 +5,13 @@ single-process baseline, stepped in turns in the same torchrun processes.
     torchrun --standalone --nproc-per-node 2 -- benchmarks/tp_hybrid.py --out logs/bench/hybrid2.json
     torchrun --standalone --nproc-per-node 4 -- benchmarks/tp_hybrid.py --out logs/bench/hybrid4.json
 
-Counting wraps torch.distributed's collectives for one step (count_collectives). Timing follows
-bench.py: a timed step is barrier, one optimizer step, barrier (rank 0's clock); the three engines
-take turns, the order flipping every step, so a noisy neighbour on shared cores hits them alike;
-each trains its own copy of the same model on the same batches, so their losses must agree.
+Counting wraps torch.distributed's collectives for one step (count_collectives). Timing is bench.py's
+race: a timed step is barrier, one optimizer step, barrier (rank 0's clock); the three engines take
+turns, the order flipping every step, so a noisy neighbour on shared cores hits them alike; each
+trains its own copy of the same model on the same batches, so their losses must agree.
 """
 import json
 import os
-import statistics
 import sys
 from contextlib import contextmanager
 
@@ -24,7 +23,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository root, and bench.p
 
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
-from bench import baseline_engine, loss_diff, model_args, timed  # noqa: E402
+from bench import baseline_engine, loss_diff, model_args, race  # noqa: E402
 from common import SyntheticData, base_parser, build_model, distributed, exit_now, make_optimizer  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -77,19 +76,6 @@ def engine(margs, group, hybrid):
     return model, lambda x, y: single_baseline.train_step(model, optimizer, x, y)
 
 
-def take_turns(engines, batches, warmup, repeat):
-    """name -> list of step seconds (after warm-up) and of losses, the engines stepping in turns."""
-    times, losses, names = {n: [] for n in engines}, {n: [] for n in engines}, list(engines)
-    for step in range(warmup + repeat):
-        x, y = batches[step % len(batches)]
-        for name in (names if step % 2 == 0 else names[::-1]):
-            seconds, loss = timed(lambda: engines[name](x, y))
-            losses[name].append(loss)
-            if step >= warmup:
-                times[name].append(seconds)
-    return times, losses
-
-
 def main(argv=None):
     p = base_parser(__doc__)
     p.add_argument("--out", required=True)
@@ -108,10 +94,10 @@ def main(argv=None):
             calls = collectives_of_one_step(model, *batches[0])
             result["collectives"][name] = {"calls": calls, "bytes_per_rank": bytes_per_rank(calls, env.world_size)}
         engines = {"baseline": baseline_engine(margs, env), "tp": plain_step, "hybrid": hybrid_step}
-        times, losses = take_turns(engines, batches, args.warmup, args.repeat)
-        result["median_step_s"] = {n: statistics.median(t) for n, t in times.items()}
-        result["paired_hybrid_over_tp"] = statistics.median(h / t for h, t in zip(times["hybrid"], times["tp"]))
-        result["max_loss_diff_vs_baseline"] = {n: loss_diff(losses[n], losses["baseline"]) for n in ("tp", "hybrid")}
+        raced = race(engines, batches, args.warmup, args.repeat, reference="tp")  # turns, order flipping each step
+        result["median_step_s"] = {n: seconds for n, (seconds, _) in raced.items()}
+        result["paired_hybrid_over_tp"] = race.paired["hybrid"]  # median of the per-step ratios
+        result["max_loss_diff_vs_baseline"] = {n: loss_diff(raced[n][1], raced["baseline"][1]) for n in ("tp", "hybrid")}
         if env.rank == 0:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:

@@ -1,6 +1,7 @@
 """tensor_parallel.py --hybrid (Krizhevsky's one weird trick): the program against the baseline step by
 step, --check, the collectives of one step counted, the replicated conv weights identical on every
-rank, the bad inputs, and run_tp.sh's HYBRID=1 knob."""
+rank, the bad inputs, run_tp.sh's HYBRID=1 knob and benchmarks/tp_hybrid.py."""
+import json
 import os
 import sys
 
@@ -113,3 +114,14 @@ def test_run_tp_draws_hybrid_beside_plain_tensor_parallelism(tmp_path):
     assert (tmp_path / "plots" / "tp_loss.png").stat().st_size > 10_000
     assert "largest |loss - baseline| for tensor_parallel (2 ranks)" in run.stdout, run.stdout
     assert "largest |loss - baseline| for tensor_parallel (hybrid, 2 ranks)" in run.stdout, run.stdout
+
+
+def test_benchmark_counts_and_times_both(tmp_path):
+    out = tmp_path / "hybrid.json"
+    run = launch("benchmarks/tp_hybrid.py", ["--out", str(out), "--batch-size", "16", "--warmup", "1",
+                                             "--repeat", "2"], tmp_path, nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [len(result["collectives"][n]["calls"]) for n in ("tp", "hybrid")] == [5, 6]
+    assert set(result["median_step_s"]) == {"baseline", "tp", "hybrid"} and result["paired_hybrid_over_tp"] > 0
+    assert max(result["max_loss_diff_vs_baseline"].values()) < 1e-4, result
