@@ -59,6 +59,8 @@ def label_of(records, path):
         if args.get(key) is not None:
             parts.append(f"{'m' if key == 'microbatches' else key}={args[key]}" if key != "schedule"
                          else str(args[key]))
+    if args.get("hybrid"):
+        parts.append("hybrid")
     if config["world_size"] > 1:
         parts.append(f"{config['world_size']} ranks")
     parts.append(f"batch {args.get('batch_size', '?')}")

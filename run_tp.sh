@@ -6,6 +6,7 @@
 #   bash run_tp.sh                                   # cnn, degree 2, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_tp.sh          # no network
 #   NPROC=4 MODEL=vit DATA=synthetic bash run_tp.sh --heads 4 --hidden 64
+#   HYBRID=1 DATA=synthetic bash run_tp.sh            # cnn: also --hybrid, drawn on the same plot
 #
 # Knobs (environment, with defaults); extra arguments go to both programs.
 set -euo pipefail
@@ -17,6 +18,7 @@ MODEL=${MODEL:-cnn}            # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}             # auto | cifar10 | synthetic
 BACKEND=${BACKEND:-auto}       # auto | gloo | nccl
+HYBRID=${HYBRID:-0}            # 1: also run --hybrid (cnn: data-parallel convolutions, tensor-parallel fc)
 BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
@@ -24,6 +26,11 @@ LOGS=${LOGS:-logs}
 PLOTS=${PLOTS:-$LOGS/plots}    # PLOTS=plots rewrites the committed figures (docs/running.md)
 PLOT="$PLOTS/tp_loss.png"
 PYTHON=${PYTHON:-python}
+case "$HYBRID" in 0|1) ;; *) echo "error: HYBRID=$HYBRID must be 0 or 1" >&2; exit 2 ;; esac
+if [ "$HYBRID" = 1 ] && [ "$MODEL" != cnn ]; then
+    echo "error: HYBRID=1 needs MODEL=cnn (--hybrid runs the cnn's convolutions data-parallel), not MODEL=$MODEL" >&2
+    exit 2
+fi
 
 cd "$(dirname "$0")"
 mkdir -p "$LOGS" "$PLOTS"
@@ -44,5 +51,14 @@ echo "== tensor parallel: degree $NPROC"
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
     tensor_parallel.py "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_LOG"
 
-"$PYTHON" plot_curves.py "$BASELINE_LOG" "$TP_LOG" -o "$PLOT"
+LOGS_TO_PLOT=("$BASELINE_LOG" "$TP_LOG")
+if [ "$HYBRID" = 1 ]; then
+    HYBRID_LOG="$LOGS/tensor_parallel_${MODEL}_tp${NPROC}_hybrid.jsonl"
+    echo "== hybrid: data-parallel convolutions, tensor-parallel fc layers, degree $NPROC"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
+        tensor_parallel.py "${COMMON[@]}" --hybrid --backend "$BACKEND" --log-file "$HYBRID_LOG"
+    LOGS_TO_PLOT+=("$HYBRID_LOG")
+fi
+
+"$PYTHON" plot_curves.py "${LOGS_TO_PLOT[@]}" -o "$PLOT"
 echo "plot: $PLOT"

@@ -32,6 +32,18 @@ The weight split of one column + row pair on 2 ranks (X: batch x in, whole on ev
 GELU is elementwise, so it runs on each shard with no communication. A layer that ends a model
 without a row-parallel partner is column-parallel with gather_from_tp_region (forward all-gather,
 backward split), so that the logits are whole on every rank.
+
+--hybrid (Krizhevsky 2014, "One weird trick", arXiv:1404.5997), the cnn only: convolutions hold most
+of the compute and few of the weights, so they run data-parallel; the fc layers hold most of the
+weights and little of the compute, so they stay tensor-parallel. One all-gather switches between the two:
+
+    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --hybrid
+
+    rank 0:  X[0:B/2] --conv blocks (replicated)--+                                    +-- logits
+                                                  all-gather along the batch --> fc1 | fc2, fc3
+    rank 1:  X[B/2:B] --conv blocks (replicated)--+  (backward: keep my slice)         +-- logits
+
+The conv weights' gradients are summed over the ranks in one all-reduce after backward.
 """
 import time
 from functools import partial
@@ -54,9 +66,12 @@ def parse_args(argv=None):
     p = base_parser(__doc__)
     p.add_argument("--check", action="store_true",
                    help="one step on the first batch against the full model in this process; exit 0 on match")
+    p.add_argument("--hybrid", action="store_true",
+                   help="cnn: convolutions data-parallel on slices of the batch, fc layers tensor-parallel")
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
-    validate_degree(args, torchrun_env("gloo").world_size)  # env vars only: no collective yet
+    validate = validate_hybrid if args.hybrid else validate_degree
+    validate(args, torchrun_env("gloo").world_size)  # env vars only: no collective yet
     return args
 
 
@@ -78,6 +93,22 @@ def validate_degree(args, degree):
     if degree > width:
         fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
              f"use at most {width} ranks (torchrun --nproc-per-node {width})")
+
+
+def validate_hybrid(args, degree):
+    """--hybrid: the cnn's batch splits evenly over the ranks, and fc3 has a neuron for every rank."""
+    if args.model != "cnn":
+        has = "no convolutions" if args.model == "mlp" else "only its patch embedding as a convolution"
+        fail(f"--hybrid runs the cnn's convolutions data-parallel, and --model {args.model} has {has}: "
+             f"use --model cnn, or drop --hybrid")
+    if args.batch_size % degree:
+        low = args.batch_size // degree * degree
+        fail(f"--batch-size {args.batch_size} is not divisible by the tensor-parallel degree {degree}; under "
+             f"--hybrid every rank runs the convolutions on an equal slice of the batch: use a multiple of "
+             f"{degree}, e.g. {low + degree}" + (f" or {low}" if low else ""))
+    if degree > 10:
+        fail(f"the tensor-parallel degree {degree} exceeds the 10 outputs of cnn fc3; every rank needs at "
+             f"least one: use at most 10 ranks")
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
@@ -173,6 +204,14 @@ def gather_from_tp_region(x, group, sizes, dim=-1):
     return _GatherFromTP.apply(x, group, sizes, dim)
 
 
+def gather_from_dp_region(x, group, sizes):
+    """--hybrid's switch from data- to tensor-parallel: forward all-gather along the batch (each rank
+    has its samples' features; the fc layers need every sample); backward keep my slice of the
+    gradient. The backward needs no communication because the f in front of fc1 has already
+    all-reduced the feature gradient: it is whole, and the same, on every rank."""
+    return _GatherFromTP.apply(x, group, sizes, 0)
+
+
 # ----------------------------------------------------------------------------- parallel layers
 
 
@@ -265,10 +304,67 @@ def parallel_cnn(model, group):
     GroupNorm sits after conv2's all-reduce, on all 16 whole channels: replicated, no communication."""
     model[0][0] = ColumnParallelConv2d(model[0][0], group)  # GELU and avg-pool are per channel: no comm
     model[1][0] = RowParallelConv2d(model[1][0], group)
+    return parallel_cnn_classifier(model, group)
+
+
+def parallel_cnn_classifier(model, group):
+    """fc1 | fc2 a column | row pair, fc3 column-parallel with a gather (the logits whole on every rank)."""
     model[2][1] = ColumnParallelLinear(model[2][1], group)
     model[3][0] = RowParallelLinear(model[3][0], group)
     model[4][0] = ColumnParallelLinear(model[4][0], group, gather_output=True)
     return model
+
+
+class SummedGradients:
+    """The data-parallel half's one collective: once backward has accumulated the gradient of every
+    replicated parameter, one all-reduce of them all, flattened into one bucket (DDP's bucket, without
+    its overlap). Summed, not averaged: the loss is already the mean over the global batch, so each
+    rank's gradient is its slice's share of the full gradient. One backward per step (a second
+    backward before the step would sum the summed gradients again)."""
+
+    def __init__(self, params, group):
+        self.params, self.group, self.ready = list(params), group, 0
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.accumulated)
+
+    def accumulated(self, _param):
+        self.ready += 1
+        if self.ready < len(self.params):
+            return
+        self.ready = 0
+        grads = [p.grad for p in self.params]
+        flat = torch.cat([g.flatten() for g in grads])
+        if tp_size(self.group) > 1:
+            dist.all_reduce(flat, group=self.group)
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(summed.view_as(g))
+
+
+class HybridCNN(nn.Sequential):
+    """Krizhevsky's one weird trick on the cnn: blocks 0-1 (the convolutions, 2,904 weights, ~90% of the
+    multiply-adds) replicated and data-parallel; blocks 2-4 (the fc layers, 59,134 weights) tensor-parallel.
+    The same blocks under the same names as the full model; the whole global batch in, whole logits out."""
+
+    CONV_BLOCKS = 2
+
+    def __init__(self, model, group):
+        super().__init__(*parallel_cnn_classifier(model, group))
+        self.group = group
+        self.conv_gradients = SummedGradients(
+            [p for block in list(self)[:self.CONV_BLOCKS] for p in block.parameters()], group)
+
+    def forward(self, x):
+        # training batches split evenly (validate_hybrid); a test chunk may not (500 over 3 ranks), so
+        # tensor_split's sizes, which the padded all-gather accepts
+        sizes = split_sizes(x.shape[0], tp_size(self.group))
+        x = x.tensor_split(len(sizes))[tp_rank(self.group)]  # my contiguous slice: no communication
+        blocks = list(self)
+        for block in blocks[:self.CONV_BLOCKS]:  # GroupNorm's statistics are per sample: exact on a slice
+            x = block(x)
+        x = gather_from_dp_region(x, self.group, sizes)
+        for block in blocks[self.CONV_BLOCKS:]:
+            x = block(x)
+        return x
 
 
 def parallel_mlp(model, group):
@@ -295,8 +391,10 @@ def parallel_vit(model, group):
     return model
 
 
-def parallelize(model, model_name, group):
+def parallelize(model, model_name, group, hybrid=False):
     """The full model with its layers replaced, in place, by this rank's parallel layers (same names)."""
+    if hybrid:
+        return HybridCNN(model, group)
     return {"cnn": parallel_cnn, "mlp": parallel_mlp, "vit": parallel_vit}[model_name](model, group)
 
 
@@ -426,7 +524,7 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         group = dist.group.WORLD if dist.is_initialized() else None
-        model = parallelize(build_model(args), args.model, group).to(env.device)
+        model = parallelize(build_model(args), args.model, group, args.hybrid).to(env.device)
         if env.device.type == "cuda":   # on the CPU the gradients are bit-identical already
             average_replicated_grads(model, group)
         if args.check:

@@ -71,7 +71,7 @@ def timed(fn, device):
     return clock(device) - start, result
 
 
-def race(engines, batches, warmup, repeat, device):
+def race(engines, batches, warmup, repeat, device, reference="torch"):
     """engines: name -> step(x, y) returning the loss (or None off the loss rank). Steps alternate,
     the order flipping every step. Returns name -> (median seconds, losses)."""
     times = {n: [] for n in engines}
@@ -87,7 +87,7 @@ def race(engines, batches, warmup, repeat, device):
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, losses)           # the loss lives on the last stage, the baseline's on rank 0
     losses = {n: next((r[n] for r in every if r[n][0] is not None), losses[n]) for n in names}
-    race.paired = {n: statistics.median(a / b for a, b in zip(times[n], times["torch"])) for n in names}
+    race.paired = {n: statistics.median(a / b for a, b in zip(times[n], times[reference])) for n in names}
     return {n: (statistics.median(times[n]), losses[n]) for n in names}
 
 
