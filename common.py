@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 
