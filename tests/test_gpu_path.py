@@ -89,7 +89,7 @@ def test_nccl_without_local_rank_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("RANK", "0")   # bad input is printed by rank 0 alone (every rank exits 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     with pytest.raises(SystemExit) as exit_:
         common.torchrun_env("nccl")
