@@ -113,8 +113,8 @@ def test_run_tp_draws_hybrid_beside_plain_tensor_parallelism(tmp_path):
                    PLOTS=str(tmp_path / "plots"))
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "plots" / "tp_loss.png").stat().st_size > 10_000
-    assert "largest |loss - baseline| for tensor_parallel (2 ranks)" in run.stdout, run.stdout
-    assert "largest |loss - baseline| for tensor_parallel (hybrid, 2 ranks)" in run.stdout, run.stdout
+    assert "largest |loss - baseline| for tensor_parallel (2 ranks, batch 16)" in run.stdout, run.stdout
+    assert "largest |loss - baseline| for tensor_parallel (hybrid, 2 ranks, batch 16)" in run.stdout, run.stdout
 
 
 def test_benchmark_counts_and_times_both(tmp_path):
