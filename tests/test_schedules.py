@@ -2,7 +2,9 @@
 import pytest
 
 import pipeline_microbatch as pm
-from pipeline_microbatch import (PipelineRank, compute_order, dry_run, partition, schedule_actions)
+import schedules
+from pipeline_microbatch import PipelineRank, partition
+from schedules import compute_order, dry_run, schedule_actions
 
 
 def table(schedule, p, m, v=1):
@@ -98,7 +100,7 @@ def test_partition_is_even_or_as_balanced():
 
 
 def test_clock_tables_draw_the_bubble_of_the_formula():
-    assert pm.clock_table("1f1b", 4, 4) == [
+    assert schedules.clock_table("1f1b", 4, 4) == [
         "stage 0: F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3",
         "stage 1: .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3",
         "stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3",
@@ -106,17 +108,17 @@ def test_clock_tables_draw_the_bubble_of_the_formula():
     ]
     for schedule, p, m, v in [("gpipe", 4, 4, 1), ("1f1b", 4, 4, 1), ("1f1b", 3, 8, 1), ("1f1b", 4, 2, 1),
                               ("interleaved", 4, 4, 2), ("interleaved", 2, 6, 3)]:
-        rows = [row.split(": ")[1].split() for row in pm.clock_table(schedule, p, m, v)]
+        rows = [row.split(": ")[1].split() for row in schedules.clock_table(schedule, p, m, v)]
         ticks = max(len(row) for row in rows)
         assert ticks == 2 * (v * m + p - 1), (schedule, p, m, v)
         idle = 1 - sum(len(row) - row.count(".") for row in rows) / (p * ticks)
-        assert idle == pytest.approx(pm.bubble_theory(p, m, v))
+        assert idle == pytest.approx(schedules.bubble_theory(p, m, v))
 
 
 def test_the_module_docstring_shows_the_tables_the_code_runs():
     for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
-        table = "\n".join("    " + row for row in pm.clock_table(schedule, 4, 4, v))
-        assert table in pm.__doc__, schedule
+        table = "\n".join("    " + row for row in schedules.clock_table(schedule, 4, 4, v))
+        assert table in schedules.__doc__, schedule
 
 
 def test_a_forward_never_waits_for_a_gradient_in_gpipe_and_1f1b():
@@ -148,7 +150,7 @@ def test_1f1b_exchanges_are_megatrons_fused_pairs():
 def test_the_forward_only_evaluation_order_never_deadlocks():
     for p, n, v in [(2, 4, 2), (3, 5, 2), (4, 20, 3), (4, 4, 1), (3, 1, 2)]:
         assert dry_run([pm.eval_actions(PipelineRank(r, p, list(range(p)), v), n) for r in range(p)]) is None
-    chunk_by_chunk = [pm.with_communication([[("F", mb, c)] for c in range(2) for mb in range(4)],
+    chunk_by_chunk = [schedules.with_communication([[("F", mb, c)] for c in range(2) for mb in range(4)],
                                             PipelineRank(r, 2, [0, 1], 2)) for r in range(2)]
     assert dry_run(chunk_by_chunk) == ["rank 0 blocked in send act of microbatch 2 with rank 1",
                                        "rank 1 blocked in send act of microbatch 0 with rank 0"]

@@ -1,0 +1,184 @@
+"""Pipeline schedules as data: which forward (F) and backward (B) each rank runs, in what order, and
+where the messages go. Pure functions of (schedule, stages p, microbatches m, virtual stages v),
+tested without processes; pipeline_microbatch.py's StageRunner plays the action lists they return.
+
+Schedules, 4 stages x 4 microbatches, per clock tick (F3: forward of microbatch 3, B3: its
+backward, . idle: the bubble; drawn by clock_table() with B as long as F):
+
+    gpipe: all forwards, then all backwards
+    stage 0: F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3
+    stage 1: .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3
+    stage 2: .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3
+    stage 3: .  .  .  F0 F1 F2 F3 B0 B1 B2 B3
+
+    1f1b: stage r runs p-r-1 forwards (warm-up), then alternates one forward, one backward
+    stage 0: F0 F1 F2 F3 .  .  .  B0 .  B1 .  B2 .  B3
+    stage 1: .  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
+    stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 .  B3
+    stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3
+
+    interleaved, V=2 chunks per rank (a: blocks of virtual stage r, b: of r+p; a tick is half a stage)
+    stage 0: F0a F1a F2a F3a F0b F1b F2b F3b .   .   .   B0b .   B1b .   B2b .   B3b B0a B1a B2a B3a
+    stage 1: .   F0a F1a F2a F3a F0b F1b F2b F3b .   B0b .   B1b .   B2b .   B3b B0a B1a B2a B3a
+    stage 2: .   .   F0a F1a F2a F3a F0b F1b F2b B0b F3b B1b .   B2b .   B3b B0a B1a B2a B3a
+    stage 3: .   .   .   F0a F1a F2a F3a F0b B0b F1b B1b F2b B2b F3b B3b B0a B1a B2a B3a
+
+GPipe and 1F1B take the same 2(m+p-1) ticks, a bubble of (p-1)/(m+p-1); but 1F1B holds at most
+p - r microbatches' activations on stage r instead of all m, so its memory does not grow with m.
+Interleaved 1F1B (Narayanan et al. 2021) gives each rank V chunks of the model (virtual stages r,
+r+p, r+2p, ...): 2(Vm+p-1) ticks of 1/V stage each, a bubble of (p-1)/(Vm+p-1), for V times the
+messages.
+"""
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+# A compute action is ("F" or "B", microbatch, chunk). A communication action is ("comm", parts),
+# parts being ("send" or "recv", peer rank, message) posted together and then all waited for.
+# A message is (what, microbatch, virtual stage of its receiver), what = "act" or "grad".
+
+
+def forward_order(schedule, p, m, rank, v):
+    """(microbatch, chunk) in the order this rank runs forwards; interleaved goes p microbatches
+    through chunk 0, the same p through chunk 1, ..., then the next p microbatches."""
+    if schedule != "interleaved":
+        return [(i, 0) for i in range(m)]
+    return [((k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)]
+
+
+def compute_units(schedule, p, m, rank, v=1):
+    """The F/B order of one rank, the whole schedule as data, in units that run between two
+    communication actions: a warm-up forward, a steady-state (forward, backward) pair, a cool-down
+    backward.
+      gpipe:       F0 .. F(m-1), then B0 .. B(m-1)
+      1f1b:        warm-up of p-rank-1 forwards, then F and B alternate, then the remaining B
+      interleaved: the same three phases over m*v (microbatch, chunk) pairs, backwards through
+                   the chunks in reverse, warm-up 2(p-rank-1) + (v-1)p (Narayanan et al. 2021)"""
+    fwd = forward_order(schedule, p, m, rank, v)
+    bwd = [(mb, v - 1 - c) for mb, c in fwd]
+    if schedule == "gpipe":
+        return [[("F", *a)] for a in fwd] + [[("B", *a)] for a in bwd]
+    warm = p - rank - 1 if schedule == "1f1b" else 2 * (p - rank - 1) + (v - 1) * p
+    warm = min(warm, len(fwd))
+    steady = [[("F", *fwd[warm + i]), ("B", *bwd[i])] for i in range(len(fwd) - warm)]
+    return [[("F", *a)] for a in fwd[:warm]] + steady + [[("B", *a)] for a in bwd[len(fwd) - warm:]]
+
+
+def compute_order(schedule, p, m, rank, v=1):
+    return [action for unit in compute_units(schedule, p, m, rank, v) for action in unit]
+
+
+def clock_table(schedule, p, m, v=1):
+    """The schedule drawn per clock tick (the tables in the module docstring): every F and B lasts
+    one tick and starts once its rank is free and its input is ready. Interleaved chunks are
+    letters (F0a: microbatch 0 through chunk a, a tick of 1/v of a stage's work); '.' is idle."""
+    orders, last = [compute_order(schedule, p, m, r, v) for r in range(p)], p * v - 1
+    done, rows = {}, [[] for _ in range(p)]              # done: (kind, mb, virtual stage) -> end tick
+    while len(done) < 2 * p * v * m:
+        before = len(done)
+        for r, row in enumerate(rows):
+            placed = len(row) - row.count(".")
+            if placed == len(orders[r]):
+                continue
+            kind, mb, chunk = orders[r][placed]
+            vs = chunk * p + r
+            if kind == "F":
+                need = ("F", mb, vs - 1) if vs > 0 else None
+            else:
+                need = ("B", mb, vs + 1) if vs < last else ("F", mb, vs)
+            if need is None or need in done:
+                start = max(len(row), done.get(need, 0))
+                row += ["."] * (start - len(row)) + [f"{kind}{mb}" + ("abcdefgh"[chunk] if v > 1 else "")]
+                done[(kind, mb, vs)] = start + 1
+        assert len(done) > before, "the compute orders wait on each other"
+    width = max(len(cell) for row in rows for cell in row)
+    return [f"stage {r}: " + " ".join(cell.ljust(width) for cell in row).rstrip() for r, row in enumerate(rows)]
+
+
+def messages(action, pos):
+    """What `action` must receive before it runs, and what it sends once done (None: nothing)."""
+    kind, mb, chunk = action
+    vstage, last = chunk * pos.pp_size + pos.pp_rank, pos.pp_size * pos.virtual - 1
+    prev_rank, _ = pos.peer(chunk, -1)
+    next_rank, _ = pos.peer(chunk, +1)
+    if kind == "F":
+        recv = ("recv", prev_rank, ("act", mb, vstage)) if vstage > 0 else None
+        send = ("send", next_rank, ("act", mb, vstage + 1)) if vstage < last else None
+    else:
+        recv = ("recv", next_rank, ("grad", mb, vstage)) if vstage < last else None
+        send = ("send", prev_rank, ("grad", mb, vstage - 1)) if vstage > 0 else None
+    return recv, send
+
+
+def with_communication(units, pos, fused=True):
+    """Insert the messages: before each unit, the sends of the previous unit go out together with
+    the receives this unit needs (send_forward_recv_backward and friends), all posted at once, so
+    two neighbours that cross never both block. fused=False is the textbook order that deadlocks on
+    gloo: one action at a time, each message posted and waited for on its own, sends first."""
+    if not fused:
+        units = [[action] for unit in units for action in unit]
+    actions, pending = [], []
+    for unit in units:
+        posted = list(pending)
+        for action in unit:
+            recv, send = messages(action, pos)
+            posted += [recv] if recv else []
+        if fused and posted:
+            actions.append(("comm", posted))
+        elif posted:
+            actions += [("comm", [part]) for part in posted]
+        actions += unit
+        pending = [send for _, send in map(lambda a: messages(a, pos), unit) if send]
+    return actions + ([("comm", pending)] if pending else [])
+
+
+def schedule_actions(schedule, pos, m, fused=True):
+    units = compute_units(schedule, pos.pp_size, m, pos.pp_rank, pos.virtual)
+    if schedule != "interleaved":  # exchange between every two actions: F runs as soon as its input is in
+        units = [[action] for unit in units for action in unit]
+    return with_communication(units, pos, fused)
+
+
+def dry_run(all_actions):
+    """Play every rank's actions with blocking sends (a send completes only once its receive is
+    posted, as on gloo). Returns None if all finish, else the first cycle of waiting ranks."""
+    at, done = [0] * len(all_actions), [set() for _ in all_actions]
+    while True:
+        moved = False
+        for r, actions in enumerate(all_actions):
+            while at[r] < len(actions) and actions[at[r]][0] != "comm":
+                at[r] += 1                               # compute never blocks
+            if at[r] == len(actions):
+                continue
+            for part in actions[at[r]][1]:
+                kind, peer, msg = part
+                peer_parts = all_actions[peer][at[peer]][1] if at[peer] < len(all_actions[peer]) and \
+                    all_actions[peer][at[peer]][0] == "comm" else []
+                twin = ("recv" if kind == "send" else "send", r, msg)
+                if part not in done[r] and twin in peer_parts:
+                    done[r].add(part), done[peer].add(twin)
+                    moved = True
+            if all(part in done[r] for part in actions[at[r]][1]):
+                at[r], moved = at[r] + 1, True
+        if all(a == len(actions) for a, actions in zip(at, all_actions)):
+            return None
+        if not moved:
+            return waiting_cycle(all_actions, at, done)
+
+
+def waiting_cycle(all_actions, at, done):
+    """Follow 'rank r waits for its peer' from a blocked rank until a rank repeats."""
+    waits = {r: next(p for p in all_actions[r][at[r]][1] if p not in done[r])
+             for r in range(len(all_actions)) if at[r] < len(all_actions[r])}
+    r, path = next(iter(waits)), []
+    while r not in path and r in waits:               # not in waits: r has finished, the message is missing
+        path.append(r)
+        r = waits[r][1]
+    cycle = path[path.index(r):] if r in path else path[-1:]
+    return [f"rank {q} blocked in {waits[q][0]} {waits[q][2][0]} of microbatch {waits[q][2][1]} "
+            f"with rank {waits[q][1]}" + ("" if waits[q][1] in waits else ", which has finished") for q in cycle]
+
+
+def bubble_theory(p, m, v=1):
+    """Idle fraction of the clock table: (p-1)/(vm+p-1)."""
+    return (p - 1) / (v * m + p - 1)
