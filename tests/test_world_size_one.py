@@ -31,7 +31,8 @@ def test_training_with_timeline_and_eval_matches_the_baseline(tmp_path, baseline
     assert [e["test_loss"] for e in run.events("eval")] == pytest.approx(
         [e["test_loss"] for e in base.events("eval")], abs=1e-4)
     summary = run.events("summary")[0]
-    assert list(summary["peak_memory_mb"]) == ["0"] and summary["peak_memory_kind"].startswith("cpu peak RSS")
+    kind = "cuda peak" if run.events("config")[0]["device"].startswith("cuda") else "cpu peak RSS"  # auto: nccl on a GPU
+    assert list(summary["peak_memory_mb"]) == ["0"] and summary["peak_memory_kind"].startswith(kind)
     if "--timeline" in extra:
         trace = json.loads((tmp_path / "t.json").read_text())
         assert trace["otherData"]["stages"] == 1 and trace["otherData"]["bubble_theory"] == 0

@@ -1,0 +1,48 @@
+"""On one CUDA device with nccl (skipped where there is none, as in CI): every program at world size 1
+logs the losses of the baseline run on the same device, its --check passes, and the logs say what
+ran where. One GPU cannot host two nccl ranks, so these are the GPU tests one machine can run."""
+import json
+
+import pytest
+import torch
+
+from helpers import FAST, assert_same_losses, launch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU = FAST + ["--backend", "nccl", "--steps", "20"]
+PROGRAMS = [("pipeline_microbatch.py", ["--schedule", "gpipe"]), ("pipeline_microbatch.py", ["--schedule", "1f1b"]),
+            ("pipeline_dp_joint.py", ["--dp", "1", "--batch-size", "64", "--microbatches", "4"]),
+            ("tensor_parallel.py", []), ("tensor_parallel.py", ["--hybrid"])]
+
+
+def test_every_program_on_one_gpu_logs_the_baselines_losses(tmp_path):
+    base = launch("single_baseline.py", GPU, tmp_path)
+    assert base.events("config")[0]["device"].startswith("cuda"), base.records[:1]
+    for i, (program, extra) in enumerate(PROGRAMS):
+        run = launch(program, GPU + extra, tmp_path, log_name=f"run{i}.jsonl")
+        assert_same_losses(run, base)
+        summary = run.events("summary")[0]
+        assert run.events("config")[0]["backend"] == "nccl", program
+        assert summary["peak_memory_kind"].startswith("cuda"), summary
+
+
+def test_check_passes_on_one_gpu(tmp_path):
+    for program, extra in PROGRAMS:
+        run = launch(program, GPU + extra + ["--check"], tmp_path)
+        assert run.returncode == 0, (program, extra, run.stdout[-2000:], run.stderr[-2000:])
+
+
+def test_the_timeline_on_one_gpu_uses_the_device_clock(tmp_path):
+    trace = tmp_path / "t.json"
+    run = launch("pipeline_microbatch.py", GPU + ["--timeline", str(trace)], tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    other = json.loads(trace.read_text())["otherData"]
+    assert other["device"].startswith("cuda") and other["bubble_theory"] == 0, other
+
+
+def test_gpu_losses_stay_near_the_cpu_baseline(tmp_path):
+    """Different kernels (cuDNN, cuBLAS) round differently: a looser bound than the contract's, which
+    compares runs on one kind of device."""
+    gpu = launch("single_baseline.py", GPU, tmp_path, log_name="gpu.jsonl")
+    cpu = launch("single_baseline.py", FAST + ["--backend", "gloo", "--steps", "20"], tmp_path, log_name="cpu.jsonl")
+    assert_same_losses(gpu, cpu, atol=1e-2)
