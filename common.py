@@ -40,11 +40,14 @@ def print_error(message):
     sys.stderr.flush()
 
 
-def fail(message, every_rank_sees_it=True):
-    """Bad input: one `error:` line and exit status 2 on every rank. Input that every rank checks
-    alike (the flags, WORLD_SIZE) is reported by rank 0 alone, so the user reads it once; pass
-    every_rank_sees_it=False for what only this rank detects (a NaN loss on the loss owner)."""
-    if not every_rank_sees_it or int(os.environ.get("RANK", 0)) == 0:
+def fail(message, seen_by="every rank"):
+    """Bad input: one `error:` line and exit status 2 on every rank, printed once where it is seen.
+    seen_by "every rank": what every rank checks alike (the flags, WORLD_SIZE), printed by rank 0;
+    "every node": what each machine checks for itself (its --data-dir), printed by each node's local
+    rank 0, so a node whose files are damaged says so even when rank 0's are fine; "this rank": what
+    only this rank detects (a NaN loss on the loss owner), printed here."""
+    printer = {"every rank": "RANK", "every node": "LOCAL_RANK", "this rank": None}[seen_by]
+    if printer is None or int(os.environ.get(printer, 0)) == 0:
         print_error(message)
     sys.exit(2)
 
@@ -305,7 +308,7 @@ class Cifar10Data:
         except Exception as e:  # noqa: BLE001 (a missing or damaged batch file, a bad pickle)
             folder = os.path.join(data_dir, torchvision.datasets.CIFAR10.base_folder)
             fail(f"the CIFAR-10 files in {folder} are damaged ({str(e).splitlines()[0][:100]}); "
-                 f"move that folder away to download it afresh, or use --data synthetic")
+                 f"move that folder away to download it afresh, or use --data synthetic", seen_by="every node")
         x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # uint8 N x 3 x 32 x 32
         return x, torch.tensor(ds.targets)
 
@@ -350,7 +353,7 @@ def file_lock(path, what, timeout_s):
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     fail(f"waited {timeout_s:g} s for {path}, held by another process {what}; "
-                         f"wait for it to finish, or use another --data-dir")
+                         f"wait for it to finish, or use another --data-dir", seen_by="every node")
                 time.sleep(0.2)
         try:
             yield
@@ -398,7 +401,7 @@ def extract_archive(torchvision, cifar, archive, data_dir):
     from torchvision.datasets.utils import check_integrity
     if not check_integrity(archive, cifar.tgz_md5):
         fail(f"{archive} is truncated or corrupt (its md5 is not {cifar.tgz_md5}); it was left as it is: "
-             f"delete or move it to download afresh, or use --data synthetic")
+             f"delete or move it to download afresh, or use --data synthetic", seen_by="every node")
     tmp = tempfile.mkdtemp(prefix=".extract-", dir=data_dir)
     try:
         torchvision.datasets.utils.extract_archive(archive, tmp)
@@ -446,7 +449,7 @@ def load_data(args):
             raise DataUnavailable(f"cannot write there ({type(e).__name__}: {e}); choose another --data-dir") from None
     except DataUnavailable as e:
         if args.data == "cifar10":
-            fail(f"CIFAR-10 is not in --data-dir {args.data_dir}: {e}; or use --data synthetic")
+            fail(f"CIFAR-10 is not in --data-dir {args.data_dir}: {e}; or use --data synthetic", seen_by="every node")
         return SyntheticData(args.seed, note=f"CIFAR-10 is not in --data-dir {args.data_dir}: {e}")
     return Cifar10Data(torchvision, args.data_dir, args.seed)
 
@@ -668,7 +671,7 @@ def memory_fields(env):
 
 def check_finite(loss, step):
     if not math.isfinite(loss):
-        fail(f"the loss became {loss} at step {step}; training stopped (try a smaller --lr)", every_rank_sees_it=False)
+        fail(f"the loss became {loss} at step {step}; training stopped (try a smaller --lr)", seen_by="this rank")
 
 
 class Progress:

@@ -89,3 +89,17 @@ def test_validation_names_the_numbers(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --hidden 30 is not divisible by --heads 4") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("seen_by,rank,local_rank,printed", [
+    ("every rank", "0", "0", True), ("every rank", "3", "0", False),      # the flags: rank 0 says it once
+    ("every node", "3", "0", True), ("every node", "4", "1", False),      # a node's data dir: its local rank 0
+    ("this rank", "5", "1", True)])                                       # a NaN loss: where it happened
+def test_an_error_is_printed_once_where_it_is_seen_and_every_rank_exits_2(capsys, monkeypatch, seen_by, rank,
+                                                                          local_rank, printed):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    with pytest.raises(SystemExit) as e:
+        common.fail("the numbers, and the fix", seen_by=seen_by)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: the numbers, and the fix\n" if printed else "")
