@@ -37,6 +37,7 @@ one-message-at-a-time order does deadlock.
 import contextlib
 import copy
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -394,7 +395,9 @@ def train_step(runner, actions, x, y, m, samples=None):
         losses.append(loss.detach())
         return loss
 
-    x_mb = x.chunk(m) if runner.pos.is_first_stage else None     # only the first stage reads inputs,
+    x_mb = None
+    if runner.pos.is_first_stage:                                # only the first stage reads inputs,
+        x_mb = x if isinstance(x, StreamedInputs) else x.chunk(m)
     y_mb = y.chunk(m) if runner.pos.is_last_stage else None      # only the last stage reads labels
     samples = samples or len(x if x is not None else y)
     runner.run(actions, x_mb, head, samples // m)
@@ -564,7 +567,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     progress = Progress(args.steps, enabled=owner)
     start_memory_count(env.device)
     for step in range(args.steps):
-        x, y = next_batch(data, step, args, pos, replicas, env.device)
+        x, y = next_batch(data, step, args, pos, replicas, env.device, stream=True)
         if args.timeline and step == args.steps - 1:
             dist.barrier()                    # one clock for the timeline: everyone starts together
             runner.events, runner.origin = [], time.perf_counter()
@@ -594,14 +597,39 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     return 0
 
 
-def next_batch(data, step, args, pos, replicas, device):
-    """(inputs, labels) of this step, each only where it is read: the middle stages load nothing."""
+def next_batch(data, step, args, pos, replicas, device, stream=False):
+    """(inputs, labels) of this step, each only where it is read: the middle stages load nothing.
+    stream: the first stage's inputs as StreamedInputs, drawn one microbatch at a time."""
+    if pos.is_first_stage and stream:
+        x = StreamedInputs(data, step, args.batch_size, args.microbatches, replicas, device)
+        labels = data.labels(step, args.batch_size) if pos.is_last_stage else None
+        return x, (to_device(replicas.slice(labels), device) if labels is not None else None)
     if pos.is_first_stage:
         x, y = (to_device(replicas.slice(t), device) for t in data.batch(step, args.batch_size))
         return x, (y if pos.is_last_stage else None)
     if pos.is_last_stage:                 # the same samples' labels, without drawing their images
         return None, to_device(replicas.slice(data.labels(step, args.batch_size)), device)
     return None, None
+
+
+class StreamedInputs:
+    """The first stage's microbatches of one step, each drawn from the data set when its forward
+    reads it (in order), and held from then on only by the runner, until its backward: the first
+    stage never holds the global batch's images, so 1F1B's memory is flat in M there too. Replica d
+    of D reads parts d*m .. d*m+m-1 of the global batch cut into D*m: dp_slice's samples."""
+
+    def __init__(self, data, step, batch_size, m, replicas, device):
+        parts = data.image_parts(step, batch_size, m * replicas.dp_size)
+        self.parts = itertools.islice(parts, replicas.dp_rank * m, None)   # earlier replicas' parts: made, dropped
+        self.next_mb, self.samples, self.device = 0, batch_size // replicas.dp_size, device
+
+    def __len__(self):
+        return self.samples
+
+    def __getitem__(self, mb):
+        assert mb == self.next_mb, f"microbatch {mb} read out of order (expected {self.next_mb})"
+        self.next_mb += 1
+        return to_device(next(self.parts), self.device)
 
 
 def write_timeline(trace, path, enabled):
