@@ -57,17 +57,26 @@ def test_timeline_is_a_chrome_trace_with_the_bubble(tmp_path):
     assert other["bubble_theory"] == pytest.approx(2 / 6) and 0 < other["bubble_measured"] < 1
 
 
-def test_a_thousand_microbatches_1f1b_does_not_hold_them_all(tmp_path):
+def test_a_thousand_microbatches_recompute_and_1f1b_do_not_hold_them_all(tmp_path):
     """1000 microbatches of four samples on 4 stages. GPipe's first stage holds the activations of all
-    1000 at once (36 KB a sample for the cnn's two conv blocks: 145 MB); 1F1B's at most 4 (0.6 MB)."""
-    args = FAST + ["--model", "cnn", "--batch-size", "4000", "--microbatches", "1000", "--steps", "1"]
-    runs = {s: launch("pipeline_microbatch.py", args + ["--schedule", s], tmp_path, nproc=4, log_name=f"{s}.jsonl")
-            for s in ("gpipe", "1f1b")}
+    1000 at once (74 kB a sample for the cnn's two conv blocks: about 300 MB); with --recompute only
+    their inputs (12 kB a sample: 49 MB); 1F1B's at most 4 microbatches, and its first stage draws each
+    microbatch's inputs when it needs them, so every stage peaks as it does with 10 microbatches."""
+    args = FAST + ["--model", "cnn", "--microbatches", "1000", "--batch-size", "4000", "--steps", "1"]
+    runs = {name: launch("pipeline_microbatch.py", args + flags, tmp_path, nproc=4, log_name=f"{name}.jsonl")
+            for name, flags in [("gpipe", ["--schedule", "gpipe"]),
+                                ("recompute", ["--schedule", "gpipe", "--recompute"]),
+                                ("1f1b", ["--schedule", "1f1b"]),
+                                ("1f1b-m10", ["--schedule", "1f1b", "--microbatches", "10", "--batch-size", "40"])]}
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-2000:]
     assert runs["gpipe"].losses() == pytest.approx(runs["1f1b"].losses(), abs=1e-6)
-    peak = {s: run.events("summary")[0]["peak_memory_mb"]["0"] for s, run in runs.items()}
-    assert peak["gpipe"] - peak["1f1b"] > 80, f"peak memory of stage 0 in MB: {peak}"  # RSS varies by ~25 MB
+    assert runs["recompute"].losses() == runs["gpipe"].losses()                  # exactly: the same arithmetic
+    peak = {name: {int(r): mb for r, mb in run.events("summary")[0]["peak_memory_mb"].items()}
+            for name, run in runs.items()}
+    assert peak["gpipe"][0] - peak["recompute"][0] > 150, f"peak memory of stage 0 in MB: {peak}"  # RSS varies by ~25 MB
+    assert peak["gpipe"][0] - peak["1f1b"][0] > 200, f"peak memory of stage 0 in MB: {peak}"
+    assert all(peak["1f1b"][r] - peak["1f1b-m10"][r] < 30 for r in range(4)), f"peak memory per stage in MB: {peak}"
 
 
 def test_sends_in_flight_are_only_the_last_exchanges(tmp_path):
