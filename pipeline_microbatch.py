@@ -15,9 +15,14 @@ only the last stage sees labels and the loss (train_step's head).
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
 
-The schedules themselves (GPipe, 1F1B, interleaved 1F1B: who runs which forward and backward
-when, and where the messages go) are data, in schedules.py, drawn there tick by tick; this file
-is the stage, its messages, the executor that plays a schedule, and the training loop.
+The schedules themselves (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1: who runs which
+forward and backward when, and where the messages go) are data, in schedules.py, drawn there tick
+by tick; zb's backward split into B and W is zero_bubble.py. This file is the stage, its messages,
+the executor that plays a schedule, and the training loop. --recompute (GPipe's re-materialisation)
+keeps only each microbatch's stage input from F to B and re-runs the forward just before B; the
+first stage draws each microbatch's images when its forward needs them (StreamedInputs).
+
+    torchrun --standalone --nproc-per-node 2 -- pipeline_microbatch.py --data synthetic --schedule zb --recompute
 
 The gloo deadlock, and why these schedules cannot have it. A gloo send does not complete until the
 peer posts the matching receive. In the 1F1B steady state (2 stages, counting from 0), stage 0

@@ -1,6 +1,6 @@
 """zb against 1f1b, and the cost of --recompute: measured bubble and step time of
-pipeline_microbatch.py itself on 2 stages of a compute-heavy mlp (2 processes on 2 cores: the
-schedule is measured, not the oversubscription).
+pipeline_microbatch.py itself on 2 stages of a compute-heavy mlp, split as evenly as it cuts
+(2 processes on 2 cores: the schedule is measured, not the oversubscription).
 
     python benchmarks/zero_bubble.py --out logs/bench/zero_bubble.json     # about 4 minutes on 2 cores
 
@@ -18,8 +18,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MLP = ["--model", "mlp", "--layers", "8", "--hidden", "1024", "--batch-size", "192", "--data", "synthetic",
-       "--eval-every", "0", "--threads", "1"]
+# --balance 3,5: the first Linear (3072 x 1024) has 3 times the multiply-adds of each other one
+MLP = ["--model", "mlp", "--layers", "8", "--hidden", "1024", "--balance", "3,5", "--batch-size", "192",
+       "--data", "synthetic", "--eval-every", "0", "--threads", "1"]
 CONFIGS = {"1f1b": ["--schedule", "1f1b"], "zb": ["--schedule", "zb"],
            "1f1b --recompute": ["--schedule", "1f1b", "--recompute"]}
 
