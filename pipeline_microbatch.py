@@ -338,7 +338,7 @@ class StageRunner:
                     self.forward(mb, chunk, inputs, head, saved, outbox, inbox)
                 elif kind == "B":
                     start = self.backward(mb, chunk, saved.pop((mb, chunk)), outbox, inbox, start)
-                else:
+                elif self.stashes:                # W (unsplit layers took their weight gradients in B)
                     self.stashes[chunk].weight_grads(mb)
                 self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
         finally:

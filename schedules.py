@@ -1,6 +1,6 @@
 """Pipeline schedules as data: which forward (F), backward (B) and weight-gradient (W) pass each rank
-runs, in what order, and where the messages go. Pure functions of (schedule, stages p, microbatches m, virtual stages v),
-tested without processes; pipeline_microbatch.py's StageRunner plays the action lists they return.
+runs, in what order, and where the messages go. Pure functions of (schedule, stages p, microbatches m,
+virtual stages v), tested without processes; pipeline_microbatch.py's StageRunner plays the action lists they return.
 
 Schedules, 4 stages x 4 microbatches, per clock tick (F3: forward of microbatch 3, B3: its
 backward, . idle: the bubble; drawn by clock_table() with B as long as F):

@@ -206,7 +206,8 @@ def main():
     pipeline, tp_rows, memory, zero_bubble = load()
     plot_memory(memory, os.path.join(ROOT, "plots", "pipeline_memory.png"))
     repeat = pipeline["args"]["repeat"]
-    write_doc(pipeline, tp_rows, memory, zero_bubble, "bash benchmarks/run.sh" + (f" --repeat {repeat}" if repeat != 10 else ""),
+    write_doc(pipeline, tp_rows, memory, zero_bubble,
+              "bash benchmarks/run.sh" + (f" --repeat {repeat}" if repeat != 10 else ""),
               seconds)
     print(f"rewrote docs/benchmarks.md and plots/pipeline_memory.png ({seconds or 0:.0f} s)")
 

@@ -74,7 +74,8 @@ def test_a_thousand_microbatches_recompute_and_1f1b_do_not_hold_them_all(tmp_pat
     assert runs["recompute"].losses() == runs["gpipe"].losses()                  # exactly: the same arithmetic
     peak = {name: {int(r): mb for r, mb in run.events("summary")[0]["peak_memory_mb"].items()}
             for name, run in runs.items()}
-    assert peak["gpipe"][0] - peak["recompute"][0] > 150, f"peak memory of stage 0 in MB: {peak}"  # RSS varies by ~25 MB
+    # RSS varies by ~25 MB from run to run; measured: 218 and 308 MB
+    assert peak["gpipe"][0] - peak["recompute"][0] > 150, f"peak memory of stage 0 in MB: {peak}"
     assert peak["gpipe"][0] - peak["1f1b"][0] > 200, f"peak memory of stage 0 in MB: {peak}"
     assert all(peak["1f1b"][r] - peak["1f1b-m10"][r] < 30 for r in range(4)), f"peak memory per stage in MB: {peak}"
 
@@ -183,7 +184,8 @@ def test_streamed_microbatches_are_the_batch_cut_in_order(data):
         source = SyntheticData(3)
     else:
         source = Cifar10Data.__new__(Cifar10Data)        # CIFAR-10 shaped, without the download
-        source.train, source.seed = (torch.randint(256, (100, 3, 32, 32), dtype=torch.uint8), torch.randint(10, (100,))), 5
+        images = torch.randint(256, (100, 3, 32, 32), dtype=torch.uint8)
+        source.train, source.seed = (images, torch.randint(10, (100,))), 5
     args = pm.parse_args(MLP + ["--batch-size", "12", "--microbatches", "3"])
     for step, replicas in [(0, pm.OneReplica()), (4, pm.OneReplica()), (2, Replica(1, 2)), (2, Replica(0, 4))]:
         x, _ = source.batch(step, 12)
