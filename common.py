@@ -276,10 +276,20 @@ class SyntheticData:
         self.test_set = self._draw(torch.Generator().manual_seed(seed + 7919), test_size)
 
     def _draw(self, g, n):
+        y, images = self._lazy(g, n, 1)
+        return next(images), y
+
+    def _lazy(self, g, n, parts):
+        """The labels, and the images in `parts` equal consecutive parts, each made when asked for:
+        the generator's noise comes out in the same order however the batch is cut."""
         y = torch.randint(NUM_CLASSES, (n,), generator=g)
         contrast = 0.03 + 0.12 * torch.rand(n, 1, 1, 1, generator=g)
-        x = contrast * self.prototypes[y] + torch.randn(n, 3, 32, 32, generator=g)
-        return x, y
+
+        def images(k=n // parts):
+            for i in range(parts):
+                s = slice(i * k, (i + 1) * k)
+                yield contrast[s] * self.prototypes[y[s]] + torch.randn(k, 3, 32, 32, generator=g)
+        return y, images()
 
     def batch(self, step, batch_size):
         return self._draw(torch.Generator().manual_seed(self.seed * 1_000_003 + step), batch_size)
@@ -288,6 +298,11 @@ class SyntheticData:
         """batch(step, batch_size)[1] without drawing the images (the labels are drawn first)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         return torch.randint(NUM_CLASSES, (batch_size,), generator=g)
+
+    def image_parts(self, step, batch_size, parts):
+        """batch(step, batch_size)[0] as `parts` equal consecutive parts, each drawn only when the
+        one before has been taken (a pipeline's first stage streams its microbatches)."""
+        return self._lazy(torch.Generator().manual_seed(self.seed * 1_000_003 + step), batch_size, parts)[1]
 
 
 class Cifar10Data:
@@ -331,6 +346,11 @@ class Cifar10Data:
     def labels(self, step, batch_size):
         """batch(step, batch_size)[1] without normalising the images."""
         return self.train[1][self._order(step, batch_size)]
+
+    def image_parts(self, step, batch_size, parts):
+        """batch(step, batch_size)[0] as `parts` equal consecutive parts, each normalised when asked for."""
+        idx, k = self._order(step, batch_size), batch_size // parts
+        return (self.normalise(self.train[0][idx[i * k:(i + 1) * k]]) for i in range(parts))
 
     @functools.cached_property
     def test_set(self):  # normalised once: every evaluation reuses it

@@ -15,9 +15,14 @@ only the last stage sees labels and the loss (train_step's head).
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
 
-The schedules themselves (GPipe, 1F1B, interleaved 1F1B: who runs which forward and backward
-when, and where the messages go) are data, in schedules.py, drawn there tick by tick; this file
-is the stage, its messages, the executor that plays a schedule, and the training loop.
+The schedules themselves (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1: who runs which
+forward and backward when, and where the messages go) are data, in schedules.py, drawn there tick
+by tick; zb's backward split into B and W is zero_bubble.py. This file is the stage, its messages,
+the executor that plays a schedule, and the training loop. --recompute (GPipe's re-materialisation)
+keeps only each microbatch's stage input from F to B and re-runs the forward just before B; the
+first stage draws each microbatch's images when its forward needs them (StreamedInputs).
+
+    torchrun --standalone --nproc-per-node 2 -- pipeline_microbatch.py --data synthetic --schedule zb --recompute
 
 The gloo deadlock, and why these schedules cannot have it. A gloo send does not complete until the
 peer posts the matching receive. In the 1F1B steady state (2 stages, counting from 0), stage 0
@@ -34,8 +39,10 @@ checked, not hoped for: schedules.dry_run() plays every rank's action list with 
 first cycle of ranks waiting on each other; the tests run it for many (p, m, v), and show that the
 one-message-at-a-time order does deadlock.
 """
+import contextlib
 import copy
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -51,6 +58,7 @@ from common import (CommError, MetricsLog, Progress, base_parser, build_model, c
                     test_batches, to_device, torchrun_env, validate_common)
 from common import agree_on_data
 from schedules import SCHEDULES, bubble_theory, schedule_actions, with_communication
+from zero_bubble import WeightGradStash
 
 PROGRAM = "pipeline_microbatch"
 
@@ -61,6 +69,9 @@ def add_pipeline_flags(p):
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="interleaved only: model chunks per rank (default: 2; always 1 for the other schedules)")
     p.add_argument("--balance", default=None, help="blocks per stage, e.g. 2,1,1,1 (default: even)")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each microbatch's stage input between its forward and its backward, and "
+                        "re-run the forward just before the backward (GPipe's re-materialisation)")
     p.add_argument("--check", action="store_true",
                    help="one step on the first batch against the full model in this process; exit 0 on match")
     return p
@@ -285,10 +296,16 @@ class PipelineError(CommError):
 
 class StageRunner:
     """Runs one rank's action list for one global batch. Saved activations live only between a
-    microbatch's forward and its backward, and sent tensors only until their send completes."""
+    microbatch's forward and its backward (W, when the backward is split), and sent tensors only
+    until their send completes.
 
-    def __init__(self, chunks, pos, messenger):
-        self.chunks, self.pos, self.messenger = chunks, pos, messenger
+    split (--schedule zb): the chunks' Linear and Conv2d layers defer their weight gradients from
+    B to W (zero_bubble.py). recompute (--recompute, GPipe's re-materialisation): F runs without
+    autograd and keeps only the chunk's input; B first re-runs the forward under autograd."""
+
+    def __init__(self, chunks, pos, messenger, split=False, recompute=False):
+        self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
+        self.stashes = [WeightGradStash(chunk) for chunk in chunks] if split else None
         self.events = None                    # a list while the timeline is recorded
 
     def clock(self):
@@ -303,35 +320,73 @@ class StageRunner:
             self.events.append((cat, name, mb, chunk, start, self.clock()))
 
     def run(self, actions, inputs, head, mb_size):
-        """inputs: microbatches for virtual stage 0 (first stage only). head(mb, output) -> the
-        scaled loss to differentiate (or None when not training), on the last virtual stage."""
-        last = self.pos.pp_size * self.pos.virtual - 1
+        """inputs: microbatches for virtual stage 0 (first stage only), indexed by microbatch and
+        read when their forward runs. head(mb, output) -> the scaled loss to differentiate (or None
+        when not training), on the last virtual stage."""
         saved, outbox, inbox = {}, {}, {}
-        for action in actions:
-            if action[0] == "comm":
-                recording = self.record if self.events is not None else None
-                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording))
-                continue
-            kind, mb, chunk = action
-            vstage, start = chunk * self.pos.pp_size + self.pos.pp_rank, self.clock()
-            if kind == "F":
-                x = inputs[mb] if vstage == 0 else inbox.pop(("act", mb, vstage)).requires_grad_()
-                y = self.chunks[chunk](x)
-                if vstage == last:
-                    y = head(mb, y)
-                else:
-                    outbox[("act", mb, vstage + 1)] = y.detach().contiguous()   # gloo sends flat memory
-                if y is not None and y.requires_grad:
-                    saved[(mb, chunk)] = (x, y)   # kept for the backward, dropped right after it
-            else:
-                x, y = saved.pop((mb, chunk))
-                grad = None if vstage == last else inbox.pop(("grad", mb, vstage))
-                torch.autograd.backward(y, grad)
-                if vstage > 0:
-                    outbox[("grad", mb, vstage - 1)] = x.grad.contiguous()
-            self.record("forward" if kind == "F" else "backward", f"{kind}{mb}", mb, start, chunk)
+        for stash in self.stashes or []:
+            stash.active = True
+        try:
+            for action in actions:
+                if action[0] == "comm":
+                    recording = self.record if self.events is not None else None
+                    inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording))
+                    continue
+                kind, mb, chunk = action
+                start = self.clock()
+                if kind == "F":
+                    self.forward(mb, chunk, inputs, head, saved, outbox, inbox)
+                elif kind == "B":
+                    start = self.backward(mb, chunk, saved.pop((mb, chunk)), outbox, inbox, start)
+                elif self.stashes:                # W (unsplit layers took their weight gradients in B)
+                    self.stashes[chunk].weight_grads(mb)
+                self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
+        finally:
+            for stash in self.stashes or []:
+                stash.active = False
         self.messenger.finish()
         assert not saved and not outbox and not inbox, "the schedule left work behind"
+        assert not any(stash.pending for stash in self.stashes or []), "a weight gradient was never taken"
+
+    def vstage(self, chunk):
+        return chunk * self.pos.pp_size + self.pos.pp_rank
+
+    def is_last(self, chunk):
+        return self.vstage(chunk) == self.pos.pp_size * self.pos.virtual - 1
+
+    def forward(self, mb, chunk, inputs, head, saved, outbox, inbox):
+        vstage, training = self.vstage(chunk), torch.is_grad_enabled()
+        x = inputs[mb] if vstage == 0 else inbox.pop(("act", mb, vstage)).requires_grad_()
+        with torch.no_grad() if self.recompute else contextlib.nullcontext():
+            y = self.chunks[chunk](x)
+        if not self.is_last(chunk):
+            outbox[("act", mb, vstage + 1)] = y.detach().contiguous()   # gloo sends flat memory
+            if training:                      # kept for the backward, dropped right after it
+                saved[(mb, chunk)] = (x, None if self.recompute else y, None)
+            return
+        if self.recompute and training:       # the loss's own graph is kept: it holds only the logits
+            y.requires_grad_()
+        loss = head(mb, y)
+        if loss is not None and training:
+            saved[(mb, chunk)] = (x, y, loss)
+
+    def backward(self, mb, chunk, kept, outbox, inbox, start):
+        """B: the input gradient, which the next exchange sends upstream. Returns B's start time."""
+        x, y, loss = kept
+        vstage, last = self.vstage(chunk), self.is_last(chunk)
+        grad = None if last else inbox.pop(("grad", mb, vstage))
+        if self.recompute:                    # re-materialise the chunk's activations from its input
+            logits, y = y, self.chunks[chunk](x)
+            self.record("recompute", f"R{mb}", mb, start, chunk)
+            start = self.clock()
+            if last:                          # dloss/dlogits through the kept loss graph, then the chunk
+                torch.autograd.backward(loss)
+                loss, grad = None, logits.grad
+        with self.stashes[chunk].backward_of(mb) if self.stashes else contextlib.nullcontext():
+            torch.autograd.backward(y if loss is None else loss, grad)
+        if vstage > 0:
+            outbox[("grad", mb, vstage - 1)] = x.grad.contiguous()
+        return start
 
 
 def train_step(runner, actions, x, y, m, samples=None):
@@ -345,7 +400,9 @@ def train_step(runner, actions, x, y, m, samples=None):
         losses.append(loss.detach())
         return loss
 
-    x_mb = x.chunk(m) if runner.pos.is_first_stage else None     # only the first stage reads inputs,
+    x_mb = None
+    if runner.pos.is_first_stage:                                # only the first stage reads inputs,
+        x_mb = x if isinstance(x, StreamedInputs) else x.chunk(m)
     y_mb = y.chunk(m) if runner.pos.is_last_stage else None      # only the last stage reads labels
     samples = samples or len(x if x is not None else y)
     runner.run(actions, x_mb, head, samples // m)
@@ -396,7 +453,8 @@ def gather_timeline(runner, pos, args):
     return {"traceEvents": events, "otherData": {
         "schedule": args.schedule, "stages": pos.pp_size, "microbatches": args.microbatches,
         "virtual_stages": pos.virtual, "bubble_measured": 1 - busy,
-        "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual),
+        "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual, args.schedule),
+        "recompute": runner.recompute,
         "device": runner.messenger.device.type, "cpu_cores": os.cpu_count()}}   # ranks > cores: waits for a core
 
 
@@ -469,7 +527,9 @@ def setup_stage(args, env, pos):
     shapes = boundary_shapes(model, pos, args.balance)
     model.to(env.device)
     chunks = build_chunks(model, pos, args.balance)
-    return model, StageRunner(chunks, pos, Messenger(pos, shapes, env.device, args.timeout_s))
+    messenger = Messenger(pos, shapes, env.device, args.timeout_s)
+    return model, StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
+                              recompute=getattr(args, "recompute", False))   # a parser without the flag: off
 
 
 def main(argv=None):
@@ -512,7 +572,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     progress = Progress(args.steps, enabled=owner)
     start_memory_count(env.device)
     for step in range(args.steps):
-        x, y = next_batch(data, step, args, pos, replicas, env.device)
+        x, y = next_batch(data, step, args, pos, replicas, env.device, stream=True)
         if args.timeline and step == args.steps - 1:
             dist.barrier()                    # one clock for the timeline: everyone starts together
             runner.events, runner.origin = [], time.perf_counter()
@@ -542,14 +602,39 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     return 0
 
 
-def next_batch(data, step, args, pos, replicas, device):
-    """(inputs, labels) of this step, each only where it is read: the middle stages load nothing."""
+def next_batch(data, step, args, pos, replicas, device, stream=False):
+    """(inputs, labels) of this step, each only where it is read: the middle stages load nothing.
+    stream: the first stage's inputs as StreamedInputs, drawn one microbatch at a time."""
+    if pos.is_first_stage and stream:
+        x = StreamedInputs(data, step, args.batch_size, args.microbatches, replicas, device)
+        labels = data.labels(step, args.batch_size) if pos.is_last_stage else None
+        return x, (to_device(replicas.slice(labels), device) if labels is not None else None)
     if pos.is_first_stage:
         x, y = (to_device(replicas.slice(t), device) for t in data.batch(step, args.batch_size))
         return x, (y if pos.is_last_stage else None)
     if pos.is_last_stage:                 # the same samples' labels, without drawing their images
         return None, to_device(replicas.slice(data.labels(step, args.batch_size)), device)
     return None, None
+
+
+class StreamedInputs:
+    """The first stage's microbatches of one step, each drawn from the data set when its forward
+    reads it (in order), and held from then on only by the runner, until its backward: the first
+    stage never holds the global batch's images, so 1F1B's memory is flat in M there too. Replica d
+    of D reads parts d*m .. d*m+m-1 of the global batch cut into D*m: dp_slice's samples."""
+
+    def __init__(self, data, step, batch_size, m, replicas, device):
+        parts = data.image_parts(step, batch_size, m * replicas.dp_size)
+        self.parts = itertools.islice(parts, replicas.dp_rank * m, None)   # earlier replicas' parts: made, dropped
+        self.next_mb, self.samples, self.device = 0, batch_size // replicas.dp_size, device
+
+    def __len__(self):
+        return self.samples
+
+    def __getitem__(self, mb):
+        assert mb == self.next_mb, f"microbatch {mb} read out of order (expected {self.next_mb})"
+        self.next_mb += 1
+        return to_device(next(self.parts), self.device)
 
 
 def write_timeline(trace, path, enabled):

@@ -11,7 +11,8 @@ settings differ (model, data, seed, batch size, lr, momentum, steps, sizes) are 
 step by step: each difference is named on stderr and in the title.
 Timelines: the Chrome-trace files that `pipeline_microbatch.py --timeline` writes, drawn as Gantt
 charts on one time axis, one above the other: a row per rank, a colour per event category (forward,
-backward, waiting for a message, and any other the trace carries), the action's name on each box.
+recomputed forward, backward, weight gradient, waiting for a message, and any other the trace
+carries), the action's name on each box (F3, R3, B3, W3).
 """
 import argparse
 import json
@@ -24,9 +25,11 @@ matplotlib.use("Agg")  # no screen on the machines that draw these
 import matplotlib.pyplot as plt  # noqa: E402
 
 TOLERANCE = 1e-4  # the equivalence contract: |loss - baseline loss| <= 1e-4 at every step
-COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C0C0C0"}
-MEANINGS = {"forward": "forward", "backward": "backward", "wait": "waiting for a message"}
-SPARE = ["#55A868", "#8172B3", "#C44E52", "#937860", "#DA8BC3", "#CCB974"]  # categories a trace adds later
+COLOURS = {"forward": "#4C72B0", "recompute": "#8FB0DD", "backward": "#DD8452", "weight": "#55A868",
+           "wait": "#C0C0C0"}
+MEANINGS = {"forward": "forward", "recompute": "forward again (R, --recompute)", "backward": "backward",
+            "weight": "weight gradient (W)", "wait": "waiting for a message"}   # zb's B: input gradient only
+SPARE = ["#8172B3", "#C44E52", "#937860", "#DA8BC3", "#CCB974"]  # categories a trace adds later
 # the settings two runs must share for their losses to be compared step by step
 SAME = ("model", "data", "seed", "batch_size", "lr", "momentum", "steps")
 SIZES = {"mlp": ("layers", "hidden"), "vit": ("layers", "hidden", "heads"), "cnn": ()}

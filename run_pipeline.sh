@@ -7,6 +7,7 @@
 #   bash run_pipeline.sh                                        # cnn, 4 stages, gpipe and 1f1b, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_pipeline.sh               # no network
 #   SCHEDULES="1f1b interleaved" MICROBATCHES=8 MODEL=vit DATA=synthetic bash run_pipeline.sh --layers 6
+#   SCHEDULES="1f1b zb" RECOMPUTE=1 DATA=synthetic bash run_pipeline.sh    # zero bubble; re-materialisation
 #
 # Knobs (environment, with defaults); extra arguments go to both programs.
 set -euo pipefail
@@ -18,7 +19,8 @@ MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
 MICROBATCHES=${MICROBATCHES:-4}
-SCHEDULES=${SCHEDULES:-"gpipe 1f1b"}   # any of gpipe 1f1b interleaved
+SCHEDULES=${SCHEDULES:-"gpipe 1f1b"}   # any of gpipe 1f1b interleaved zb
+RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
 VIRTUAL_STAGES=${VIRTUAL_STAGES:-2}    # interleaved only
 BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-64}
@@ -34,12 +36,13 @@ COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SI
         --eval-every "$EVAL_EVERY" "$@")
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}.jsonl"
 
-chunks_of() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTUAL_STAGES"; fi; }
+pipeline_flags() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTUAL_STAGES"; fi
+                  if [ "$RECOMPUTE" = 1 ]; then echo --recompute; fi; }
 # the parallel program's arguments at its world size, for every schedule, before anything trains
 for SCHEDULE in $SCHEDULES; do
     WORLD_SIZE=$NPROC "$PYTHON" -c 'import sys, pipeline_microbatch as p; p.parse_args(sys.argv[1:])' \
         "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" --microbatches "$MICROBATCHES" \
-        $(chunks_of "$SCHEDULE")
+        $(pipeline_flags "$SCHEDULE")
 done
 
 echo "== baseline: one process"
@@ -53,7 +56,7 @@ for SCHEDULE in $SCHEDULES; do
     # "--" ends torchrun's own options, so that every later flag reaches the program
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
         pipeline_microbatch.py "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
-        --microbatches "$MICROBATCHES" $(chunks_of "$SCHEDULE") --timeline "$TRACE" --log-file "$LOG"
+        --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE") --timeline "$TRACE" --log-file "$LOG"
     LOGS_OF+=("$LOG")
     TRACES+=("$TRACE")
 done

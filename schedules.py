@@ -1,6 +1,6 @@
-"""Pipeline schedules as data: which forward (F) and backward (B) each rank runs, in what order, and
-where the messages go. Pure functions of (schedule, stages p, microbatches m, virtual stages v),
-tested without processes; pipeline_microbatch.py's StageRunner plays the action lists they return.
+"""Pipeline schedules as data: which forward (F), backward (B) and weight-gradient (W) pass each rank
+runs, in what order, and where the messages go. Pure functions of (schedule, stages p, microbatches m,
+virtual stages v), tested without processes; pipeline_microbatch.py's StageRunner plays the action lists they return.
 
 Schedules, 4 stages x 4 microbatches, per clock tick (F3: forward of microbatch 3, B3: its
 backward, . idle: the bubble; drawn by clock_table() with B as long as F):
@@ -23,17 +23,26 @@ backward, . idle: the bubble; drawn by clock_table() with B as long as F):
     stage 2: .   .   F0a F1a F2a F3a F0b F1b F2b B0b F3b B1b .   B2b .   B3b B0a B1a B2a B3a
     stage 3: .   .   .   F0a F1a F2a F3a F0b B0b F1b B1b F2b B2b F3b B3b B0a B1a B2a B3a
 
+    zb (ZB-H1): 1F1B with each backward split into B, the input gradient the stage before waits
+    for, and W, the weight gradient nobody waits for (a tick each: 1F1B's B above is a B and a W);
+    stage r runs its first r W's late, in the cool-down, where 1F1B's ranks sit idle
+    stage 0: F0 F1 F2 F3 .  .  .  B0 W0 B1 W1 B2 W2 B3 W3
+    stage 1: .  F0 F1 F2 .  .  B0 F3 B1 W0 B2 W1 B3 W2 W3
+    stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 B3 W1 W2 W3
+    stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3
+
 GPipe and 1F1B take the same 2(m+p-1) ticks, a bubble of (p-1)/(m+p-1); but 1F1B holds at most
 p - r microbatches' activations on stage r instead of all m, so its memory does not grow with m.
 Interleaved 1F1B (Narayanan et al. 2021) gives each rank V chunks of the model (virtual stages r,
 r+p, r+2p, ...): 2(Vm+p-1) ticks of 1/V stage each, a bubble of (p-1)/(Vm+p-1), for V times the
-messages.
+messages. ZB-H1 (Qi et al. 2024) takes 3m+p-1 ticks of F, B or W, a bubble of (p-1)/(3m+p-1):
+a third of 1F1B's for m >> p, with at most p microbatches in flight (F done, W not yet) on any stage.
 """
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
-# A compute action is ("F" or "B", microbatch, chunk). A communication action is ("comm", parts),
+# A compute action is ("F", "B" or "W", microbatch, chunk). A communication action is ("comm", parts),
 # parts being ("send" or "recv", peer rank, message) posted together and then all waited for.
 # A message is (what, microbatch, virtual stage of its receiver), what = "act" or "grad".
 
@@ -56,6 +65,8 @@ def compute_units(schedule, p, m, rank, v=1):
                    the chunks in reverse, warm-up 2(p-rank-1) + (v-1)p (Narayanan et al. 2021)"""
     fwd = forward_order(schedule, p, m, rank, v)
     bwd = [(mb, v - 1 - c) for mb, c in fwd]
+    if schedule == "zb":
+        return zero_bubble_units(p, m, rank)
     if schedule == "gpipe":
         return [[("F", *a)] for a in fwd] + [[("B", *a)] for a in bwd]
     warm = p - rank - 1 if schedule == "1f1b" else 2 * (p - rank - 1) + (v - 1) * p
@@ -64,17 +75,35 @@ def compute_units(schedule, p, m, rank, v=1):
     return [[("F", *a)] for a in fwd[:warm]] + steady + [[("B", *a)] for a in bwd[len(fwd) - warm:]]
 
 
+def zero_bubble_units(p, m, rank):
+    """ZB-H1 (Qi et al. 2024): 1F1B's order with each backward split in two, B (the input
+    gradient, which the stage before waits for) and W (the weight gradient, which nobody waits
+    for). Stage r runs W i microbatches late for i = r: its first r W's slide into the
+    cool-down, where 1F1B idles, so the bubble is (p-1)/(3m+p-1) instead of 3(p-1)/(3m+3(p-1)).
+    A microbatch is in flight from its F until its W: at most p on every stage, the bound of
+    1F1B's first stage."""
+    warm, late = min(p - rank - 1, m), []
+    units = [[("F", i, 0)] for i in range(warm)]
+    for i in range(m):
+        unit = ([("F", warm + i, 0)] if warm + i < m else []) + [("B", i, 0)]
+        late.append(i)
+        if len(late) > rank:                             # W of the microbatch `rank` backwards ago
+            unit.append(("W", late.pop(0), 0))
+        units.append(unit)
+    return units + [[("W", i, 0)] for i in late]
+
+
 def compute_order(schedule, p, m, rank, v=1):
     return [action for unit in compute_units(schedule, p, m, rank, v) for action in unit]
 
 
 def clock_table(schedule, p, m, v=1):
-    """The schedule drawn per clock tick (the tables in the module docstring): every F and B lasts
-    one tick and starts once its rank is free and its input is ready. Interleaved chunks are
+    """The schedule drawn per clock tick (the tables in the module docstring): every F, B and W
+    lasts one tick and starts once its rank is free and its input is ready (W: its own B). Interleaved chunks are
     letters (F0a: microbatch 0 through chunk a, a tick of 1/v of a stage's work); '.' is idle."""
     orders, last = [compute_order(schedule, p, m, r, v) for r in range(p)], p * v - 1
     done, rows = {}, [[] for _ in range(p)]              # done: (kind, mb, virtual stage) -> end tick
-    while len(done) < 2 * p * v * m:
+    while len(done) < sum(map(len, orders)):
         before = len(done)
         for r, row in enumerate(rows):
             placed = len(row) - row.count(".")
@@ -84,6 +113,8 @@ def clock_table(schedule, p, m, v=1):
             vs = chunk * p + r
             if kind == "F":
                 need = ("F", mb, vs - 1) if vs > 0 else None
+            elif kind == "W":
+                need = ("B", mb, vs)
             else:
                 need = ("B", mb, vs + 1) if vs < last else ("F", mb, vs)
             if need is None or need in done:
@@ -98,6 +129,8 @@ def clock_table(schedule, p, m, v=1):
 def messages(action, pos):
     """What `action` must receive before it runs, and what it sends once done (None: nothing)."""
     kind, mb, chunk = action
+    if kind == "W":                                      # the weight gradient stays on its rank
+        return None, None
     vstage, last = chunk * pos.pp_size + pos.pp_rank, pos.pp_size * pos.virtual - 1
     prev_rank, _ = pos.peer(chunk, -1)
     next_rank, _ = pos.peer(chunk, +1)
@@ -179,6 +212,9 @@ def waiting_cycle(all_actions, at, done):
             f"with rank {waits[q][1]}" + ("" if waits[q][1] in waits else ", which has finished") for q in cycle]
 
 
-def bubble_theory(p, m, v=1):
-    """Idle fraction of the clock table: (p-1)/(vm+p-1)."""
+def bubble_theory(p, m, v=1, schedule=None):
+    """Idle fraction of the clock table: (p-1)/(vm+p-1); for zb (F, B and W one tick each, m >= p)
+    (p-1)/(3m+p-1), about a third of 1F1B's."""
+    if schedule == "zb":
+        return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (v * m + p - 1)

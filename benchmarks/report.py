@@ -3,9 +3,10 @@
 
     bash benchmarks/run.sh            # = python benchmarks/report.py (about 6-8 minutes on 2 cores)
 
-Four launches of benchmarks/bench.py (pipeline on 4 ranks; tensor parallelism at degrees 2 and 4)
-and six of pipeline_microbatch.py itself (peak memory, which is a per-process high-water mark, so
-each point needs fresh processes). Raw results go to logs/bench/.
+Four launches of benchmarks/bench.py (pipeline on 4 ranks; tensor parallelism at degrees 2 and 4),
+twelve of pipeline_microbatch.py itself (peak memory of gpipe, gpipe --recompute, 1f1b and zb at
+m = 10, 100, 1000: a per-process high-water mark, so each point needs fresh processes) and
+benchmarks/zero_bubble.py (zb against 1f1b, and --recompute's cost, on 2 stages). Raw results go to logs/bench/.
 """
 import argparse
 import json
@@ -18,6 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGS = os.path.join(ROOT, "logs", "bench")
 MODEL = ["--layers", "8", "--hidden", "512", "--batch-size", "256"]
 MEMORY_MB = 4   # samples per microbatch in the memory runs: global batch = 4 x m, so GPipe holds O(m)
+MEMORY_RUNS = {"gpipe": ["--schedule", "gpipe"], "gpipe --recompute": ["--schedule", "gpipe", "--recompute"],
+               "1f1b": ["--schedule", "1f1b"], "zb": ["--schedule", "zb"]}
 BEGIN, END = "<!-- benchmarks:begin (written by benchmarks/report.py) -->", "<!-- benchmarks:end -->"
 
 
@@ -38,12 +41,23 @@ def run_all(repeat):
     torchrun(4, "benchmarks/bench.py", ["pipeline", "--out", f"{LOGS}/pipeline.json", *MODEL, *common])
     for degree in (2, 4):
         torchrun(degree, "benchmarks/bench.py", ["tp", "--out", f"{LOGS}/tp{degree}.json", *MODEL, *common])
-    for schedule in ("gpipe", "1f1b"):
+    run_memory()
+    run_zero_bubble()
+
+
+def run_zero_bubble():                 # it launches its own 2-rank runs
+    print("$ benchmarks/zero_bubble.py", flush=True)
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "zero_bubble.py"), "--out",
+                    f"{LOGS}/zero_bubble.json"], cwd=ROOT, check=True, timeout=1800)
+
+
+def run_memory():
+    for name, flags in MEMORY_RUNS.items():
         for m in (10, 100, 1000):
             torchrun(4, "pipeline_microbatch.py", [
-                "--model", "cnn", "--data", "synthetic", "--schedule", schedule, "--microbatches", str(m),
+                "--model", "cnn", "--data", "synthetic", "--microbatches", str(m), *flags,
                 "--batch-size", str(MEMORY_MB * m), "--steps", "2", "--eval-every", "0",
-                "--log-file", f"{LOGS}/memory-{schedule}-{m}.jsonl"])
+                "--log-file", f"{LOGS}/memory-{name.replace(' ', '')}-{m}.jsonl"])
 
 
 def load():
@@ -53,13 +67,19 @@ def load():
     for degree in (2, 4):
         with open(f"{LOGS}/tp{degree}.json") as f:
             tp_rows += json.load(f)["rows"]
+    with open(f"{LOGS}/zero_bubble.json") as f:
+        zero_bubble = json.load(f)["rows"]
+    return pipeline, tp_rows, load_memory(), zero_bubble
+
+
+def load_memory():
     memory = {}
-    for schedule in ("gpipe", "1f1b"):
+    for name in MEMORY_RUNS:
         for m in (10, 100, 1000):
-            with open(f"{LOGS}/memory-{schedule}-{m}.jsonl") as f:
+            with open(f"{LOGS}/memory-{name.replace(' ', '')}-{m}.jsonl") as f:
                 summary = [json.loads(line) for line in f if '"summary"' in line][-1]
-            memory[(schedule, m)] = {int(r): mb for r, mb in summary["peak_memory_mb"].items()}
-    return pipeline, tp_rows, memory
+            memory[(name, m)] = {int(r): mb for r, mb in summary["peak_memory_mb"].items()}
+    return memory
 
 
 def speed_table(rows):
@@ -98,11 +118,21 @@ def memory_table(memory):
              "|" + " --- |" * (3 + len(ranks))]
     for (schedule, m), mb in memory.items():
         lines.append(f"| {schedule} | {m} | {MEMORY_MB * m} | " + " | ".join(f"{mb[r]:.0f}" for r in ranks) + " |")
-    g, o = memory[("gpipe", 1000)], memory[("1f1b", 1000)]
+    at = {name: memory[(name, 1000)][0] for name in MEMORY_RUNS}
+    growth = {name: max(memory[(name, 1000)][r] - memory[(name, 10)][r] for r in ranks) for name in MEMORY_RUNS}
     lines.append("")
-    lines.append(f"At m = 1000, stage 0 peaks at {g[0]:.0f} MB under GPipe and {o[0]:.0f} MB under 1F1B "
-                 f"(+{g[0] - o[0]:.0f} MB); from m = 10 to 1000 GPipe's stage 0 grows by "
-                 f"{g[0] - memory[('gpipe', 10)][0]:.0f} MB, 1F1B's by {o[0] - memory[('1f1b', 10)][0]:.0f} MB.")
+    lines.append("At m = 1000, stage 0 peaks at " + ", ".join(f"{mb:.0f} MB under {name}" for name, mb in at.items())
+                 + "; from m = 10 to 1000 the most any stage grows is "
+                 + ", ".join(f"{mb:+.0f} MB under {name}" for name, mb in growth.items()) + ".")
+    return lines
+
+
+def zero_bubble_table(rows):
+    lines = ["| configuration | m | step ms (median) | / 1f1b (paired, median) | bubble measured | bubble theory |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['microbatches']} | {1e3 * r['step_s']:.0f} | {r['over_1f1b']:.2f} | "
+                     f"{r['bubble_measured']:.3f} | {r['bubble_theory']:.3f} |")
     return lines
 
 
@@ -113,25 +143,23 @@ def plot_memory(memory, path):
     ms = sorted({m for _, m in memory})
     ranks = sorted(next(iter(memory.values())))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for schedule, style in (("gpipe", "-o"), ("1f1b", "--s")):
+    styles = {"gpipe": "-o", "gpipe --recompute": "-.^", "1f1b": "--s", "zb": ":x"}
+    for name, style in styles.items():
         for r in ranks:
-            ax.plot(ms, [memory[(schedule, m)][r] for m in ms], style, color=f"C{r}",
-                    label=f"{schedule} stage {r}")
+            ax.plot(ms, [memory[(name, m)][r] for m in ms], style, color=f"C{r}", label=f"{name} stage {r}")
     ax.set_xscale("log")
     ax.set_xlabel(f"microbatches m ({MEMORY_MB} samples each; global batch {MEMORY_MB} m)")
     ax.set_ylabel("peak resident memory per stage (MB)")
-    # what the curves show: 1F1B's stage 0 grows too, with the global batch of inputs it draws
-    ax.set_title("cnn, 4 stages: GPipe's stage 0 grows with m (it keeps every microbatch's activations);\n"
-                 "1F1B's stage 0 grows less (only the global batch of inputs); stages 1-3 stay near the floor",
-                 fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("cnn, 4 stages: GPipe's stage 0 grows with m (every microbatch's activations), less with\n"
+                 "--recompute (only every microbatch's input); 1F1B and zb stay flat on every stage", fontsize=9)
+    ax.legend(fontsize=6, ncol=4)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=120)
 
 
-def write_doc(pipeline, tp_rows, memory, command, seconds):
+def write_doc(pipeline, tp_rows, memory, zero_bubble, command, seconds):
     with open(os.path.join(ROOT, "benchmarks", "doc_template.md")) as f:
         template = f.read()
     args = pipeline["args"]
@@ -142,6 +170,7 @@ def write_doc(pipeline, tp_rows, memory, command, seconds):
         tp_table="\n".join(speed_table(tp_rows)),
         bubble_table="\n".join(bubble_table(pipeline["bubble"])),
         memory_table="\n".join(memory_table(memory)),
+        zero_bubble_table="\n".join(zero_bubble_table(zero_bubble)),
         verdict=verdict(pipeline["rows"] + tp_rows))
     doc = os.path.join(ROOT, "docs", "benchmarks.md")
     with open(doc) as f:
@@ -155,7 +184,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeat", type=int, default=10, help="timed steps per engine and configuration")
     p.add_argument("--no-run", action="store_true", help="only rewrite docs/benchmarks.md and plot from logs/bench")
+    p.add_argument("--frontier-only", action="store_true",
+                   help="only the memory runs and benchmarks/zero_bubble.py: redraw the plot, print their tables")
     args = p.parse_args()
+    if args.frontier_only:
+        run_memory()
+        run_zero_bubble()
+        memory = load_memory()
+        plot_memory(memory, os.path.join(ROOT, "plots", "pipeline_memory.png"))
+        with open(f"{LOGS}/zero_bubble.json") as f:
+            print("\n".join(memory_table(memory) + [""] + zero_bubble_table(json.load(f)["rows"])))
+        return
     start = time.perf_counter()
     if not args.no_run:
         run_all(args.repeat)
@@ -164,10 +203,11 @@ def main():
         with open(seconds_file, "w") as f:
             f.write(f"{time.perf_counter() - start:.0f}\n")
     seconds = float(open(seconds_file).read()) if os.path.exists(seconds_file) else None
-    pipeline, tp_rows, memory = load()
+    pipeline, tp_rows, memory, zero_bubble = load()
     plot_memory(memory, os.path.join(ROOT, "plots", "pipeline_memory.png"))
     repeat = pipeline["args"]["repeat"]
-    write_doc(pipeline, tp_rows, memory, "bash benchmarks/run.sh" + (f" --repeat {repeat}" if repeat != 10 else ""),
+    write_doc(pipeline, tp_rows, memory, zero_bubble,
+              "bash benchmarks/run.sh" + (f" --repeat {repeat}" if repeat != 10 else ""),
               seconds)
     print(f"rewrote docs/benchmarks.md and plots/pipeline_memory.png ({seconds or 0:.0f} s)")
 

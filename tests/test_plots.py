@@ -106,5 +106,5 @@ def test_timelines_share_one_axis_and_name_chunks_and_new_categories(tmp_path, m
     assert {"F0", "B0", "W0"} <= {t.get_text() for t in top.texts}
     assert {"F0a", "B0b", "W0a", "F1b"} <= {t.get_text() for t in bottom.texts}
     legend = [t.get_text() for t in top.get_legend().get_texts()]
-    assert legend[:3] == ["forward", "backward", "weight"] and "blank: not timed" in legend[-1], legend
+    assert legend[:3] == ["forward", "backward", "weight gradient (W)"] and "blank: not timed" in legend[-1], legend
     assert "4 ranks shared 2 CPU cores" in top.get_title()

@@ -46,10 +46,11 @@ def test_every_microbatch_runs_forward_then_backward_once_per_chunk(schedule, p,
 
 
 def in_flight(order):
-    """The most microbatches whose activations a rank holds at once."""
-    held = peak = 0
+    """The most microbatches whose activations a rank holds at once: from F until the backward
+    that frees them (B, or W where the backward is split)."""
+    held, peak, freed_by = 0, 0, "W" if any(kind == "W" for kind, _, _ in order) else "B"
     for kind, _, _ in order:
-        held += 1 if kind == "F" else -1
+        held += 1 if kind == "F" else -1 if kind == freed_by else 0
         peak = max(peak, held)
     return peak
 
@@ -73,7 +74,7 @@ def test_every_send_has_its_receive():
     assert sends == recvs and len(sends) == 2 * (4 * 2 - 1) * 8
 
 
-CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b") for p in (2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 16)] + \
+CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b", "zb") for p in (2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 16)] + \
         [("interleaved", p, k * p, v) for p in (2, 3, 4) for k in (1, 2, 3) for v in (1, 2, 3)]
 
 
@@ -116,7 +117,7 @@ def test_clock_tables_draw_the_bubble_of_the_formula():
 
 
 def test_the_module_docstring_shows_the_tables_the_code_runs():
-    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]:
         table = "\n".join("    " + row for row in schedules.clock_table(schedule, 4, 4, v))
         assert table in schedules.__doc__, schedule
 
@@ -159,3 +160,53 @@ def test_the_forward_only_evaluation_order_never_deadlocks():
 def test_the_dry_run_names_a_receive_that_no_rank_sends():
     assert dry_run([[("comm", [("recv", 1, ("act", 0, 0))])], [("F", 0, 0)]]) == [
         "rank 0 blocked in recv act of microbatch 0 with rank 1, which has finished"]
+
+
+# ----------------------------------------------------------------------------- zero bubble (ZB-H1)
+
+
+def test_zb_is_1f1b_with_w_split_off_and_run_rank_microbatches_late():
+    assert table("zb", 4, 4) == [
+        "F0 F1 F2 F3 B0 W0 B1 W1 B2 W2 B3 W3",
+        "F0 F1 F2 B0 F3 B1 W0 B2 W1 B3 W2 W3",
+        "F0 F1 B0 F2 B1 F3 B2 W0 B3 W1 W2 W3",
+        "F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3",
+    ]
+    assert table("zb", 2, 3) == ["F0 F1 B0 W0 F2 B1 W1 B2 W2", "F0 B0 F1 B1 W0 F2 B2 W1 W2"]
+
+
+def test_zb_with_fewer_microbatches_than_stages():
+    assert table("zb", 3, 2) == ["F0 F1 B0 W0 B1 W1", "F0 F1 B0 B1 W0 W1", "F0 B0 F1 B1 W0 W1"]
+    assert table("zb", 2, 1) == ["F0 B0 W0", "F0 B0 W0"]
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 2), (4, 4), (4, 9), (5, 16)])
+def test_zb_runs_every_pass_once_w_after_its_b_and_keeps_1f1bs_bound(p, m):
+    for rank in range(p):
+        order = compute_order("zb", p, m, rank)
+        for kind in "FBW":
+            assert sorted(a for a in order if a[0] == kind) == [(kind, i, 0) for i in range(m)]
+        assert all(order.index(("F", i, 0)) < order.index(("B", i, 0)) < order.index(("W", i, 0)) for i in range(m))
+        assert [a for a in order if a[0] != "W"] == compute_order("1f1b", p, m, rank)   # 1F1B, W aside
+        assert in_flight(order) <= max(in_flight(compute_order("1f1b", p, m, r)) for r in range(p)) == min(p, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 3), (4, 4), (4, 8), (5, 12)])
+def test_zb_clock_table_has_the_zero_bubble_formula(p, m):
+    rows = [row.split(": ")[1].split() for row in schedules.clock_table("zb", p, m)]
+    ticks = max(len(row) for row in rows)
+    assert ticks == 3 * m + p - 1
+    idle = 1 - 3 * m * p / (p * ticks)
+    assert idle == pytest.approx(schedules.bubble_theory(p, m, schedule="zb"))
+    assert idle < schedules.bubble_theory(p, m) / 2          # 1F1B's, in the same ticks
+
+
+def test_zb_sends_the_input_gradient_before_the_weight_gradient_runs():
+    """B's gradient goes upstream in the exchange right after B; W has no messages of its own."""
+    for rank, actions in enumerate(every_rank("zb", 3, 4)):
+        for i, action in enumerate(actions):
+            if action[0] == "B" and rank > 0:
+                after = actions[i + 1]
+                assert after[0] == "comm" and ("send", rank - 1, ("grad", action[1], rank - 1)) in after[1]
+            if action[0] == "W":
+                assert schedules.messages(action, PipelineRank(rank, 3, [0, 1, 2])) == (None, None)

@@ -1,0 +1,74 @@
+"""The B/W split of zero_bubble.py, layer by layer in one process: B gives the input gradient at
+once, W gives the weight gradient later, and both equal autograd's on the plain layer."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from zero_bubble import SplitConv2d, SplitLinear, WeightGradStash
+
+
+def split_and_plain(layer):
+    plain = copy.deepcopy(layer)
+    chunk = nn.Sequential(layer)
+    stash = WeightGradStash(chunk)
+    stash.active = True
+    return chunk, stash, plain
+
+
+@pytest.mark.parametrize("layer,shape", [
+    (nn.Linear(12, 5), (7, 12)),                                           # a batch of vectors
+    (nn.Linear(8, 6), (3, 4, 8)),                                          # tokens: the vit's layers
+    (nn.Linear(8, 6, bias=False), (5, 8)),
+    (nn.Conv2d(3, 6, 5), (2, 3, 12, 12)),                                  # the cnn's
+    (nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2), (2, 4, 11, 9)),
+])
+def test_a_deferred_weight_gradient_equals_autograds(layer, shape):
+    torch.manual_seed(0)
+    chunk, stash, plain = split_and_plain(layer)
+    assert type(chunk[0]) in (SplitLinear, SplitConv2d)
+    for mb in range(3):                       # three microbatches accumulate, as in a pipeline step
+        x = torch.randn(shape)
+        x_split, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+        dy = torch.randn_like(plain(x))
+        with stash.backward_of(mb):           # B
+            torch.autograd.backward(chunk(x_split), dy)
+        torch.autograd.backward(plain(x_plain), dy)
+        torch.testing.assert_close(x_split.grad, x_plain.grad)
+        if layer.bias is not None:            # small parameters take their gradient in B
+            torch.testing.assert_close(layer.bias.grad, plain.bias.grad)
+        before = None if layer.weight.grad is None else layer.weight.grad.clone()
+        assert set(stash.pending) == {mb}
+        stash.weight_grads(mb)                # W
+        assert not stash.pending and (before is None or not torch.equal(before, layer.weight.grad))
+        torch.testing.assert_close(layer.weight.grad, plain.weight.grad)
+
+
+def test_b_leaves_the_weight_gradient_to_w_and_keeps_no_graph():
+    layer = nn.Linear(4, 3)
+    chunk, stash, _ = split_and_plain(layer)
+    x = torch.randn(2, 4, requires_grad=True)
+    with stash.backward_of(0):
+        chunk(x).sum().backward()
+    assert layer.weight.grad is None and layer.bias.grad is not None and x.grad is not None
+    (_, kept_x, kept_dy), = stash.pending[0]
+    assert not kept_x.requires_grad and kept_x.grad_fn is None and kept_dy.grad_fn is None
+
+
+def test_an_inactive_stash_leaves_the_layers_plain():
+    """--check's reference is a deep copy made outside a step, and evaluation runs under no_grad."""
+    layer = nn.Linear(4, 3)
+    chunk, stash, _ = split_and_plain(layer)
+    stash.active = False
+    chunk(torch.randn(2, 4)).sum().backward()
+    assert layer.weight.grad is not None and not stash.pending
+    stash.active = True
+    with torch.no_grad():
+        chunk(torch.randn(2, 4))
+
+
+def test_a_split_backward_outside_a_b_action_is_refused():
+    chunk, stash, _ = split_and_plain(nn.Linear(4, 3))
+    with pytest.raises(AssertionError, match="outside a B action"):
+        chunk(torch.randn(2, 4, requires_grad=True)).sum().backward()
