@@ -34,7 +34,7 @@ def test_2x2x2_cnn_sends_shards_and_equals_the_baseline(tmp_path, baseline):
     assert "pp groups" in run.stdout and ": [0, 2] [1, 3] [4, 6] [5, 7]" in run.stdout
     assert "dp groups" in run.stdout and ": [0, 4] [1, 5] [2, 6] [3, 7]" in run.stdout
     assert "per-sample message at each cut, on tp rank 0: [60]" in run.stdout
-    assert_same_losses(run, baseline(CNN))
+    print(f"2x2x2 cnn: largest |loss - baseline| {assert_same_losses(run, baseline(CNN)):.2g}")   # pytest -s
     assert_replicas_identical(run, 2, 2)
     config, = run.events("config")
     assert (config["program"], config["world_size"], config["args"]["dp"], config["args"]["tp"]) == \
@@ -55,7 +55,8 @@ def test_grids_and_models_equal_the_baseline(tmp_path, baseline, args, dp, pp, t
     run = run_grid(tmp_path, args, dp, pp, tp, extra)
     assert f"per-sample message at each cut, on tp rank 0: {message}\n" in run.stdout
     base = baseline(args + (["--eval-every", "2"] if "--eval-every" in extra else []))
-    assert_same_losses(run, base)
+    print(f"{dp}x{pp}x{tp} {args[args.index('--model') + 1]}: largest |loss - baseline| "
+          f"{assert_same_losses(run, base):.2g}")
     assert_replicas_identical(run, dp, tp)
     if "--eval-every" in extra:
         assert [e["test_acc"] for e in run.events("eval")] == [e["test_acc"] for e in base.events("eval")] != []
