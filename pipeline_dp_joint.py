@@ -125,6 +125,16 @@ class DataParallelReplicas:
         return t.item() / self.dp_size
 
 
+def report_replicas(runner, grid, rank):
+    """End of a run: every stage's parameters must be bit-identical across its data-parallel group
+    (same start, same averaged gradient, same update). 0 if so, else 1."""
+    same = replicas_identical([p for chunk in runner.chunks for p in chunk.parameters()], grid.dp_group)
+    if rank == 0:
+        print(f"parameters bit-identical across the {grid.dp_size} replicas of every stage: "
+              f"{'yes' if same else 'NO'}", flush=True)
+    return 0 if same else 1
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -135,7 +145,8 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         grid = Grid(env.rank, env.world_size, args.dp)
         if env.rank == 0:
-            print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks[..., 0]}", flush=True)
+            grid_2d = grid.ranks[..., 0]                 # the tp axis has one rank here
+            print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid_2d}", flush=True)
         pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
@@ -148,16 +159,6 @@ def main(argv=None):
             status = train(args, env, pos, runner, actions, data, replicas, PROGRAM)
             status = status or report_replicas(runner, grid, env.rank)
     exit_now(status)
-
-
-def report_replicas(runner, grid, rank):
-    """End of a run: every stage's parameters must be bit-identical across its data-parallel group
-    (same start, same averaged gradient, same update). 0 if so, else 1."""
-    same = replicas_identical([p for chunk in runner.chunks for p in chunk.parameters()], grid.dp_group)
-    if rank == 0:
-        print(f"parameters bit-identical across the {grid.dp_size} replicas of every stage: "
-              f"{'yes' if same else 'NO'}", flush=True)
-    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def traffic_worker(argv):
                 tensor = a[1] if kind == "all_gather" else a[0]   # all_gather(outputs, mine): my shard
                 group = kw.get("group")
                 ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
-                counts[f"{axis_of(list(ranks), args.dp, args.tp, world)} {kind}"] += tensor.numel() * tensor.element_size()
+                axis = axis_of(list(ranks), args.dp, args.tp, world)
+                counts[f"{axis} {kind}"] += tensor.numel() * tensor.element_size()
             return fn(*a, **kw)
         return wrapper
 
@@ -109,7 +110,8 @@ def traffic(out, batch, steps):
         for axis in ("tp", "pp", "dp"):
             per_step = sum(v for k, v in counts.items() if k.startswith(axis + " ")) / steps
             measured.setdefault((rank // 2 % 2, axis), set()).add(per_step)
-    rows = ["| stage (ranks) | axis | formula (bytes/step/rank) | measured, each of the 4 ranks |", "| --- | --- | --- | --- |"]
+    rows = ["| stage (ranks) | axis | formula (bytes/step/rank) | measured, each of the 4 ranks |",
+            "| --- | --- | --- | --- |"]
     for (stage, axis), values in sorted(measured.items(), key=lambda kv: (kv[0][0], "tp pp dp".index(kv[0][1]))):
         ranks = [r for r in range(8) if r // 2 % 2 == stage]
         rows.append(f"| {stage} {ranks} | {axis} | {formula[axis][stage]:,} | "

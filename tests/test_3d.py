@@ -43,7 +43,8 @@ def test_2x2x2_cnn_sends_shards_and_equals_the_baseline(tmp_path, baseline):
 
 @pytest.mark.parametrize("args,dp,pp,tp,extra,message", [
     # 1x2x2 vit: whole activations at the cut (a block ends in a row-parallel layer), with evaluation and a timeline
-    (VIT, 1, 2, 2, ["--schedule", "gpipe", "--microbatches", "2", "--eval-every", "2", "--timeline", "t.json"], "[64, 16]"),
+    (VIT, 1, 2, 2, ["--schedule", "gpipe", "--microbatches", "2", "--eval-every", "2", "--timeline", "t.json"],
+     "[64, 16]"),
     # 2x1x2 mlp with an odd layer count: the classifier is column-parallel with a gather; one stage, no messages
     (MLP + ["--layers", "3"], 2, 1, 2, ["--microbatches", "2"], ""),
     # 2x2x1: the joint program's grid with a tp axis of one; interleaved, 2 chunks per rank
