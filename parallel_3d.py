@@ -48,7 +48,7 @@ def parse_args(argv=None):
     validate_common(args, PROGRAM)
     world = torchrun_env("gloo").world_size     # env vars only: every check below runs before any collective
     validate_grid(args, world)
-    validate_degree(args, args.tp, use_degree=lambda t: f"--tp {t}")
+    validate_degree(args, args.tp, use_degree=lambda t: f"{t} tensor-parallel ranks per stage (--tp {t})")
     validate_pipeline(args, stages=world // (args.dp * args.tp), replicas=args.dp, tp=args.tp)
     return args
 

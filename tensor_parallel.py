@@ -97,7 +97,7 @@ def validate_degree(args, degree, use_degree=ranks_for):
         width, what = args.hidden, f"--hidden neurons of the {args.model}"
     if degree > width:
         fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
-             f"use {use_degree(width)} or fewer")
+             f"use at most {use_degree(width)}")
 
 
 def validate_hybrid(args, degree):
