@@ -93,7 +93,8 @@ def describe(grid, shapes):
             "dp": "same stage and tp rank, one gradient all-reduce per step"}
     for name in ("tp", "pp", "dp"):
         lines.append(f"{name} groups ({what[name]}): " + " ".join(map(str, grid.lines[name])))
-    lines.append("per-sample message at each cut, on tp rank 0: " + ", ".join(str(list(s)) for s in shapes[1:]))
+    cuts = ", ".join(str(list(s)) for s in shapes[1:]) or "none (one stage)"
+    lines.append(f"per-sample message at each cut, on tp rank 0: {cuts}")
     return "\n".join(lines)
 
 

@@ -46,7 +46,7 @@ def test_2x2x2_cnn_sends_shards_and_equals_the_baseline(tmp_path, baseline):
     (VIT, 1, 2, 2, ["--schedule", "gpipe", "--microbatches", "2", "--eval-every", "2", "--timeline", "t.json"],
      "[64, 16]"),
     # 2x1x2 mlp with an odd layer count: the classifier is column-parallel with a gather; one stage, no messages
-    (MLP + ["--layers", "3"], 2, 1, 2, ["--microbatches", "2"], ""),
+    (MLP + ["--layers", "3"], 2, 1, 2, ["--microbatches", "2"], "none (one stage)"),
     # 2x2x1: the joint program's grid with a tp axis of one; interleaved, 2 chunks per rank
     (MLP + ["--layers", "4"], 2, 2, 1, ["--schedule", "interleaved", "--microbatches", "2"], "[32], [32], [32]"),
     # 1x2x3 mlp, cut after the first (column-parallel) layer: uneven shards 11, 11, 10 sent tp rank to tp rank
