@@ -40,7 +40,7 @@ def traffic_worker(argv):
     args = parallel_3d.parse_args(argv)
     world, counts, counting = int(os.environ["WORLD_SIZE"]), Counter(), [False]
 
-    def counted(fn, kind):
+    def tally(fn, kind):
         def wrapper(*a, **kw):
             if counting[0]:
                 tensor = a[1] if kind == "all_gather" else a[0]   # all_gather(outputs, mine): my shard
@@ -68,7 +68,7 @@ def traffic_worker(argv):
             json.dump(counts, f)
         real_exit(status)
 
-    dist.all_reduce, dist.all_gather = counted(dist.all_reduce, "all_reduce"), counted(dist.all_gather, "all_gather")
+    dist.all_reduce, dist.all_gather = tally(dist.all_reduce, "all_reduce"), tally(dist.all_gather, "all_gather")
     batch_isend_irecv, dist.batch_isend_irecv = dist.batch_isend_irecv, batch
     real_train, parallel_3d.train = parallel_3d.train, train
     real_exit, parallel_3d.exit_now = common.exit_now, leave
@@ -95,6 +95,13 @@ def cnn_formula(b, t):
     return {axis: {s: n * FLOAT for s, n in d.items()} for axis, d in (("tp", tp), ("pp", pp), ("dp", dp))}
 
 
+def counted(folder, rank, steps):
+    """{axis: bytes per step} that a traffic worker of this rank counted."""
+    with open(os.path.join(folder, f"rank{rank}.json")) as f:
+        counts = json.load(f)
+    return {axis: sum(v for k, v in counts.items() if k.startswith(axis + " ")) / steps for axis in ("tp", "pp", "dp")}
+
+
 def traffic(out, batch, steps):
     """Counted bytes per step of every rank of a 2x2x2 cnn run, by axis, against cnn_formula."""
     folder = os.path.join(out, "traffic")
@@ -105,10 +112,7 @@ def traffic(out, batch, steps):
     formula = cnn_formula(batch // 2, 2)
     measured = {}   # (stage, axis) -> {bytes per step of each of the stage's 4 ranks}
     for rank in range(8):
-        with open(os.path.join(folder, f"rank{rank}.json")) as f:
-            counts = json.load(f)
-        for axis in ("tp", "pp", "dp"):
-            per_step = sum(v for k, v in counts.items() if k.startswith(axis + " ")) / steps
+        for axis, per_step in counted(folder, rank, steps).items():
             measured.setdefault((rank // 2 % 2, axis), set()).add(per_step)
     rows = ["| stage (ranks) | axis | formula (bytes/step/rank) | measured, each of the 4 ranks |",
             "| --- | --- | --- | --- |"]

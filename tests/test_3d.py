@@ -2,11 +2,16 @@
 its slice of the full model, replicas stay bit-identical, and bad grids fail before any collective.
 Eight ranks share two cores here, so the models are tiny and the runs short."""
 import json
+import os
+import sys
 
 import pytest
 
 import parallel_3d
-from helpers import FAST, assert_same_losses, launch
+from helpers import FAST, ROOT, assert_same_losses, launch
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_3d  # noqa: E402
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--batch-size", "16", "--steps", "4"]
 VIT = FAST + ["--model", "vit", "--hidden", "16", "--heads", "2", "--layers", "2", "--batch-size", "8", "--steps", "3"]
@@ -26,9 +31,15 @@ def assert_replicas_identical(run, dp, tp):
         assert line.format(dp=dp, tp=tp) in run.stdout, run.stdout[-2000:]
 
 
-def test_2x2x2_cnn_sends_shards_and_equals_the_baseline(tmp_path, baseline):
-    """5 blocks over 2 stages: the cut falls after fc1, column-parallel: each tp rank sends its 60 of 120."""
-    run = run_grid(tmp_path, CNN, 2, 2, 2, ["--microbatches", "2"])
+def test_2x2x2_cnn_sends_shards_equals_the_baseline_and_moves_the_bytes_of_the_formula(tmp_path, baseline,
+                                                                                        monkeypatch):
+    """5 blocks over 2 stages: the cut falls after fc1, column-parallel: each tp rank sends its 60 of 120.
+    Run under benchmarks/bench_3d.py's counting wrappers (transparent): the bytes each rank moves per
+    step on each axis are those of the formula in docs/parallel_3d.md."""
+    monkeypatch.setenv("TRAFFIC_DIR", str(tmp_path))
+    run = launch("benchmarks/bench_3d.py", ["traffic", *CNN, "--dp", "2", "--tp", "2", "--microbatches", "2"],
+                 tmp_path, nproc=8, log_name="parallel_3d.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
     assert "tensor([[[0, 1],\n         [2, 3]],\n\n        [[4, 5],\n         [6, 7]]])" in run.stdout
     assert "tp groups (one stage's layers split, collectives in every layer): [0, 1] [2, 3] [4, 5] [6, 7]" in run.stdout
     assert "pp groups" in run.stdout and ": [0, 2] [1, 3] [4, 6] [5, 7]" in run.stdout
@@ -39,6 +50,9 @@ def test_2x2x2_cnn_sends_shards_and_equals_the_baseline(tmp_path, baseline):
     config, = run.events("config")
     assert (config["program"], config["world_size"], config["args"]["dp"], config["args"]["tp"]) == \
         ("parallel_3d", 8, 2, 2)
+    formula, steps = bench_3d.cnn_formula(16 // 2, 2), 3
+    for rank in range(8):
+        assert bench_3d.counted(tmp_path, rank, steps) == {axis: formula[axis][rank // 2 % 2] for axis in formula}
 
 
 @pytest.mark.parametrize("args,dp,pp,tp,extra,message", [
