@@ -26,8 +26,8 @@ A pipeline's ranks are consecutive, so torchrun puts a whole pipeline on one nod
 --nproc-per-node is a multiple of the stage count: the chatty point-to-point traffic (activations
 and gradients of every microbatch) stays inside the machine, and only the once-per-step gradient
 all-reduce crosses nodes. Adding tensor parallelism makes a third, innermost axis
-(arange(world).view(dp, pp, tp)): the tp ranks of one stage exchange activations inside every
-layer, so they belong on the fastest links of all.
+(arange(world).view(dp, pp, tp), parallel_3d.py; Grid takes it here already): the tp ranks of one
+stage exchange activations inside every layer, so they belong on the fastest links of all.
 """
 import torch
 import torch.distributed as dist
