@@ -495,7 +495,7 @@ def main(argv=None):
 class OneReplica:
     """Data parallelism's hooks, for a single pipeline: the whole batch, nothing to average.
     pipeline_dp_joint.py passes its own, with D replicas and a process group."""
-    dp_rank, dp_size, tp_rank, group = 0, 1, 0, None
+    dp_rank, dp_size, group = 0, 1, None
 
     def slice(self, tensor):
         return tensor
@@ -510,7 +510,8 @@ class OneReplica:
 def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=PROGRAM):
     params = [p for chunk in runner.chunks for p in chunk.parameters()]
     optimizer = make_optimizer(params, args)
-    owner = pos.is_last_stage and replicas.dp_rank == 0 and replicas.tp_rank == 0   # the rank that owns the loss
+    # the rank that owns the loss; with tensor parallelism (parallel_3d.py), tp rank 0 of those
+    owner = pos.is_last_stage and replicas.dp_rank == 0 and getattr(replicas, "tp_rank", 0) == 0
     log = MetricsLog(args.log_file, enabled=owner)
     log.config(program, args, env)
     progress = Progress(args.steps, enabled=owner)
