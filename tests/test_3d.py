@@ -5,9 +5,15 @@ import json
 import os
 import sys
 
+from functools import partial
+
 import pytest
+import torch
 
 import parallel_3d
+import pipeline_microbatch as pm
+import tensor_parallel as tp
+from common import build_model, load_data
 from helpers import FAST, ROOT, assert_same_losses, launch
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -120,3 +126,24 @@ def test_a_bad_grid_under_torchrun_fails_on_every_rank(tmp_path):
     assert run.returncode != 0
     assert run.stderr.count("error: the world size 2 is not divisible by --dp 2 x --tp 2 = 4") == 1, run.stderr
     assert "exitcode  : 2" in run.stderr and 'parallel_3d.py", line' not in run.stderr
+
+
+def test_check_compares_each_tensor_with_the_slice_it_is_given(monkeypatch):
+    """In one process (tp 1, one stage): run_check passes with tensor_parallel.full_slice, and names a
+    gradient when the slice of the full model it is handed is the wrong one."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = parallel_3d.parse_args(MLP + ["--layers", "3", "--dp", "1", "--tp", "1", "--microbatches", "2"])
+    x, y = load_data(args).batch(0, args.batch_size)
+    pos = pm.PipelineRank(0, 1, [0])
+
+    def check(slicer):
+        model = tp.parallelize(build_model(args), "mlp", None)
+        runner = pm.StageRunner(pm.build_chunks(model, pos), pos,
+                                pm.Messenger(pos, pm.boundary_shapes(model, pos), torch.device("cpu"), 10))
+        return pm.run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y,
+                            reference=build_model(args), full_slice=slicer(model))
+
+    count, worst = check(lambda model: partial(tp.full_slice, model))
+    assert count == 2 + 2 * 6 and worst < 1e-5
+    with pytest.raises(AssertionError, match="gradient of 0.1.weight differs"):
+        check(lambda model: lambda name, full: full.flip(0))
