@@ -26,8 +26,8 @@ A pipeline's ranks are consecutive, so torchrun puts a whole pipeline on one nod
 --nproc-per-node is a multiple of the stage count: the chatty point-to-point traffic (activations
 and gradients of every microbatch) stays inside the machine, and only the once-per-step gradient
 all-reduce crosses nodes. Adding tensor parallelism makes a third, innermost axis
-(arange(world).view(dp, pp, tp)): the tp ranks of one stage exchange activations inside every
-layer, so they belong on the fastest links of all.
+(arange(world).view(dp, pp, tp), parallel_3d.py; Grid takes it here already): the tp ranks of one
+stage exchange activations inside every layer, so they belong on the fastest links of all.
 """
 import torch
 import torch.distributed as dist
@@ -66,21 +66,29 @@ def parse_args(argv=None):
 
 
 class Grid:
-    """Who am I on the dp x pp grid, and the process groups of my row and my column."""
+    """Who am I on the dp x pp (x tp) grid, and the process group of each axis through me.
+    This program's grid has tp = 1; parallel_3d.py adds the third, innermost axis."""
 
-    def __init__(self, rank, world, dp):
-        self.ranks = torch.arange(world).view(dp, world // dp)   # print it: rows are pipelines
-        self.dp_size, self.pp_size = self.ranks.shape
-        self.dp_rank, self.pp_rank = divmod(rank, self.pp_size)
-        # new_group is itself a collective over all ranks: every rank creates every group, in the
-        # same order, even the groups it is not in; otherwise the creations pair up wrongly and hang
-        columns = [dist.new_group(self.ranks[:, s].tolist()) for s in range(self.pp_size)]
-        rows = [dist.new_group(self.ranks[d].tolist()) for d in range(self.dp_size)]
-        self.dp_group, self.pp_group = columns[self.pp_rank], rows[self.dp_rank]
+    AXES = ("dp", "pp", "tp")
+
+    def __init__(self, rank, world, dp, tp=1):
+        self.ranks = torch.arange(world).view(dp, world // (dp * tp), tp)   # print it: rows are pipelines
+        self.dp_size, self.pp_size, self.tp_size = self.ranks.shape
+        self.dp_rank, self.pp_rank, self.tp_rank = (self.ranks == rank).nonzero()[0].tolist()
+        # new_group is itself a collective over all ranks: every rank creates every group of every
+        # axis, in the same order, even the groups it is not in; otherwise the creations pair up wrongly and hang
+        self.lines, groups = {}, {}
+        for axis, name in enumerate(self.AXES):
+            # the lines of the grid along this axis: the ranks that differ only in this coordinate
+            self.lines[name] = self.ranks.movedim(axis, -1).reshape(-1, self.ranks.shape[axis]).tolist()
+            made = [dist.new_group(line) for line in self.lines[name]]
+            groups[name] = next(g for g, line in zip(made, self.lines[name]) if rank in line)
+        self.dp_group, self.pp_group, self.tp_group = (groups[name] for name in self.AXES)
 
     def pipeline(self, virtual):
-        """My place in my row's pipeline, its peers addressed by global rank."""
-        return PipelineRank(self.pp_rank, self.pp_size, self.ranks[self.dp_rank].tolist(), virtual, self.pp_group)
+        """My place in my pipeline (my replica, my tp rank), its peers addressed by global rank."""
+        peers = self.ranks[self.dp_rank, :, self.tp_rank].tolist()
+        return PipelineRank(self.pp_rank, self.pp_size, peers, virtual, self.pp_group)
 
 
 class DataParallelReplicas:
@@ -89,7 +97,8 @@ class DataParallelReplicas:
     def __init__(self, grid, timeout_s, device):
         self.dp_rank, self.dp_size, self.group, self.device = grid.dp_rank, grid.dp_size, grid.dp_group, device
         self.waiting = (f"stage {grid.pp_rank} of pipeline {grid.dp_rank} waited for the all-reduce with its "
-                        f"data-parallel group, ranks {grid.ranks[:, grid.pp_rank].tolist()}", timeout_s)
+                        f"data-parallel group, ranks {grid.ranks[:, grid.pp_rank, grid.tp_rank].tolist()}", timeout_s)
+        self.tp_rank = grid.tp_rank    # train(): the loss is logged by tp rank 0 of replica 0's last stage
 
     def slice(self, tensor):
         return dp_slice(tensor, self.dp_rank, self.dp_size)     # contiguous: the slices tile the batch
@@ -116,6 +125,16 @@ class DataParallelReplicas:
         return t.item() / self.dp_size
 
 
+def report_replicas(runner, grid, rank):
+    """End of a run: every stage's parameters must be bit-identical across its data-parallel group
+    (same start, same averaged gradient, same update). 0 if so, else 1."""
+    same = replicas_identical([p for chunk in runner.chunks for p in chunk.parameters()], grid.dp_group)
+    if rank == 0:
+        print(f"parameters bit-identical across the {grid.dp_size} replicas of every stage: "
+              f"{'yes' if same else 'NO'}", flush=True)
+    return 0 if same else 1
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -126,7 +145,8 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         grid = Grid(env.rank, env.world_size, args.dp)
         if env.rank == 0:
-            print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)
+            grid_2d = grid.ranks[..., 0]                 # the tp axis has one rank here
+            print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid_2d}", flush=True)
         pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
@@ -137,12 +157,7 @@ def main(argv=None):
                                     replica=(grid.dp_rank, grid.dp_size), sync_grads=replicas.sync_grads)
         else:
             status = train(args, env, pos, runner, actions, data, replicas, PROGRAM)
-            params = [p for chunk in runner.chunks for p in chunk.parameters()]
-            same = replicas_identical(params, grid.dp_group)
-            if env.rank == 0:
-                print(f"parameters bit-identical across the {grid.dp_size} replicas of every stage: "
-                      f"{'yes' if same else 'NO'}", flush=True)
-            status = status or (0 if same else 1)
+            status = status or report_replicas(runner, grid, env.rank)
     exit_now(status)
 
 

@@ -90,8 +90,9 @@ def num_blocks(args):
     return {"cnn": 5, "mlp": args.layers, "vit": args.layers + 2}[args.model]
 
 
-def validate_pipeline(args, stages, replicas):
-    """Arithmetic of the split, checked from flags and WORLD_SIZE alone: no collective yet."""
+def validate_pipeline(args, stages, replicas, tp=1):
+    """Arithmetic of the split, checked from flags and WORLD_SIZE alone: no collective yet.
+    tp: ranks per stage (parallel_3d.py), only for the rank counts the messages suggest."""
     if args.virtual_stages is None:
         args.virtual_stages = 2 if args.schedule == "interleaved" else 1
     elif args.schedule != "interleaved" and args.virtual_stages != 1:
@@ -122,7 +123,7 @@ def validate_pipeline(args, stages, replicas):
             fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
                  f"{num_blocks(args)} blocks of the {args.model}")
     elif chunks > num_blocks(args):
-        fail(too_few_blocks(args, stages, replicas))
+        fail(too_few_blocks(args, stages, replicas * tp))
 
 
 def near_multiples(n, k):
@@ -193,11 +194,12 @@ def build_chunks(model, pos, balance=None):
     return [model[slice(*bounds[c * pos.pp_size + pos.pp_rank])] for c in range(pos.virtual)]
 
 
-def boundary_shapes(model, pos, balance=None):
+def boundary_shapes(model, pos, balance=None, device="cpu"):
     """Per-sample shape of the activation entering each virtual stage, known to both sides up front
-    (so no message carries a shape): one forward of one zero sample through the full model."""
+    (so no message carries a shape): one forward of one zero sample through the full model (a
+    tensor-parallel model's forward gives this rank's shard where a cut follows a column-parallel layer)."""
     bounds = partition(len(model), pos.pp_size * pos.virtual, balance)
-    shapes, x = [], torch.zeros(1, 3, 32, 32)
+    shapes, x = [], torch.zeros(1, 3, 32, 32, device=device)
     with torch.no_grad():
         for start, end in bounds:
             shapes.append(tuple(x.shape[1:]))
@@ -458,13 +460,15 @@ def gather_timeline(runner, pos, args):
         "device": runner.messenger.device.type, "cpu_cores": os.cpu_count()}}   # ranks > cores: waits for a core
 
 
-def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=None):
+def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=None, reference=None, full_slice=None):
     """One step on the first batch against the full model in this process: the output and loss
     (last stage), every local gradient, and the weights after one optimizer step. With data
     parallelism, replica = (dp_rank, dp) runs this replica's slice and sync_grads averages the
-    gradients over replicas before they are compared. Returns (tensors compared, largest
-    difference); raises AssertionError naming the first mismatch."""
-    reference = copy.deepcopy(model)                      # same weights, before our step
+    gradients over replicas before they are compared. With tensor parallelism (parallel_3d.py),
+    reference is the full model and full_slice(name, tensor) the part of it this rank holds.
+    Returns (tensors compared, largest difference); raises AssertionError naming the first mismatch."""
+    reference = copy.deepcopy(model) if reference is None else reference   # same weights, before our step
+    full_slice = full_slice or (lambda name, full: full)
     ref_logits = reference(x)
     F.cross_entropy(ref_logits, y).backward()
     make_optimizer(reference.parameters(), args).step()
@@ -482,14 +486,14 @@ def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=Non
     if sync_grads:
         sync_grads([p for _, p in local])
     ref = dict(reference.named_parameters())
-    pairs = [(f"gradient of {n}", p.grad, ref[n].grad) for n, p in local]
+    pairs = [(f"gradient of {n}", p.grad, full_slice(n, ref[n].grad)) for n, p in local]
     if outputs:
         logits = torch.cat([outputs[i] for i in range(m)])
         pairs += [("output", logits, ref_logits),
                   ("loss (sum of the scaled microbatch losses)", torch.stack(losses).sum().detach(),
                    F.cross_entropy(ref_logits, y))]
     make_optimizer([p for _, p in local], args).step()
-    pairs += [(f"weight of {n} after one step", p.detach(), ref[n].detach()) for n, p in local]
+    pairs += [(f"weight of {n} after one step", p.detach(), full_slice(n, ref[n].detach())) for n, p in local]
     for name, got, want in pairs:
         torch.testing.assert_close(got, want, msg=lambda msg, name=name: f"{name} differs: {msg}")
     return len(pairs), max((got - want).abs().max().item() for _, got, want in pairs)
@@ -566,7 +570,8 @@ class OneReplica:
 def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=PROGRAM):
     params = [p for chunk in runner.chunks for p in chunk.parameters()]
     optimizer = make_optimizer(params, args)
-    owner = pos.is_last_stage and replicas.dp_rank == 0     # the rank that owns the loss
+    # the rank that owns the loss; with tensor parallelism (parallel_3d.py), tp rank 0 of those
+    owner = pos.is_last_stage and replicas.dp_rank == 0 and getattr(replicas, "tp_rank", 0) == 0
     log = MetricsLog(args.log_file, enabled=owner)
     log.config(program, args, env)
     progress = Progress(args.steps, enabled=owner)

@@ -75,12 +75,17 @@ def parse_args(argv=None):
     return args
 
 
-def validate_degree(args, degree):
-    """Every rank needs whole heads and at least one neuron of the narrowest split layer."""
+def ranks_for(degree):
+    return f"{degree} ranks (torchrun --nproc-per-node {degree})"
+
+
+def validate_degree(args, degree, use_degree=ranks_for):
+    """Every rank needs whole heads and at least one neuron of the narrowest split layer.
+    use_degree(d): how to ask for degree d (here the world size; parallel_3d.py: --tp d)."""
     if args.model == "vit" and args.heads % degree:   # fixes that also keep --hidden divisible by --heads
         heads = [h for h in range(degree, args.hidden + 1, degree) if args.hidden % h == 0][:2]
         ranks = [d for d in range(2, args.heads + 1) if args.heads % d == 0][:1]
-        fixes = [f"--heads {h}" for h in heads] + [f"{d} ranks (torchrun --nproc-per-node {d})" for d in ranks]
+        fixes = [f"--heads {h}" for h in heads] + [use_degree(d) for d in ranks]
         fixes = fixes or [f"--hidden {args.hidden * degree} --heads {degree}"]
         fail(f"--heads {args.heads} is not divisible by the tensor-parallel degree {degree}; each rank "
              f"needs whole heads: use {' or '.join(fixes)}")
@@ -92,7 +97,7 @@ def validate_degree(args, degree):
         width, what = args.hidden, f"--hidden neurons of the {args.model}"
     if degree > width:
         fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
-             f"use at most {width} ranks (torchrun --nproc-per-node {width})")
+             f"use at most {use_degree(width)}")
 
 
 def validate_hybrid(args, degree):

@@ -13,7 +13,7 @@ from torch.distributed.run import get_args_parser
 import common
 from helpers import ROOT
 
-PROGRAMS = ["single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel"]
+PROGRAMS = ["single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel", "parallel_3d"]
 
 
 class Captured(Exception):

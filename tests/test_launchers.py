@@ -46,3 +46,19 @@ def test_the_parallel_arguments_are_checked_before_anything_trains(tmp_path):
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.startswith("error: --heads 4 is not divisible by the tensor-parallel degree 3")
     assert "== baseline" not in run.stdout and not list((tmp_path / "logs").glob("*.jsonl"))
+
+
+def test_run_3d_plots_the_grid_against_the_baseline(tmp_path):
+    run = launcher("run_3d.sh", tmp_path, ["--hidden", "32", "--layers", "4"], MODEL="mlp", STEPS="3", NPROC="4",
+                   DP="1", TP="2", BATCH_SIZE="16")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "== 3-D: 1 replicas x 2 stages x 2 tp ranks" in run.stdout
+    assert (tmp_path / "logs" / "plots" / "3d_loss.png").stat().st_size > 10_000
+    assert "largest |loss - baseline| for parallel_3d (1f1b, dp=1, tp=2, m=4, 4 ranks, batch 16)" in run.stdout
+
+
+def test_run_3d_checks_the_grid_before_anything_trains(tmp_path):
+    run = launcher("run_3d.sh", tmp_path, MODEL="mlp", NPROC="6", STEPS="2")
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith("error: the world size 6 is not divisible by --dp 2 x --tp 2 = 4")
+    assert "== baseline" not in run.stdout and not list((tmp_path / "logs").glob("*.jsonl"))

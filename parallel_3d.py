@@ -1,0 +1,131 @@
+"""Data x pipeline x tensor parallelism: D replicas of a P-stage pipeline whose every stage is split over T ranks.
+
+The lesson (Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters
+using Megatron-LM"): the three programs compose, each on its own axis of a 3-D grid of ranks. The
+stages of pipeline_microbatch.py are made of tensor_parallel.py's sharded layers; the pipelines are
+the replicas of pipeline_dp_joint.py. Nothing is copied: this file only wires them together and
+checks the grid, and it still logs the per-step loss of single_baseline.py.
+
+    torchrun --standalone --nproc-per-node 8 -- parallel_3d.py --data synthetic --dp 2 --tp 2
+    torchrun --standalone --nproc-per-node 8 -- parallel_3d.py --data synthetic --dp 2 --tp 2 --check
+    torchrun --standalone --nproc-per-node 4 -- parallel_3d.py --data synthetic --dp 1 --tp 2 --model vit
+
+The grid for 8 ranks: grid = arange(world).view(dp, pp, tp), so rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
+
+                          stage 0                  stage 1
+    replica 0:   [ rank 0 | rank 1 ]  ---->  [ rank 2 | rank 3 ]     [ | ]  a tp group: every layer of the
+                                                                            stage split in two, collectives
+    replica 1:   [ rank 4 | rank 5 ]  ---->  [ rank 6 | rank 7 ]            inside every layer
+                                                                     ---->  pp groups {0,2} {1,3} {4,6} {5,7}:
+                                                                            tp rank t sends to tp rank t
+    dp groups (same stage, same tp rank): {0,4} {1,5} {2,6} {3,7}: one gradient all-reduce per step
+
+What crosses a pipeline cut is what the sending rank holds there: the whole activation after a
+row-parallel layer (its all-reduce made it whole on every tp rank), but only the rank's own shard
+after a column-parallel layer (the cnn cut after fc1: 60 of 120 features each at T = 2). The next
+stage's row-parallel layer wants exactly that shard, so nothing is gathered for the message; in
+backward the shard's gradient goes back the same way. Both sides know every shape up front, per
+rank: boundary_shapes() runs one zero sample through this rank's tensor-parallel model.
+"""
+from functools import partial
+
+from common import agree_on_data, base_parser, build_model, distributed, exit_now, fail, load_data, torchrun_env
+from common import validate_common
+from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
+from pipeline_microbatch import (Messenger, StageRunner, add_pipeline_flags, boundary_shapes, build_chunks,
+                                 check_and_exit, near_multiples, schedule_actions, train, validate_pipeline)
+from tensor_parallel import (average_replicated_grads, full_slice, parallelize, report_replicas, validate_degree)
+
+PROGRAM = "parallel_3d"
+
+
+def parse_args(argv=None):
+    p = add_pipeline_flags(base_parser(__doc__))
+    p.add_argument("--dp", type=int, default=2, help="data-parallel replicas; stages = world size / (dp x tp)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per stage (the innermost axis)")
+    p.add_argument("--timeline", default=None, help="replica 0, tp rank 0's measured schedule of the last step")
+    args = p.parse_args(argv)
+    validate_common(args, PROGRAM)
+    world = torchrun_env("gloo").world_size     # env vars only: every check below runs before any collective
+    validate_grid(args, world)
+    validate_degree(args, args.tp, use_degree=lambda t: f"{t} tensor-parallel ranks per stage (--tp {t})")
+    validate_pipeline(args, stages=world // (args.dp * args.tp), replicas=args.dp, tp=args.tp)
+    return args
+
+
+def validate_grid(args, world):
+    """world = dp x pp x tp: the grid must tile the ranks exactly."""
+    if args.dp <= 0 or args.tp <= 0:
+        fail(f"--dp {args.dp} and --tp {args.tp} must be positive integers")
+    ranks_per_stage_column = args.dp * args.tp
+    if world % ranks_per_stage_column:
+        fixes = [f"{n} ranks (torchrun --nproc-per-node {n})" for n in near_multiples(world, ranks_per_stage_column)]
+        fixes += [f"--dp {d} --tp {t}" for d in range(args.dp, 0, -1) for t in range(args.tp, 0, -1)
+                  if world % (d * t) == 0 and d * t > 1][:1]
+        fail(f"the world size {world} is not divisible by --dp {args.dp} x --tp {args.tp} = {ranks_per_stage_column}: "
+             f"launch dp x stages x tp processes; use {' or '.join(fixes)}")
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def build_stage(args, env, grid):
+    """Every rank builds the full model from --seed, swaps every layer for its tp rank's slice of it
+    (tensor_parallel.parallelize over the tp group), then keeps its stage's blocks. Returns
+    (my place in my pipeline, the whole sliced model, the runner of my chunks)."""
+    pos = grid.pipeline(args.virtual_stages)
+    model = parallelize(build_model(args), args.model, grid.tp_group).to(env.device)
+    if env.device.type == "cuda":   # keep TP-replicated parameters identical (CPU gradients already are)
+        average_replicated_grads(model, grid.tp_group)
+    # a forward through the sliced model, its tp collectives included (every rank of a tp group runs
+    # the same blocks): a cut after a column-parallel layer gives this rank's shard's shape
+    shapes = boundary_shapes(model, pos, args.balance, env.device)
+    chunks = build_chunks(model, pos, args.balance)
+    return pos, model, StageRunner(chunks, pos, Messenger(pos, shapes, env.device, args.timeout_s))
+
+
+def describe(grid, shapes):
+    """The grid with the three kinds of group marked, and what each tp rank sends at each cut."""
+    lines = [f"grid = arange({grid.ranks.numel()}).view(dp {grid.dp_size}, pp {grid.pp_size}, tp {grid.tp_size}):",
+             str(grid.ranks)]
+    what = {"tp": "one stage's layers split, collectives in every layer",
+            "pp": "one pipeline, point-to-point between neighbouring stages",
+            "dp": "same stage and tp rank, one gradient all-reduce per step"}
+    for name in ("tp", "pp", "dp"):
+        lines.append(f"{name} groups ({what[name]}): " + " ".join(map(str, grid.lines[name])))
+    cuts = ", ".join(str(list(s)) for s in shapes[1:]) or "none (one stage)"
+    lines.append(f"per-sample message at each cut, on tp rank 0: {cuts}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data = load_data(args)
+    with distributed(args) as env:
+        data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
+        grid = Grid(env.rank, env.world_size, args.dp, args.tp)
+        pos, model, runner = build_stage(args, env, grid)
+        if env.rank == 0:
+            print(describe(grid, runner.messenger.shapes), flush=True)
+        actions = schedule_actions(args.schedule, pos, args.microbatches)
+        # the data-parallel hooks of the 2-D program, over the ranks with my (pp, tp) coordinates;
+        # the loss is logged by tp rank 0 of replica 0's last stage (replicas.tp_rank)
+        replicas = DataParallelReplicas(grid, args.timeout_s, env.device)
+        if args.check:   # my shards against the matching slices of a full model in this process
+            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+            status = check_and_exit(env, runner, actions, model, args, x, y, replica=(grid.dp_rank, grid.dp_size),
+                                    sync_grads=replicas.sync_grads, reference=build_model(args).to(env.device),
+                                    full_slice=partial(full_slice, model))
+        else:
+            status = train(args, env, pos, runner, actions, data, replicas, PROGRAM)
+            data_replicas = report_data_replicas(runner, grid, env.rank)   # both are collectives: every rank
+            tp_replicas = report_replicas(model, grid.tp_group, env, args.timeout_s)   # runs both
+            status = status or data_replicas or tp_replicas
+    exit_now(status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""parallel_3d.py: dp x pp x tp grids reproduce the baseline step by step, --check compares every shard with
+its slice of the full model, replicas stay bit-identical, and bad grids fail before any collective.
+Eight ranks share two cores here, so the models are tiny and the runs short."""
+import json
+import os
+import sys
+
+from functools import partial
+
+import pytest
+import torch
+
+import parallel_3d
+import pipeline_microbatch as pm
+import tensor_parallel as tp
+from common import build_model, load_data
+from helpers import FAST, ROOT, assert_same_losses, launch
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_3d  # noqa: E402
+
+MLP = FAST + ["--model", "mlp", "--hidden", "32", "--batch-size", "16", "--steps", "4"]
+VIT = FAST + ["--model", "vit", "--hidden", "16", "--heads", "2", "--layers", "2", "--batch-size", "8", "--steps", "3"]
+CNN = FAST + ["--model", "cnn", "--batch-size", "16", "--steps", "3"]
+IDENTICAL = ("parameters bit-identical across the {dp} replicas of every stage: yes",
+             "replicated parameters bit-identical across the {tp} tensor-parallel ranks: yes")
+
+
+def run_grid(tmp_path, args, dp, pp, tp, extra=()):
+    run = launch("parallel_3d.py", args + ["--dp", str(dp), "--tp", str(tp), *extra], tmp_path, nproc=dp * pp * tp)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def assert_replicas_identical(run, dp, tp):
+    for line in IDENTICAL:
+        assert line.format(dp=dp, tp=tp) in run.stdout, run.stdout[-2000:]
+
+
+def test_2x2x2_cnn_sends_shards_equals_the_baseline_and_moves_the_bytes_of_the_formula(tmp_path, baseline,
+                                                                                        monkeypatch):
+    """5 blocks over 2 stages: the cut falls after fc1, column-parallel: each tp rank sends its 60 of 120.
+    Run under benchmarks/bench_3d.py's counting wrappers (transparent): the bytes each rank moves per
+    step on each axis are those of the formula in docs/parallel_3d.md."""
+    monkeypatch.setenv("TRAFFIC_DIR", str(tmp_path))
+    run = launch("benchmarks/bench_3d.py", ["traffic", *CNN, "--dp", "2", "--tp", "2", "--microbatches", "2"],
+                 tmp_path, nproc=8, log_name="parallel_3d.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tensor([[[0, 1],\n         [2, 3]],\n\n        [[4, 5],\n         [6, 7]]])" in run.stdout
+    assert "tp groups (one stage's layers split, collectives in every layer): [0, 1] [2, 3] [4, 5] [6, 7]" in run.stdout
+    assert "pp groups" in run.stdout and ": [0, 2] [1, 3] [4, 6] [5, 7]" in run.stdout
+    assert "dp groups" in run.stdout and ": [0, 4] [1, 5] [2, 6] [3, 7]" in run.stdout
+    assert "per-sample message at each cut, on tp rank 0: [60]" in run.stdout
+    print(f"2x2x2 cnn: largest |loss - baseline| {assert_same_losses(run, baseline(CNN)):.2g}")   # pytest -s
+    assert_replicas_identical(run, 2, 2)
+    config, = run.events("config")
+    assert (config["program"], config["world_size"], config["args"]["dp"], config["args"]["tp"]) == \
+        ("parallel_3d", 8, 2, 2)
+    formula, steps = bench_3d.cnn_formula(16 // 2, 2), 3
+    for rank in range(8):
+        assert bench_3d.counted(tmp_path, rank, steps) == {axis: formula[axis][rank // 2 % 2] for axis in formula}
+
+
+@pytest.mark.parametrize("args,dp,pp,tp,extra,message", [
+    # 1x2x2 vit: whole activations at the cut (a block ends in a row-parallel layer), with evaluation and a timeline
+    (VIT, 1, 2, 2, ["--schedule", "gpipe", "--microbatches", "2", "--eval-every", "2", "--timeline", "t.json"],
+     "[64, 16]"),
+    # 2x1x2 mlp with an odd layer count: the classifier is column-parallel with a gather; one stage, no messages
+    (MLP + ["--layers", "3"], 2, 1, 2, ["--microbatches", "2"], "none (one stage)"),
+    # 2x2x1: the joint program's grid with a tp axis of one; interleaved, 2 chunks per rank
+    (MLP + ["--layers", "4"], 2, 2, 1, ["--schedule", "interleaved", "--microbatches", "2"], "[32], [32], [32]"),
+    # 1x2x3 mlp, cut after the first (column-parallel) layer: uneven shards 11, 11, 10 sent tp rank to tp rank
+    (MLP + ["--layers", "4"], 1, 2, 3, ["--balance", "1,3"], "[11]"),
+])
+def test_grids_and_models_equal_the_baseline(tmp_path, baseline, args, dp, pp, tp, extra, message):
+    run = run_grid(tmp_path, args, dp, pp, tp, extra)
+    assert f"per-sample message at each cut, on tp rank 0: {message}\n" in run.stdout
+    base = baseline(args + (["--eval-every", "2"] if "--eval-every" in extra else []))
+    print(f"{dp}x{pp}x{tp} {args[args.index('--model') + 1]}: largest |loss - baseline| "
+          f"{assert_same_losses(run, base):.2g}")
+    assert_replicas_identical(run, dp, tp)
+    if "--eval-every" in extra:
+        assert [e["test_acc"] for e in run.events("eval")] == [e["test_acc"] for e in base.events("eval")] != []
+        with open(tmp_path / "t.json") as f:
+            assert json.load(f)["otherData"]["stages"] == pp
+
+
+def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
+    """2x2x2 mlp, cut right after the column-parallel first layer (--balance 1,3): the 16-feature shards
+    cross the cut; every rank's local gradients (averaged over the replicas) and weights after one step
+    match their slices of the full model."""
+    run = run_grid(tmp_path, MLP + ["--layers", "4"], 2, 2, 2, ["--check", "--balance", "1,3", "--microbatches", "2"])
+    assert "per-sample message at each cut, on tp rank 0: [16]" in run.stdout
+    summary = [line for line in run.stdout.splitlines() if line.startswith("--check")]
+    assert len(summary) == 1 and "all tensors match the full model" in summary[0], run.stdout[-2000:]
+    # stage 0 holds layer 0 (weight, bias), stage 1 layers 1-3 (6 tensors): a gradient and a weight each,
+    # plus output and loss on the 4 last-stage ranks: 4 x 4 + 4 x 14
+    assert "72 tensors compared" in summary[0], summary[0]
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--dp", "2", "--tp", "2"], 6, "error: the world size 6 is not divisible by --dp 2 x --tp 2 = 4: "
+     "launch dp x stages x tp processes; use 4 ranks (torchrun --nproc-per-node 4) or 8 ranks"),
+    (["--dp", "1", "--tp", "0"], 4, "error: --dp 1 and --tp 0 must be positive integers"),
+    (["--model", "vit", "--heads", "3", "--hidden", "48", "--dp", "1", "--tp", "2"], 4,
+     "error: --heads 3 is not divisible by the tensor-parallel degree 2; each rank needs whole heads: "
+     "use --heads 2 or --heads 4 or 3 tensor-parallel ranks per stage (--tp 3)"),
+    (["--model", "cnn", "--dp", "1", "--tp", "8"], 8,
+     "error: the tensor-parallel degree 8 exceeds the 6 output channels of cnn conv1; every rank needs at "
+     "least one: use at most 6 tensor-parallel ranks per stage (--tp 6)"),
+    (["--layers", "2", "--dp", "1", "--tp", "2"], 6, "error: 3 pipeline stages but the mlp has only 2 blocks "
+     "(one chunk needs at least one); use 4 ranks (torchrun --nproc-per-node 4) or --layers 3"),
+    (["--dp", "2", "--tp", "2", "--microbatches", "3"], 8,
+     "error: --batch-size 16 is not divisible by 2 replica(s) x --microbatches 3"),
+])
+def test_a_bad_grid_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun tells each rank; parsing comes before any collective
+    with pytest.raises(SystemExit) as exit_:
+        parallel_3d.parse_args(MLP + argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_a_bad_grid_under_torchrun_fails_on_every_rank(tmp_path):
+    run = launch("parallel_3d.py", MLP + ["--dp", "2", "--tp", "2"], tmp_path, nproc=2, timeout=60)
+    assert run.returncode != 0
+    assert run.stderr.count("error: the world size 2 is not divisible by --dp 2 x --tp 2 = 4") == 1, run.stderr
+    assert "exitcode  : 2" in run.stderr and 'parallel_3d.py", line' not in run.stderr
+
+
+def test_check_compares_each_tensor_with_the_slice_it_is_given(monkeypatch):
+    """In one process (tp 1, one stage): run_check passes with tensor_parallel.full_slice, and names a
+    gradient when the slice of the full model it is handed is the wrong one."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = parallel_3d.parse_args(MLP + ["--layers", "3", "--dp", "1", "--tp", "1", "--microbatches", "2"])
+    x, y = load_data(args).batch(0, args.batch_size)
+    pos = pm.PipelineRank(0, 1, [0])
+
+    def check(slicer):
+        model = tp.parallelize(build_model(args), "mlp", None)
+        runner = pm.StageRunner(pm.build_chunks(model, pos), pos,
+                                pm.Messenger(pos, pm.boundary_shapes(model, pos), torch.device("cpu"), 10))
+        return pm.run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y,
+                            reference=build_model(args), full_slice=slicer(model))
+
+    count, worst = check(lambda model: partial(tp.full_slice, model))
+    assert count == 2 + 2 * 6 and worst < 1e-5
+    with pytest.raises(AssertionError, match="gradient of 0.1.weight differs"):
+        check(lambda model: lambda name, full: full.flip(0))
