@@ -189,7 +189,7 @@ def run_pipeline(args, env):
             print(json.dumps(rows[-1]), flush=True)
     bubbles = []
     for m in [int(s) for s in args.bubble.split(",") if s]:
-        for schedule in pm.SCHEDULES:
+        for schedule in RACED:             # zb's bubble: benchmarks/zero_bubble.py
             margs = model_args(args, "mlp", schedule, m)
             pos = pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
                                   2 if schedule == "interleaved" else 1)
