@@ -11,6 +11,8 @@ from helpers import FAST, assert_same_losses, launch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GPU = FAST + ["--backend", "nccl", "--steps", "20"]
 PROGRAMS = [("pipeline_microbatch.py", ["--schedule", "gpipe"]), ("pipeline_microbatch.py", ["--schedule", "1f1b"]),
+            ("pipeline_microbatch.py", ["--schedule", "zb"]), ("pipeline_microbatch.py", ["--recompute"]),
+            ("parallel_3d.py", ["--dp", "1", "--tp", "1", "--batch-size", "64", "--microbatches", "4"]),
             ("pipeline_dp_joint.py", ["--dp", "1", "--batch-size", "64", "--microbatches", "4"]),
             ("tensor_parallel.py", []), ("tensor_parallel.py", ["--hybrid"])]
 
