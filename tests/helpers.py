@@ -7,6 +7,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -61,6 +62,16 @@ def assert_same_losses(run, reference, atol=1e-4):
     worst = max(abs(a - b) for a, b in zip(got, want))
     assert worst <= atol, f"largest |loss - baseline loss| = {worst:.3g} > {atol}"
     return worst
+
+
+def assert_one_error_line(parse_args, argv, world, message, monkeypatch, capsys):
+    """Bad input, checked where every rank checks it: parse_args(argv) at this WORLD_SIZE (what torchrun
+    tells each rank; parsing comes before any collective) exits 2 with one line starting with message."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
 
 
 def _rank_main(rank, world, init_file, module, name):

@@ -14,7 +14,7 @@ import parallel_3d
 import pipeline_microbatch as pm
 import tensor_parallel as tp
 from common import build_model, load_data
-from helpers import FAST, ROOT, assert_same_losses, launch
+from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_3d  # noqa: E402
@@ -114,11 +114,7 @@ def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
      "error: --batch-size 16 is not divisible by 2 replica(s) x --microbatches 3"),
 ])
 def test_a_bad_grid_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world, message):
-    monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun tells each rank; parsing comes before any collective
-    with pytest.raises(SystemExit) as exit_:
-        parallel_3d.parse_args(MLP + argv)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+    assert_one_error_line(parallel_3d.parse_args, MLP + argv, world, message, monkeypatch, capsys)
 
 
 def test_a_bad_grid_under_torchrun_fails_on_every_rank(tmp_path):

@@ -6,7 +6,7 @@ import torch
 
 import pipeline_microbatch as pm
 from common import Cifar10Data, Env, SyntheticData, load_data, torchrun_env
-from helpers import FAST, assert_same_losses, launch, run_ranks
+from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
 
@@ -144,11 +144,7 @@ class Scale(torch.nn.Module):
     (["--layers", "1"], 2, "error: --layers 1: the mlp needs at least 2"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world, message):
-    monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun tells each rank; parsing comes before any collective
-    with pytest.raises(SystemExit) as exit_:
-        pm.parse_args(MLP + argv)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
+    assert_one_error_line(pm.parse_args, MLP + argv, world, message, monkeypatch, capsys)
 
 
 def test_bad_input_under_torchrun_fails_on_every_rank(tmp_path):
