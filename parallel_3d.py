@@ -48,7 +48,7 @@ def parse_args(argv=None):
     validate_common(args, PROGRAM)
     world = torchrun_env("gloo").world_size     # env vars only: every check below runs before any collective
     validate_grid(args, world)
-    validate_degree(args, args.tp, use_degree=lambda t: f"{t} tensor-parallel ranks per stage (--tp {t})")
+    validate_degree(args, args.tp, use_degree=partial(tp_fix, args, world))
     validate_pipeline(args, stages=world // (args.dp * args.tp), replicas=args.dp, tp=args.tp)
     return args
 
@@ -64,6 +64,12 @@ def validate_grid(args, world):
                   if world % (d * t) == 0 and d * t > 1][:1]
         fail(f"the world size {world} is not divisible by --dp {args.dp} x --tp {args.tp} = {ranks_per_stage_column}: "
              f"launch dp x stages x tp processes; use {' or '.join(fixes)}")
+
+
+def tp_fix(args, world, tp):
+    """How to ask for tp ranks per stage: the same replicas and stages, so the world size follows."""
+    n = args.dp * (world // (args.dp * args.tp)) * tp
+    return f"--tp {tp} with {n} ranks (torchrun --nproc-per-node {n})"
 
 
 # ----------------------------------------------------------------------------- the stage

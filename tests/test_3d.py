@@ -104,10 +104,10 @@ def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
     (["--dp", "1", "--tp", "0"], 4, "error: --dp 1 and --tp 0 must be positive integers"),
     (["--model", "vit", "--heads", "3", "--hidden", "48", "--dp", "1", "--tp", "2"], 4,
      "error: --heads 3 is not divisible by the tensor-parallel degree 2; each rank needs whole heads: "
-     "use --heads 2 or --heads 4 or 3 tensor-parallel ranks per stage (--tp 3)"),
+     "use --heads 2 or --heads 4 or --tp 3 with 6 ranks (torchrun --nproc-per-node 6)"),
     (["--model", "cnn", "--dp", "1", "--tp", "8"], 8,
      "error: the tensor-parallel degree 8 exceeds the 6 output channels of cnn conv1; every rank needs at "
-     "least one: use at most 6 tensor-parallel ranks per stage (--tp 6)"),
+     "least one: use at most --tp 6 with 6 ranks (torchrun --nproc-per-node 6)"),
     (["--layers", "2", "--dp", "1", "--tp", "2"], 6, "error: 3 pipeline stages but the mlp has only 2 blocks "
      "(one chunk needs at least one); use 4 ranks (torchrun --nproc-per-node 4) or --layers 3"),
     (["--dp", "2", "--tp", "2", "--microbatches", "3"], 8,

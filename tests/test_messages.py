@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+import parallel_3d
 import pipeline_dp_joint
 import pipeline_microbatch
 import tensor_parallel
@@ -23,6 +24,11 @@ CASES = [  # program, world size, command line that fails
     (tensor_parallel, 3, ["--data", "synthetic", "--model", "vit", "--hidden", "96"]),   # --heads 4
     (tensor_parallel, 3, ["--data", "synthetic", "--model", "vit"]),                     # --hidden 128
     (tensor_parallel, 8, ["--data", "synthetic"]),                                       # cnn conv1: 6 channels
+    (parallel_3d, 6, MLP + ["--dp", "2", "--tp", "2"]),                                  # 6 ranks, groups of 4
+    (parallel_3d, 16, ["--data", "synthetic", "--dp", "1", "--tp", "8"]),                # cnn conv1 at --tp 8
+    (parallel_3d, 4, ["--data", "synthetic", "--model", "vit", "--hidden", "96", "--heads", "3", "--dp", "1",
+                      "--tp", "2"]),
+    (parallel_3d, 12, MLP + ["--layers", "2", "--dp", "1", "--tp", "2"]),                # 6 stages, 2 blocks
 ]
 
 
@@ -43,6 +49,9 @@ def follow(fix, world, argv):
     ranks = re.fullmatch(r"(at most )?(\d+) ranks \(torchrun --nproc-per-node \d+.*\)", fix)
     if ranks:
         return int(ranks.group(2)), argv
+    with_ranks = re.fullmatch(r"(at most )?(--.*) with (\d+) ranks \(torchrun --nproc-per-node \d+\)", fix)
+    if with_ranks:                        # flags and the world size they need
+        world, fix = int(with_ranks.group(3)), with_ranks.group(2)
     argv = list(argv)
     if "(without --virtual-stages)" in fix:
         i = argv.index("--virtual-stages") if "--virtual-stages" in argv else None
