@@ -1,35 +1,27 @@
 """Plumbing shared by every program; the lessons live in the programs themselves.
 
 What is here: the shared command-line flags and their validation, the torchrun environment and
-process group, seeding, the data (CIFAR-10 or a synthetic stand-in) as a global-batch sequence that
-every rank can draw identically, the three models as ordered lists of blocks, and the metrics log.
+process group, seeding, the three models as ordered lists of blocks, and the metrics log. The data
+(CIFAR-10 or a synthetic stand-in) is in data.py.
 """
 import argparse
 import copy
 import datetime
-import fcntl
-import functools
 import json
 import math
 import os
 import resource
-import shutil
 import sys
-import tempfile
 import time
 import traceback
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 NUM_CLASSES = 10
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 # ----------------------------------------------------------------------------- errors and flags
 
@@ -252,258 +244,6 @@ def exit_now(status):
 def seed_everything(seed):
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)
-
-
-# ----------------------------------------------------------------------------- data
-
-DOWNLOAD_TIMEOUT_S = 30   # no answer from the server for this long: treat the machine as offline
-LOCK_TIMEOUT_S = 900      # how long a rank waits while another process downloads and extracts
-FAILED_MARK = ".cifar10-download-failed"   # a failed attempt, so the next ranks do not retry it
-
-
-class SyntheticData:
-    """CIFAR-shaped, learnable and deterministic: each class is a smooth random 3x32x32 pattern;
-    a sample is its class pattern at a random contrast plus noise. Batches are generated from
-    (seed, step) on demand, so memory stays small however long the run."""
-    name = "synthetic"
-
-    def __init__(self, seed, test_size=2000, note=None):
-        g = torch.Generator().manual_seed(seed)
-        coarse = torch.randn(NUM_CLASSES, 3, 8, 8, generator=g)
-        self.prototypes = F.interpolate(coarse, size=32, mode="bilinear", align_corners=False)
-        self.seed = seed
-        self.note = note       # why --data auto fell back to this set (None when asked for)
-        self.test_set = self._draw(torch.Generator().manual_seed(seed + 7919), test_size)
-
-    def _draw(self, g, n):
-        y, images = self._lazy(g, n, 1)
-        return next(images), y
-
-    def _lazy(self, g, n, parts):
-        """The labels, and the images in `parts` equal consecutive parts, each made when asked for:
-        the generator's noise comes out in the same order however the batch is cut."""
-        y = torch.randint(NUM_CLASSES, (n,), generator=g)
-        contrast = 0.03 + 0.12 * torch.rand(n, 1, 1, 1, generator=g)
-
-        def images(k=n // parts):
-            for i in range(parts):
-                s = slice(i * k, (i + 1) * k)
-                yield contrast[s] * self.prototypes[y[s]] + torch.randn(k, 3, 32, 32, generator=g)
-        return y, images()
-
-    def batch(self, step, batch_size):
-        return self._draw(torch.Generator().manual_seed(self.seed * 1_000_003 + step), batch_size)
-
-    def labels(self, step, batch_size):
-        """batch(step, batch_size)[1] without drawing the images (the labels are drawn first)."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return torch.randint(NUM_CLASSES, (batch_size,), generator=g)
-
-    def image_parts(self, step, batch_size, parts):
-        """batch(step, batch_size)[0] as `parts` equal consecutive parts, each drawn only when the
-        one before has been taken (a pipeline's first stage streams its microbatches)."""
-        return self._lazy(torch.Generator().manual_seed(self.seed * 1_000_003 + step), batch_size, parts)[1]
-
-
-class Cifar10Data:
-    """CIFAR-10 held as uint8 tensors, normalised per batch; the order is a seeded permutation
-    per epoch, so batch k is the same on every rank and in every program."""
-    name = "cifar10"
-    note = None
-
-    def __init__(self, torchvision, data_dir, seed):
-        self.train = self._load(torchvision, data_dir, train=True)
-        self.test = self._load(torchvision, data_dir, train=False)
-        self.seed = seed
-
-    @staticmethod
-    def _load(torchvision, data_dir, train):
-        try:  # download=False: the files are there (ensure_cifar10); this checks their md5 sums
-            ds = torchvision.datasets.CIFAR10(data_dir, train=train, download=False)
-        except Exception as e:  # noqa: BLE001 (a missing or damaged batch file, a bad pickle)
-            folder = os.path.join(data_dir, torchvision.datasets.CIFAR10.base_folder)
-            fail(f"the CIFAR-10 files in {folder} are damaged ({str(e).splitlines()[0][:100]}); "
-                 f"move that folder away to download it afresh, or use --data synthetic", seen_by="every node")
-        x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # uint8 N x 3 x 32 x 32
-        return x, torch.tensor(ds.targets)
-
-    @staticmethod
-    def normalise(x):
-        mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)
-        std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
-        return (x.float() / 255 - mean) / std
-
-    def _order(self, step, batch_size):
-        per_epoch = len(self.train[1]) // batch_size
-        epoch, i = divmod(step, per_epoch)
-        order = torch.randperm(len(self.train[1]), generator=torch.Generator().manual_seed(self.seed + epoch))
-        return order[i * batch_size:(i + 1) * batch_size]
-
-    def batch(self, step, batch_size):
-        idx = self._order(step, batch_size)
-        return self.normalise(self.train[0][idx]), self.train[1][idx]
-
-    def labels(self, step, batch_size):
-        """batch(step, batch_size)[1] without normalising the images."""
-        return self.train[1][self._order(step, batch_size)]
-
-    def image_parts(self, step, batch_size, parts):
-        """batch(step, batch_size)[0] as `parts` equal consecutive parts, each normalised when asked for."""
-        idx, k = self._order(step, batch_size), batch_size // parts
-        return (self.normalise(self.train[0][idx[i * k:(i + 1) * k]]) for i in range(parts))
-
-    @functools.cached_property
-    def test_set(self):  # normalised once: every evaluation reuses it
-        return self.normalise(self.test[0]), self.test[1]
-
-
-class DataUnavailable(Exception):
-    """CIFAR-10 cannot be had here (no torchvision, no network): --data auto falls back."""
-
-
-@contextmanager
-def file_lock(path, what, timeout_s):
-    """An exclusive lock on `path` (released by the kernel if its holder dies), waited for with a timeout."""
-    with open(path, "a") as f:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    fail(f"waited {timeout_s:g} s for {path}, held by another process {what}; "
-                         f"wait for it to finish, or use another --data-dir", seen_by="every node")
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def import_torchvision():
-    try:
-        import torchvision  # imported here: only the CIFAR-10 path needs it
-        return torchvision
-    except Exception as e:  # noqa: BLE001 (any import failure means the same thing here)
-        raise DataUnavailable(f"torchvision failed to import ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:100]}); install the torchvision that matches "
-                              f"torch {torch.__version__}") from None
-
-
-def download_archive(cifar, archive):
-    """Stream the archive into a private temporary file, check its md5, then rename it into place."""
-    part = f"{archive}.part{os.getpid()}"
-    print(f"downloading CIFAR-10 from {cifar.url} ...", end="", flush=True)
-    start = time.perf_counter()
-    try:
-        with urllib.request.urlopen(cifar.url, timeout=DOWNLOAD_TIMEOUT_S) as r, open(part, "wb") as f:
-            shutil.copyfileobj(r, f, 1 << 20)
-    except (OSError, ValueError) as e:  # URLError, refused, timeout, DNS: no network
-        print(" failed", flush=True)
-        if os.path.exists(part):
-            os.remove(part)             # our own partial file, never the user's
-        reason = getattr(e, "reason", e)
-        raise DataUnavailable(f"could not download {cifar.url} ({type(e).__name__}: {reason}); for CIFAR-10, "
-                              f"run once with network or copy {cifar.filename} into {os.path.dirname(archive)}") from None
-    size = os.path.getsize(part)
-    from torchvision.datasets.utils import check_integrity
-    if not check_integrity(part, cifar.tgz_md5):
-        os.remove(part)
-        print(" failed", flush=True)
-        raise DataUnavailable(f"the download from {cifar.url} ({size} bytes) failed its md5 check; try again later")
-    os.replace(part, archive)           # atomic: the archive is whole or absent
-    print(f" {size / 1e6:.0f} MB in {time.perf_counter() - start:.0f} s", flush=True)
-
-
-def extract_archive(torchvision, cifar, archive, data_dir):
-    """Unpack into a temporary folder, then rename: a reader sees the whole folder or none."""
-    from torchvision.datasets.utils import check_integrity
-    if not check_integrity(archive, cifar.tgz_md5):
-        fail(f"{archive} is truncated or corrupt (its md5 is not {cifar.tgz_md5}); it was left as it is: "
-             f"delete or move it to download afresh, or use --data synthetic", seen_by="every node")
-    tmp = tempfile.mkdtemp(prefix=".extract-", dir=data_dir)
-    try:
-        torchvision.datasets.utils.extract_archive(archive, tmp)
-        os.rename(os.path.join(tmp, cifar.base_folder), os.path.join(data_dir, cifar.base_folder))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def ensure_cifar10(torchvision, data_dir):
-    """Make CIFAR-10 present in data_dir: one process at a time per data dir (every rank and every
-    job on this machine) downloads or extracts; the others wait for the lock, then find it done."""
-    cifar = torchvision.datasets.CIFAR10
-    if os.path.isdir(os.path.join(data_dir, cifar.base_folder)):
-        return                                    # already there: read-only data dirs work too
-    os.makedirs(data_dir, exist_ok=True)
-    with file_lock(os.path.join(data_dir, ".cifar10.lock"), "downloading CIFAR-10", LOCK_TIMEOUT_S):
-        if os.path.isdir(os.path.join(data_dir, cifar.base_folder)):
-            return                                # another rank or job made it while we waited
-        archive, failed = os.path.join(data_dir, cifar.filename), os.path.join(data_dir, FAILED_MARK)
-        if not os.path.exists(archive):
-            # a rank that just failed to download says why; the next ranks do not wait 30 s each again
-            if os.path.exists(failed) and time.time() - os.path.getmtime(failed) < 2 * DOWNLOAD_TIMEOUT_S:
-                raise DataUnavailable(open(failed).read())
-            try:
-                download_archive(cifar, archive)
-            except DataUnavailable as e:
-                with open(failed, "w") as f:
-                    f.write(str(e))
-                raise
-        extract_archive(torchvision, cifar, archive, data_dir)
-        if os.path.exists(failed):
-            os.remove(failed)
-
-
-def load_data(args):
-    """The data of --data, before init, so a missing data set fails before any collective.
-    --data auto falls back to the synthetic set here; agree_on_data() then makes every rank agree."""
-    if args.data == "synthetic":
-        return SyntheticData(args.seed)
-    try:
-        torchvision = import_torchvision()
-        try:
-            ensure_cifar10(torchvision, args.data_dir)
-        except OSError as e:  # a data dir we may not write, a full disk
-            raise DataUnavailable(f"cannot write there ({type(e).__name__}: {e}); choose another --data-dir") from None
-    except DataUnavailable as e:
-        if args.data == "cifar10":
-            fail(f"CIFAR-10 is not in --data-dir {args.data_dir}: {e}; or use --data synthetic", seen_by="every node")
-        return SyntheticData(args.seed, note=f"CIFAR-10 is not in --data-dir {args.data_dir}: {e}")
-    return Cifar10Data(torchvision, args.data_dir, args.seed)
-
-
-def agree_on_data(data, args, env):
-    """After init, under --data auto: if any rank fell back (a node without the files or the
-    network), every rank uses the synthetic set. Sets args.data to the data actually used (the
-    config record and the plot titles read it); the first rank that fell back prints the one note."""
-    lacking = [env.rank] if data.name != "cifar10" else []
-    if args.data == "auto" and env.world_size > 1:
-        mine = torch.tensor([data.name == "cifar10"], dtype=torch.int32, device=env.device)
-        every = [torch.zeros_like(mine) for _ in range(env.world_size)]
-        with awaiting(f"rank {env.rank} waited for every rank to say which data it found", args.timeout_s):
-            dist.all_gather(every, mine)
-        lacking = [r for r, t in enumerate(every) if not t.item()]
-        if lacking and data.name == "cifar10":
-            data = SyntheticData(args.seed)
-    if args.data == "auto" and lacking and env.rank == lacking[0]:
-        ranks = f" (ranks {lacking} of {env.world_size} found no CIFAR-10)" if len(lacking) < env.world_size else ""
-        print(f"note: --data auto uses the SYNTHETIC data{ranks}: {data.note}", flush=True)
-    args.data = data.name
-    return data
-
-
-def test_batches(data, batch_size):
-    """The test split in fixed-size chunks (the last may be smaller)."""
-    x, y = data.test_set
-    return list(zip(x.split(batch_size), y.split(batch_size)))
-
-
-def dp_slice(tensor, dp_rank, dp_size):
-    """Data-parallel replica dp_rank's contiguous, equal share of a global batch."""
-    n = tensor.shape[0] // dp_size
-    return tensor[dp_rank * n:(dp_rank + 1) * n]
 
 
 # ----------------------------------------------------------------------------- models

@@ -29,8 +29,8 @@ rank: boundary_shapes() runs one zero sample through this rank's tensor-parallel
 """
 from functools import partial
 
-from common import agree_on_data, base_parser, build_model, distributed, exit_now, fail, load_data, torchrun_env
-from common import validate_common
+from common import base_parser, build_model, distributed, exit_now, fail, torchrun_env, validate_common
+from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
 from pipeline_microbatch import (Messenger, StageRunner, add_pipeline_flags, boundary_shapes, build_chunks,
                                  check_and_exit, near_multiples, schedule_actions, train, validate_pipeline)

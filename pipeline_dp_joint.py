@@ -32,9 +32,8 @@ stage exchange activations inside every layer, so they belong on the fastest lin
 import torch
 import torch.distributed as dist
 
-from common import (awaiting, base_parser, distributed, dp_slice, exit_now, fail, load_data, replicas_identical,
-                    torchrun_env, validate_common)
-from common import agree_on_data
+from common import awaiting, base_parser, distributed, exit_now, fail, replicas_identical, torchrun_env, validate_common
+from data import agree_on_data, dp_slice, load_data
 from pipeline_microbatch import (PipelineRank, add_pipeline_flags, check_and_exit,
                                  schedule_actions, setup_stage, train, validate_pipeline)
 

@@ -54,9 +54,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import (CommError, MetricsLog, Progress, base_parser, build_model, check_finite, clock, distributed,
-                    dp_slice, exit_now, fail, load_data, make_optimizer, memory_fields, start_memory_count,
-                    test_batches, to_device, torchrun_env, validate_common)
-from common import agree_on_data
+                    exit_now, fail, make_optimizer, memory_fields, start_memory_count, to_device, torchrun_env,
+                    validate_common)
+from data import agree_on_data, dp_slice, load_data, test_batches
 from schedules import SCHEDULES, bubble_theory, schedule_actions, with_communication
 from zero_bubble import WeightGradStash
 

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from common import (MetricsLog, Progress, base_parser, build_model, check_finite, clock, distributed, fail,
-                    load_data, make_optimizer, memory_fields, start_memory_count, test_batches, to_device,
-                    torchrun_env, validate_common)
-from common import agree_on_data
+                    make_optimizer, memory_fields, start_memory_count, to_device, torchrun_env, validate_common)
+from data import agree_on_data, load_data, test_batches
 
 PROGRAM = "single_baseline"
 

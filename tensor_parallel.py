@@ -54,9 +54,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
-                    distributed, exit_now, fail, load_data, make_optimizer, memory_fields, replicas_identical,
-                    start_memory_count, to_device, torchrun_env, validate_common)
-from common import agree_on_data
+                    distributed, exit_now, fail, make_optimizer, memory_fields, replicas_identical, start_memory_count,
+                    to_device, torchrun_env, validate_common)
+from data import agree_on_data, load_data
 from single_baseline import evaluate, train_step
 
 PROGRAM = "tensor_parallel"

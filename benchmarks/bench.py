@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pipeline_microbatch as pm  # noqa: E402
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
-from common import SyntheticData, base_parser, build_model, clock, distributed, fail, make_optimizer  # noqa: E402
+from common import base_parser, build_model, clock, distributed, fail, make_optimizer  # noqa: E402
+from data import SyntheticData  # noqa: E402
 
 
 def parse_args(argv=None):

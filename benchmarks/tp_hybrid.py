@@ -24,7 +24,8 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository root, and bench.p
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
 from bench import baseline_engine, loss_diff, model_args, race  # noqa: E402
-from common import SyntheticData, base_parser, build_model, distributed, exit_now, make_optimizer  # noqa: E402
+from common import base_parser, build_model, distributed, exit_now, make_optimizer  # noqa: E402
+from data import SyntheticData  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 

@@ -13,7 +13,8 @@ import torch
 import parallel_3d
 import pipeline_microbatch as pm
 import tensor_parallel as tp
-from common import build_model, load_data
+from common import build_model
+from data import load_data
 from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

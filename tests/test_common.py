@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import common
+from data import SyntheticData, dp_slice
+from data import test_batches as split_of_test_set   # a test_ name would be collected by pytest
 
 
 def args_for(*argv):
@@ -14,32 +16,32 @@ def args_for(*argv):
 
 
 def test_synthetic_batches_are_a_pure_function_of_seed_and_step():
-    a, b = common.SyntheticData(seed=3), common.SyntheticData(seed=3)
+    a, b = SyntheticData(seed=3), SyntheticData(seed=3)
     xa, ya = a.batch(17, 32)
     xb, yb = b.batch(17, 32)
     assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert xa.shape == (32, 3, 32, 32) and ya.shape == (32,) and ya.dtype == torch.int64
     assert not torch.equal(a.batch(18, 32)[0], xa), "consecutive steps must differ"
-    assert not torch.equal(common.SyntheticData(seed=4).batch(17, 32)[0], xa), "seeds must differ"
+    assert not torch.equal(SyntheticData(seed=4).batch(17, 32)[0], xa), "seeds must differ"
     assert torch.equal(a.test_set[0], b.test_set[0])
 
 
 def test_synthetic_data_stays_small():
-    data = common.SyntheticData(seed=0)
+    data = SyntheticData(seed=0)
     held = sum(t.numel() * t.element_size() for t in (data.prototypes, *data.test_set))
     assert held < 100 * 2**20
 
 
 def test_dp_slices_partition_the_global_batch():
-    x, _ = common.SyntheticData(seed=0).batch(0, 12)
-    parts = [common.dp_slice(x, r, 3) for r in range(3)]
+    x, _ = SyntheticData(seed=0).batch(0, 12)
+    parts = [dp_slice(x, r, 3) for r in range(3)]
     assert all(p.shape[0] == 4 for p in parts)
     assert torch.equal(torch.cat(parts), x)
 
 
 def test_test_batches_cover_the_test_split():
-    data = common.SyntheticData(seed=0)
-    chunks = common.test_batches(data, 300)
+    data = SyntheticData(seed=0)
+    chunks = split_of_test_set(data, 300)
     assert sum(len(y) for _, y in chunks) == len(data.test_set[1])
 
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import common
 import pipeline_microbatch as pm
 import tensor_parallel as tp
-from common import Env, SyntheticData, build_model
+from common import Env, build_model
+from data import SyntheticData
 from helpers import FAST, ROOT, run_ranks
 
 MLP = FAST + ["--model", "mlp", "--hidden", "16", "--layers", "4", "--batch-size", "8"]

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import pipeline_microbatch as pm
-from common import Cifar10Data, Env, SyntheticData, load_data, torchrun_env
+from common import Env, torchrun_env
+from data import Cifar10Data, SyntheticData, load_data
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
