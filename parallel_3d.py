@@ -87,7 +87,8 @@ def build_stage(args, env, grid):
     # the same blocks): a cut after a column-parallel layer gives this rank's shard's shape
     shapes = boundary_shapes(model, pos, args.balance, env.device)
     chunks = build_chunks(model, pos, args.balance)
-    return pos, model, StageRunner(chunks, pos, Messenger(pos, shapes, env.device, args.timeout_s))
+    messenger = Messenger(pos, shapes, env.device, args.timeout_s)
+    return pos, model, StageRunner(chunks, pos, messenger, recompute=args.recompute)
 
 
 def describe(grid, shapes):

@@ -63,8 +63,10 @@ def test_2x2x2_cnn_sends_shards_equals_the_baseline_and_moves_the_bytes_of_the_f
 
 
 @pytest.mark.parametrize("args,dp,pp,tp,extra,message", [
-    # 1x2x2 vit: whole activations at the cut (a block ends in a row-parallel layer), with evaluation and a timeline
-    (VIT, 1, 2, 2, ["--schedule", "gpipe", "--microbatches", "2", "--eval-every", "2", "--timeline", "t.json"],
+    # 1x2x2 vit: whole activations at the cut (a block ends in a row-parallel layer), with evaluation, a
+    # timeline, and --recompute (its forwards re-run before each backward, tp collectives included)
+    (VIT, 1, 2, 2, ["--schedule", "gpipe", "--microbatches", "2", "--eval-every", "2", "--timeline", "t.json",
+                    "--recompute"],
      "[64, 16]"),
     # 2x1x2 mlp with an odd layer count: the classifier is column-parallel with a gather; one stage, no messages
     (MLP + ["--layers", "3"], 2, 1, 2, ["--microbatches", "2"], "none (one stage)"),
@@ -83,7 +85,9 @@ def test_grids_and_models_equal_the_baseline(tmp_path, baseline, args, dp, pp, t
     if "--eval-every" in extra:
         assert [e["test_acc"] for e in run.events("eval")] == [e["test_acc"] for e in base.events("eval")] != []
         with open(tmp_path / "t.json") as f:
-            assert json.load(f)["otherData"]["stages"] == pp
+            trace = json.load(f)
+        assert trace["otherData"]["stages"] == pp and trace["otherData"]["recompute"] == ("--recompute" in extra)
+        assert {"R0", "R1"} <= {e["name"] for e in trace["traceEvents"]}, "no recomputed forward on the timeline"
 
 
 def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
