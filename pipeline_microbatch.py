@@ -413,20 +413,23 @@ def train_step(runner, actions, x, y, m, samples=None):
 
 @torch.no_grad()
 def evaluate(runner, pos, data, device, batch=500):
-    """A forward-only pipeline over the test split; the last stage returns (loss, accuracy)."""
-    batches = test_batches(data, batch)
-    if len({len(y) for _, y in batches}) != 1:
-        batches = batches[:-1]                   # every message must have the shape both sides expect
-    totals = [0.0, 0]
+    """A forward-only pipeline over the whole test split; the last stage returns (loss, accuracy).
+    Every message has the shape both sides expect: the full batches go through in one pass, a
+    smaller last batch in a second pass of its own size."""
+    batches, totals = test_batches(data, batch), [0.0, 0]
+    full = [b for b in batches if len(b[1]) == len(batches[0][1])]
+    for part in (full, batches[len(full):]):
+        if not part:
+            continue
 
-    def head(mb, logits):
-        labels = batches[mb][1].to(device)
-        totals[0] += F.cross_entropy(logits, labels, reduction="sum").item()
-        totals[1] += (logits.argmax(1) == labels).sum().item()
+        def head(mb, logits, part=part):
+            labels = part[mb][1].to(device)
+            totals[0] += F.cross_entropy(logits, labels, reduction="sum").item()
+            totals[1] += (logits.argmax(1) == labels).sum().item()
 
-    inputs = [bx.to(device) for bx, _ in batches] if pos.is_first_stage else None
-    runner.run(eval_actions(pos, len(batches)), inputs, head, batch)
-    n = batch * len(batches)
+        inputs = [bx.to(device) for bx, _ in part] if pos.is_first_stage else None
+        runner.run(eval_actions(pos, len(part)), inputs, head, len(part[0][1]))
+    n = sum(len(y) for _, y in batches)
     return totals[0] / n, totals[1] / n
 
 

@@ -107,6 +107,25 @@ def _sends_in_flight_case(rank, world, group):
         assert last_sends, f"{schedule}: no exchange sent anything"
 
 
+def test_evaluation_covers_a_test_split_that_batches_do_not_divide(tmp_path):
+    """700 and 300 test images: the batches of 500 leave a smaller last one (or are all smaller), which
+    the pipeline evaluates in a pass of its own size; loss and accuracy equal the baseline's."""
+    run_ranks(_uneven_test_split_case, 2, tmp_path)
+
+
+def _uneven_test_split_case(rank, world, group):
+    from single_baseline import evaluate
+    env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
+    args = pm.parse_args(MLP)
+    pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
+    for size in (700, 300):
+        data = SyntheticData(0, test_size=size)
+        model, runner = pm.setup_stage(args, env, pos)
+        got = pm.evaluate(runner, pos, data, env.device)
+        if pos.is_last_stage:
+            assert got == pytest.approx(evaluate(model, data, env.device), abs=1e-5), size
+
+
 def test_check_fails_naming_a_tensor_that_differs():
     """In one process (one stage, no messages): the check passes, then catches a stage that scales its output."""
     args = pm.parse_args(FAST + ["--model", "mlp", "--hidden", "16", "--layers", "3", "--batch-size", "8",
