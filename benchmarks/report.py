@@ -82,16 +82,18 @@ def load_memory():
     return memory
 
 
+def markdown_table(header, rows):
+    """A markdown table's lines: the header's cells, the rule, then one line of cells per row."""
+    return ["| " + " | ".join(cells) + " |" for cells in [header, ["---"] * len(header), *rows]]
+
+
 def speed_table(rows):
-    head = ("| config | ours ms | torch ms | **ours / torch** | paired ours / torch | baseline ms | "
-            "baseline / ours (speed-up) | baseline / torch | loss diff vs torch |")
-    lines = [head, "|" + " --- |" * head.count(" | ") + " --- |"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {1e3 * r['ours_s']:.1f} | {1e3 * r['torch_s']:.1f} | "
-                     f"**{r['ours_over_torch']:.2f}** | {r['paired_ours_over_torch']:.2f} | "
-                     f"{1e3 * r['baseline_s']:.1f} | {r['baseline_over_ours']:.2f} | "
-                     f"{r['baseline_over_torch']:.2f} | {r['max_loss_diff_vs_torch']:.1e} |")
-    return lines
+    header = ["config", "ours ms", "torch ms", "**ours / torch**", "paired ours / torch", "baseline ms",
+              "baseline / ours (speed-up)", "baseline / torch", "loss diff vs torch"]
+    return markdown_table(header, [
+        [r["config"], f"{1e3 * r['ours_s']:.1f}", f"{1e3 * r['torch_s']:.1f}", f"**{r['ours_over_torch']:.2f}**",
+         f"{r['paired_ours_over_torch']:.2f}", f"{1e3 * r['baseline_s']:.1f}", f"{r['baseline_over_ours']:.2f}",
+         f"{r['baseline_over_torch']:.2f}", f"{r['max_loss_diff_vs_torch']:.1e}"] for r in rows])
 
 
 def verdict(rows):
@@ -104,20 +106,17 @@ def verdict(rows):
 
 
 def bubble_table(bubbles):
-    lines = ["| schedule | m | theory (p-1)/(vm+p-1) | measured (median of 5 steps) | measured - theory |",
-             "| --- | --- | --- | --- | --- |"]
-    for b in bubbles:
-        lines.append(f"| {b['schedule']} | {b['microbatches']} | {b['theory']:.3f} | {b['measured']:.3f} | "
-                     f"{b['measured'] - b['theory']:+.3f} |")
-    return lines
+    header = ["schedule", "m", "theory (p-1)/(vm+p-1)", "measured (median of 5 steps)", "measured - theory"]
+    return markdown_table(header, [
+        [b["schedule"], str(b["microbatches"]), f"{b['theory']:.3f}", f"{b['measured']:.3f}",
+         f"{b['measured'] - b['theory']:+.3f}"] for b in bubbles])
 
 
 def memory_table(memory):
     ranks = sorted(next(iter(memory.values())))
-    lines = ["| schedule | m | global batch | " + " | ".join(f"stage {r} MB" for r in ranks) + " |",
-             "|" + " --- |" * (3 + len(ranks))]
-    for (schedule, m), mb in memory.items():
-        lines.append(f"| {schedule} | {m} | {MEMORY_MB * m} | " + " | ".join(f"{mb[r]:.0f}" for r in ranks) + " |")
+    lines = markdown_table(["schedule", "m", "global batch"] + [f"stage {r} MB" for r in ranks],
+                           [[schedule, str(m), str(MEMORY_MB * m)] + [f"{mb[r]:.0f}" for r in ranks]
+                            for (schedule, m), mb in memory.items()])
     at = {name: memory[(name, 1000)][0] for name in MEMORY_RUNS}
     growth = {name: max(memory[(name, 1000)][r] - memory[(name, 10)][r] for r in ranks) for name in MEMORY_RUNS}
     lines.append("")
@@ -128,12 +127,10 @@ def memory_table(memory):
 
 
 def zero_bubble_table(rows):
-    lines = ["| configuration | m | step ms (median) | / 1f1b (paired, median) | bubble measured | bubble theory |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['microbatches']} | {1e3 * r['step_s']:.0f} | {r['over_1f1b']:.2f} | "
-                     f"{r['bubble_measured']:.3f} | {r['bubble_theory']:.3f} |")
-    return lines
+    header = ["configuration", "m", "step ms (median)", "/ 1f1b (paired, median)", "bubble measured", "bubble theory"]
+    return markdown_table(header, [
+        [r["config"], str(r["microbatches"]), f"{1e3 * r['step_s']:.0f}", f"{r['over_1f1b']:.2f}",
+         f"{r['bubble_measured']:.3f}", f"{r['bubble_theory']:.3f}"] for r in rows])
 
 
 def plot_memory(memory, path):
