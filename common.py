@@ -14,6 +14,7 @@ import resource
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -221,11 +222,12 @@ def leave_without_teardown(e):
     exit_now(1)
 
 
-def replicas_identical(params, group):
+def replicas_identical(params, group, device="cpu"):
     """Are these parameters bit-identical on every rank of `group`? (Replicas must be: same start,
     same gradients, same update.) A collective of every rank of the world, even those in other
-    groups: every rank learns the answer for all groups."""
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    groups: every rank learns the answer for all groups. A rank may hold none (a 3-D stage of
+    column-parallel layers only): it takes part with an empty tensor."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0, device=device)
     every = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, flat, group=group)
     same = torch.tensor([int(all(torch.equal(flat, other) for other in every))], device=flat.device)
@@ -312,37 +314,68 @@ def cnn_blocks():
     and per channel, so it is exact under microbatching, data parallelism and channel-sharded
     tensor parallelism alike (BatchNorm would not be). GELU and average pooling instead of ReLU and
     max pooling: kinks turn float32 rounding differences (1e-7, from summing a batch's gradient in
-    another order) into 1e-1 loss differences within ~100 steps; smooth layers keep them at 1e-7."""
-    return [
-        nn.Sequential(nn.Conv2d(3, 6, 5), nn.GELU(), nn.AvgPool2d(2)),                          # 6x14x14
-        nn.Sequential(nn.Conv2d(6, 16, 5), nn.GroupNorm(16, 16), nn.GELU(), nn.AvgPool2d(2)),  # 16x5x5
-        nn.Sequential(nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.GELU()),
-        nn.Sequential(nn.Linear(120, 84), nn.GELU()),
-        nn.Sequential(nn.Linear(84, NUM_CLASSES)),
-    ]
+    another order) into 1e-1 loss differences within ~100 steps; smooth layers keep them at 1e-7.
+    A generator: each block is constructed (drawing its initial weights) only when it is asked for."""
+    yield nn.Sequential(nn.Conv2d(3, 6, 5), nn.GELU(), nn.AvgPool2d(2))                          # 6x14x14
+    yield nn.Sequential(nn.Conv2d(6, 16, 5), nn.GroupNorm(16, 16), nn.GELU(), nn.AvgPool2d(2))  # 16x5x5
+    yield nn.Sequential(nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.GELU())
+    yield nn.Sequential(nn.Linear(120, 84), nn.GELU())
+    yield nn.Sequential(nn.Linear(84, NUM_CLASSES))
 
 
 def mlp_blocks(layers, hidden):
-    blocks = [nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, hidden), nn.GELU())]
-    blocks += [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(layers - 2)]
-    return blocks + [nn.Sequential(nn.Linear(hidden, NUM_CLASSES))]
+    yield nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, hidden), nn.GELU())
+    for _ in range(layers - 2):
+        yield nn.Sequential(nn.Linear(hidden, hidden), nn.GELU())
+    yield nn.Sequential(nn.Linear(hidden, NUM_CLASSES))
 
 
 def vit_blocks(layers, hidden, heads):
-    return [PatchEmbed(hidden)] + [TransformerBlock(hidden, heads) for _ in range(layers)] + [Head(hidden)]
+    yield PatchEmbed(hidden)
+    for _ in range(layers):
+        yield TransformerBlock(hidden, heads)
+    yield Head(hidden)
 
 
-def build_model(args):
-    """The full model as nn.Sequential of blocks (the units a pipeline cuts into stages), built
-    from --seed so that every rank and every program starts from bit-identical weights."""
+def num_blocks(args):
+    return {"cnn": 5, "mlp": args.layers, "vit": args.layers + 2}[args.model]
+
+
+def model_blocks(args):
+    """The model's blocks in order, each constructed only when the one before has been consumed.
+    Every block's initial weights come from one random stream seeded by --seed, drawn in this
+    order, so block i is bit-identical in every program whether or not blocks 0..i-1 were kept."""
     seed_everything(args.seed)
     if args.model == "cnn":
-        blocks = cnn_blocks()
-    elif args.model == "mlp":
-        blocks = mlp_blocks(args.layers, args.hidden)
-    else:
-        blocks = vit_blocks(args.layers, args.hidden, args.heads)
-    return nn.Sequential(*blocks)
+        return cnn_blocks()
+    if args.model == "mlp":
+        return mlp_blocks(args.layers, args.hidden)
+    return vit_blocks(args.layers, args.hidden, args.heads)
+
+
+def build_model(args, keep=None, device="cpu"):
+    """The model as nn.Sequential of blocks (the units a pipeline cuts into stages), built from
+    --seed so that every rank and every program starts from bit-identical weights.
+
+    The memory contract: keep(i, block) sees each full block right after it is built and returns
+    what this rank holds of it (the block, a tensor-parallel slice of it) or None; the full block
+    is dropped before the next one is built, so no rank ever holds more than its part plus one
+    block. Kept blocks keep their index as their name ("2.1.weight" is the baseline's name on
+    every rank), so a rank's parameters are named in the full model's coordinates. Without keep:
+    the whole model, for the baseline and for --check's reference."""
+    kept, full_mb = OrderedDict(), 0.0
+    for i, block in enumerate(model_blocks(args)):
+        full_mb += param_mb(block.parameters())
+        block = keep(i, block) if keep else block
+        if block is not None:
+            kept[str(i)] = block.to(device)
+    model = nn.Sequential(kept)
+    model.full_param_mb = full_mb     # what the whole model's parameters take, for the summary record
+    return model
+
+
+def param_mb(params):
+    return sum(p.numel() * p.element_size() for p in params) / 2**20
 
 
 def make_optimizer(params, args):
@@ -409,24 +442,32 @@ def peak_memory_mb(device, kind="allocated"):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KB
 
 
-def gather_peak_memory(env, kind="allocated"):
-    """{rank: MB} from every rank (a collective: every rank must call it)."""
-    mine = torch.tensor([peak_memory_mb(env.device, kind)], dtype=torch.float64, device=env.device)
+def gather_per_rank(env, value, digits=1):
+    """{rank: value} from every rank (a collective: every rank must call it)."""
+    mine = torch.tensor([value], dtype=torch.float64, device=env.device)
     if env.world_size == 1:
-        return {0: round(mine.item(), 1)}
+        return {0: round(mine.item(), digits)}
     every = [torch.zeros_like(mine) for _ in range(env.world_size)]
     dist.all_gather(every, mine)
-    return {r: round(t.item(), 1) for r, t in enumerate(every)}
+    return {r: round(t.item(), digits) for r, t in enumerate(every)}
 
 
-def memory_fields(env):
+def gather_peak_memory(env, kind="allocated"):
+    return gather_per_rank(env, peak_memory_mb(env.device, kind))
+
+
+def memory_fields(env, params, model_param_mb):
     """The summary record's memory, labelled so that CPU and GPU tables are not mixed up:
-    peak_memory_mb is peak RSS on the CPU, peak allocated on a GPU (plus peak_reserved_mb)."""
+    peak_memory_mb is peak RSS on the CPU, peak allocated on a GPU (plus peak_reserved_mb).
+    param_mb: what each rank's parameters take (gradients and momentum take as much again each);
+    model_param_mb: the whole model's, which a pipeline's stages sum to."""
+    fields = {"param_mb": gather_per_rank(env, param_mb(params), digits=4), "model_param_mb": round(model_param_mb, 4)}
     if env.device.type != "cuda":
         return {"peak_memory_mb": gather_peak_memory(env),
-                "peak_memory_kind": "cpu peak RSS of the process (includes set-up)"}
+                "peak_memory_kind": "cpu peak RSS of the process (includes set-up)", **fields}
     return {"peak_memory_mb": gather_peak_memory(env), "peak_reserved_mb": gather_peak_memory(env, "reserved"),
-            "peak_memory_kind": "cuda peak allocated by tensors since set-up (peak_reserved_mb: by the allocator)"}
+            "peak_memory_kind": "cuda peak allocated by tensors since set-up (peak_reserved_mb: by the allocator)",
+            **fields}
 
 
 def check_finite(loss, step):

@@ -25,16 +25,16 @@ row-parallel layer (its all-reduce made it whole on every tp rank), but only the
 after a column-parallel layer (the cnn cut after fc1: 60 of 120 features each at T = 2). The next
 stage's row-parallel layer wants exactly that shard, so nothing is gathered for the message; in
 backward the shard's gradient goes back the same way. Both sides know every shape up front, per
-rank: boundary_shapes() runs one zero sample through this rank's tensor-parallel model.
+rank: build_stage_model() runs one zero sample through the tensor-parallel blocks as they are built.
 """
 from functools import partial
 
-from common import base_parser, build_model, distributed, exit_now, fail, torchrun_env, validate_common
+from common import base_parser, build_model, distributed, exit_now, fail, num_blocks, torchrun_env, validate_common
 from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
-from pipeline_microbatch import (Messenger, StageRunner, add_pipeline_flags, boundary_shapes, build_chunks,
-                                 check_and_exit, near_multiples, schedule_actions, train, validate_pipeline)
-from tensor_parallel import (average_replicated_grads, full_slice, parallelize, report_replicas, validate_degree)
+from pipeline_microbatch import (Messenger, StageRunner, add_pipeline_flags, build_stage_model, check_and_exit,
+                                 near_multiples, schedule_actions, train, validate_pipeline)
+from tensor_parallel import (average_replicated_grads, full_slice, parallelize_block, report_replicas, validate_degree)
 
 PROGRAM = "parallel_3d"
 
@@ -76,19 +76,21 @@ def tp_fix(args, world, tp):
 
 
 def build_stage(args, env, grid):
-    """Every rank builds the full model from --seed, swaps every layer for its tp rank's slice of it
-    (tensor_parallel.parallelize over the tp group), then keeps its stage's blocks. Returns
-    (my place in my pipeline, the whole sliced model, the runner of my chunks)."""
+    """Every rank builds the model block by block from --seed, slices each block to its tp rank's
+    shards (tensor_parallel.parallelize_block over the tp group), and keeps the shards of its
+    stage's blocks only. The zero sample that measures each cut runs through the sliced blocks,
+    their tp collectives included (every rank of a tp group runs the same blocks), so a cut after a
+    column-parallel layer gives this rank's shard's shape. Returns (my place in my pipeline, my
+    stage's sliced blocks, named as in the full model, the runner of my chunks)."""
     pos = grid.pipeline(args.virtual_stages)
-    model = parallelize(build_model(args), args.model, grid.tp_group).to(env.device)
+    shard = partial(parallelize_block, model_name=args.model, group=grid.tp_group, n_blocks=num_blocks(args))
+    model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
     if env.device.type == "cuda":   # keep TP-replicated parameters identical (CPU gradients already are)
         average_replicated_grads(model, grid.tp_group)
-    # a forward through the sliced model, its tp collectives included (every rank of a tp group runs
-    # the same blocks): a cut after a column-parallel layer gives this rank's shard's shape
-    shapes = boundary_shapes(model, pos, args.balance, env.device)
-    chunks = build_chunks(model, pos, args.balance)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
-    return pos, model, StageRunner(chunks, pos, messenger, recompute=args.recompute)
+    runner = StageRunner(chunks, pos, messenger, recompute=args.recompute)
+    runner.model_param_mb = model.full_param_mb
+    return pos, model, runner
 
 
 def describe(grid, shapes):

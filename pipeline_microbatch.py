@@ -7,10 +7,11 @@ Gradients of the M microbatches accumulate (each loss divided by M), then every 
 optimizer step: the same update as one process on the whole batch.
 
 What this adds to single_baseline.py (whose data, seeding, optimizer and metrics it shares): each
-rank keeps only its stage's blocks of the full model (build_chunks), every message's shape is known
-up front (boundary_shapes), activations go forward and gradients back by isend/irecv (Messenger),
-a schedule orders each rank's forwards and backwards (schedule_actions, run by StageRunner), and
-only the last stage sees labels and the loss (train_step's head).
+rank builds and keeps only its stage's blocks of the model (build_stage_model: 1/p of the weights,
+gradients and momentum), every message's shape is known up front, activations go forward and
+gradients back by isend/irecv (Messenger), a schedule orders each rank's forwards and backwards
+(schedule_actions, run by StageRunner), and only the last stage sees labels and the loss
+(train_step's head).
 
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
@@ -40,7 +41,6 @@ first cycle of ranks waiting on each other; the tests run it for many (p, m, v),
 one-message-at-a-time order does deadlock.
 """
 import contextlib
-import copy
 import datetime
 import itertools
 import json
@@ -51,10 +51,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from common import (CommError, MetricsLog, Progress, base_parser, build_model, check_finite, clock, distributed,
-                    exit_now, fail, make_optimizer, memory_fields, start_memory_count, to_device, torchrun_env,
+                    exit_now, fail, make_optimizer, memory_fields, num_blocks, start_memory_count, to_device, torchrun_env,
                     validate_common)
 from data import agree_on_data, dp_slice, load_data, test_batches
 from schedules import SCHEDULES, bubble_theory, schedule_actions, with_communication
@@ -84,10 +85,6 @@ def parse_args(argv=None):
     validate_common(args, PROGRAM)
     validate_pipeline(args, stages=torchrun_env("gloo").world_size, replicas=1)
     return args
-
-
-def num_blocks(args):
-    return {"cnn": 5, "mlp": args.layers, "vit": args.layers + 2}[args.model]
 
 
 def validate_pipeline(args, stages, replicas, tp=1):
@@ -188,23 +185,31 @@ def partition(n_blocks, n_chunks, balance=None):
     return list(zip(starts[:-1], starts[1:]))
 
 
-def build_chunks(model, pos, balance=None):
-    """This rank's model chunks: virtual stages pp_rank, pp_rank + p, ... of the full model."""
-    bounds = partition(len(model), pos.pp_size * pos.virtual, balance)
-    return [model[slice(*bounds[c * pos.pp_size + pos.pp_rank])] for c in range(pos.virtual)]
-
-
-def boundary_shapes(model, pos, balance=None, device="cpu"):
-    """Per-sample shape of the activation entering each virtual stage, known to both sides up front
-    (so no message carries a shape): one forward of one zero sample through the full model (a
-    tensor-parallel model's forward gives this rank's shard where a cut follows a column-parallel layer)."""
-    bounds = partition(len(model), pos.pp_size * pos.virtual, balance)
+def build_stage_model(args, pos, device, shard=None):
+    """This rank's blocks and nothing else (the memory contract): the model is built block by block
+    from --seed in the baseline's order; each block (parallel_3d.py: its tensor-parallel shard,
+    shard(i, block)) takes one zero sample through it, which gives the per-sample shape entering
+    every virtual stage, known to both sides of each cut up front (no message carries a shape);
+    then the block is kept if it is in one of my chunks and dropped at once if not. Returns
+    (my blocks, named as in the full model; my chunks: virtual stages pp_rank, pp_rank + p, ...;
+    the shapes entering each virtual stage)."""
+    bounds = partition(num_blocks(args), pos.pp_size * pos.virtual, args.balance)
+    mine = [range(*bounds[c * pos.pp_size + pos.pp_rank]) for c in range(pos.virtual)]
+    starts = [start for start, _ in bounds]
     shapes, x = [], torch.zeros(1, 3, 32, 32, device=device)
-    with torch.no_grad():
-        for start, end in bounds:
+
+    def keep(i, block):
+        nonlocal x
+        block = (shard(i, block) if shard else block).to(device)
+        if i in starts:
             shapes.append(tuple(x.shape[1:]))
-            x = model[start:end](x)
-    return shapes
+        with torch.no_grad():                 # a sharded block runs its tp collectives: my shard's shape
+            x = block(x)
+        return block if any(i in blocks for blocks in mine) else None
+
+    model = build_model(args, keep, device)
+    chunks = [nn.Sequential(*(model.get_submodule(str(i)) for i in blocks)) for blocks in mine]
+    return model, chunks, shapes
 
 
 # ----------------------------------------------------------------------------- point-to-point
@@ -309,6 +314,7 @@ class StageRunner:
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
         self.stashes = [WeightGradStash(chunk) for chunk in chunks] if split else None
         self.events = None                    # a list while the timeline is recorded
+        self.model_param_mb = 0.0             # the whole model's parameters (the summary record): setup_stage
 
     def clock(self):
         """perf_counter; while the timeline records on a GPU, after the queued kernels have run (a
@@ -470,7 +476,7 @@ def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=Non
     gradients over replicas before they are compared. With tensor parallelism (parallel_3d.py),
     reference is the full model and full_slice(name, tensor) the part of it this rank holds.
     Returns (tensors compared, largest difference); raises AssertionError naming the first mismatch."""
-    reference = copy.deepcopy(model) if reference is None else reference   # same weights, before our step
+    reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
     full_slice = full_slice or (lambda name, full: full)
     ref_logits = reference(x)
     F.cross_entropy(ref_logits, y).backward()
@@ -529,14 +535,14 @@ def check_and_exit(env, runner, actions, model, args, x, y, **replicas):
 
 
 def setup_stage(args, env, pos):
-    """Build the full model from --seed, keep this rank's chunks; returns (model, runner)."""
-    model = build_model(args)
-    shapes = boundary_shapes(model, pos, args.balance)
-    model.to(env.device)
-    chunks = build_chunks(model, pos, args.balance)
+    """This rank's blocks of the model (only those: build_stage_model) and the runner of its chunks;
+    returns (model, runner)."""
+    model, chunks, shapes = build_stage_model(args, pos, env.device)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
-    return model, StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
-                              recompute=getattr(args, "recompute", False))   # a parser without the flag: off
+    runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
+                         recompute=getattr(args, "recompute", False))   # a parser without the flag: off
+    runner.model_param_mb = model.full_param_mb
+    return model, runner
 
 
 def main(argv=None):
@@ -605,7 +611,8 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-              **memory_fields(env), schedule=args.schedule, microbatches=args.microbatches)
+              **memory_fields(env, params, runner.model_param_mb), schedule=args.schedule,
+              microbatches=args.microbatches)
     log.close()
     return 0
 

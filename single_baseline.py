@@ -77,7 +77,7 @@ def main(argv=None):
                 log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
                 print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-                  **memory_fields(env))
+                  **memory_fields(env, model.parameters(), model.full_param_mb))
         log.close()
         print(f"wrote {args.log_file}")
 

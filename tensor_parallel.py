@@ -54,8 +54,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
-                    distributed, exit_now, fail, make_optimizer, memory_fields, replicas_identical, start_memory_count,
-                    to_device, torchrun_env, validate_common)
+                    distributed, exit_now, fail, make_optimizer, memory_fields, num_blocks, replicas_identical,
+                    start_memory_count, to_device, torchrun_env, validate_common)
 from data import agree_on_data, load_data
 from single_baseline import evaluate, train_step
 
@@ -304,20 +304,25 @@ class ParallelAttention(Attention):
 # ----------------------------------------------------------------------------- the models
 
 
-def parallel_cnn(model, group):
+def parallel_cnn_block(i, block, group):
     """conv1 | conv2 and fc1 | fc2 are column | row pairs; fc3 is column-parallel with a gather.
     GroupNorm sits after conv2's all-reduce, on all 16 whole channels: replicated, no communication."""
-    model[0][0] = ColumnParallelConv2d(model[0][0], group)  # GELU and avg-pool are per channel: no comm
-    model[1][0] = RowParallelConv2d(model[1][0], group)
-    return parallel_cnn_classifier(model, group)
+    if i == 0:
+        block[0] = ColumnParallelConv2d(block[0], group)  # GELU and avg-pool are per channel: no comm
+    elif i == 1:
+        block[0] = RowParallelConv2d(block[0], group)
+    return parallel_cnn_classifier_block(i, block, group)
 
 
-def parallel_cnn_classifier(model, group):
+def parallel_cnn_classifier_block(i, block, group):
     """fc1 | fc2 a column | row pair, fc3 column-parallel with a gather (the logits whole on every rank)."""
-    model[2][1] = ColumnParallelLinear(model[2][1], group)
-    model[3][0] = RowParallelLinear(model[3][0], group)
-    model[4][0] = ColumnParallelLinear(model[4][0], group, gather_output=True)
-    return model
+    if i == 2:
+        block[1] = ColumnParallelLinear(block[1], group)
+    elif i == 3:
+        block[0] = RowParallelLinear(block[0], group)
+    elif i == 4:
+        block[0] = ColumnParallelLinear(block[0], group, gather_output=True)
+    return block
 
 
 class SummedGradients:
@@ -353,8 +358,8 @@ class HybridCNN(nn.Sequential):
     CONV_BLOCKS = 2
 
     def __init__(self, model, group):
-        super().__init__(*parallel_cnn_classifier(model, group))
-        self.group = group
+        super().__init__(*model)   # blocks 2-4 already made tensor-parallel (parallelize_block)
+        self.group, self.full_param_mb = group, getattr(model, "full_param_mb", 0.0)
         self.conv_gradients = SummedGradients(
             [p for block in list(self)[:self.CONV_BLOCKS] for p in block.parameters()], group)
 
@@ -372,35 +377,52 @@ class HybridCNN(nn.Sequential):
         return x
 
 
-def parallel_mlp(model, group):
-    """Linear layers paired from the front as column | row; with an odd count the classifier is left
-    over and becomes column-parallel with a gather, so every weight matrix stays sharded."""
-    linears = [(block, i) for block in model for i, m in enumerate(block) if isinstance(m, nn.Linear)]
-    for k, (block, i) in enumerate(linears):
-        if k % 2:
-            block[i] = RowParallelLinear(block[i], group)
-        else:
-            block[i] = ColumnParallelLinear(block[i], group, gather_output=k == len(linears) - 1)
-    return model
+def parallel_mlp_block(i, block, group, n_blocks):
+    """Linear layers (one a block) paired from the front as column | row; with an odd count the
+    classifier is left over and becomes column-parallel with a gather, so every weight matrix stays sharded."""
+    j = next(j for j, m in enumerate(block) if isinstance(m, nn.Linear))
+    block[j] = RowParallelLinear(block[j], group) if i % 2 else \
+        ColumnParallelLinear(block[j], group, gather_output=i == n_blocks - 1)
+    return block
 
 
-def parallel_vit(model, group):
+def parallel_vit_block(i, block, group, n_blocks):
     """Attention split by heads, the block MLP column | row; LayerNorms, the patch embedding and the
     head are replicated (small, and the residual stream must be whole for LayerNorm anyway)."""
-    for block in model[1:-1]:
+    if 0 < i < n_blocks - 1:
         heads = block.attn.q.out_features // block.attn.head_dim
         head_sizes = [n * block.attn.head_dim for n in split_sizes(heads, tp_size(group))]
         block.attn = ParallelAttention(block.attn, group, head_sizes)
         block.mlp[0] = ColumnParallelLinear(block.mlp[0], group)
         block.mlp[2] = RowParallelLinear(block.mlp[2], group)
+    return block
+
+
+def parallelize_block(i, block, model_name, group, n_blocks, hybrid=False):
+    """Block i of the full model with its layers replaced, in place, by this rank's parallel layers
+    (same names); the full weights go as soon as the caller drops the full block."""
+    if hybrid:   # the convolutions stay whole (data-parallel), the classifier is split
+        return parallel_cnn_classifier_block(i, block, group)
+    if model_name == "cnn":
+        return parallel_cnn_block(i, block, group)
+    return {"mlp": parallel_mlp_block, "vit": parallel_vit_block}[model_name](i, block, group, n_blocks)
+
+
+def build_parallel_model(args, group, device, hybrid=False):
+    """This rank's model and nothing more (the memory contract): block by block from --seed, each
+    full block sliced into my shards as soon as it is built, the full one dropped before the next."""
+    shard = partial(parallelize_block, model_name=args.model, group=group, n_blocks=num_blocks(args), hybrid=hybrid)
+    model = build_model(args, shard, device)
+    if hybrid:
+        model = HybridCNN(model, group)
     return model
 
 
 def parallelize(model, model_name, group, hybrid=False):
-    """The full model with its layers replaced, in place, by this rank's parallel layers (same names)."""
-    if hybrid:
-        return HybridCNN(model, group)
-    return {"cnn": parallel_cnn, "mlp": parallel_mlp, "vit": parallel_vit}[model_name](model, group)
+    """A whole model (tests and benchmarks build one) made parallel block by block, in place."""
+    for i, block in enumerate(model):
+        parallelize_block(i, block, model_name, group, len(model), hybrid)
+    return HybridCNN(model, group) if hybrid else model
 
 
 def shard_of(model, name):
@@ -439,7 +461,7 @@ def average_replicated_grads(model, group):
 def report_replicas(model, group, env, timeout_s):
     """End of a run: the replicated parameters must be bit-identical on every tp rank. 0 if so, else 1."""
     with awaiting(f"rank {env.rank} waited to compare the replicated parameters", timeout_s):
-        same = replicas_identical(replicated_parameters(model), group)
+        same = replicas_identical(replicated_parameters(model), group, env.device)
     if env.rank == 0:
         print(f"replicated parameters bit-identical across the {tp_size(group)} tensor-parallel ranks: "
               f"{'yes' if same else 'NO'}", flush=True)
@@ -529,7 +551,7 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         group = dist.group.WORLD if dist.is_initialized() else None
-        model = parallelize(build_model(args), args.model, group, args.hybrid).to(env.device)
+        model = build_parallel_model(args, group, env.device, args.hybrid)
         if env.device.type == "cuda":   # on the CPU the gradients are bit-identical already
             average_replicated_grads(model, group)
         if args.check:
@@ -539,7 +561,7 @@ def main(argv=None):
         start_memory_count(env.device)
         progress = train(model, args, data, env, log)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-                  **memory_fields(env))
+                  **memory_fields(env, model.parameters(), model.full_param_mb))
         log.close()
         if env.rank == 0:
             print(f"wrote {args.log_file}")

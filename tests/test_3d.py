@@ -138,9 +138,9 @@ def test_check_compares_each_tensor_with_the_slice_it_is_given(monkeypatch):
     pos = pm.PipelineRank(0, 1, [0])
 
     def check(slicer):
-        model = tp.parallelize(build_model(args), "mlp", None)
-        runner = pm.StageRunner(pm.build_chunks(model, pos), pos,
-                                pm.Messenger(pos, pm.boundary_shapes(model, pos), torch.device("cpu"), 10))
+        shard = partial(tp.parallelize_block, model_name="mlp", group=None, n_blocks=3)
+        model, chunks, shapes = pm.build_stage_model(args, pos, torch.device("cpu"), shard)
+        runner = pm.StageRunner(chunks, pos, pm.Messenger(pos, shapes, torch.device("cpu"), 10))
         return pm.run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y,
                             reference=build_model(args), full_slice=slicer(model))
 

@@ -199,9 +199,10 @@ def test_memory_is_labelled_and_batches_stay_put_on_the_cpu():
     env = common.torchrun_env("gloo")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        fields = common.memory_fields(env)
+        fields = common.memory_fields(env, [torch.zeros(2**18)], 2.0)
     finally:
         dist.destroy_process_group()
     assert fields["peak_memory_kind"].startswith("cpu peak RSS") and "peak_reserved_mb" not in fields
+    assert fields["param_mb"] == {0: 1.0} and fields["model_param_mb"] == 2.0
     x = torch.ones(2)
     assert common.to_device(x, env.device) is x
