@@ -20,3 +20,8 @@ def baseline(tmp_path_factory):
             _baselines[key] = launch("single_baseline.py", args, tmp_path_factory.mktemp("baseline"))
         return _baselines[key]
     return get
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a multi-process run of tens of seconds; "
+                                       "`python -m pytest -q -m 'not slow' tests` leaves these out")

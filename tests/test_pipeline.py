@@ -58,6 +58,7 @@ def test_timeline_is_a_chrome_trace_with_the_bubble(tmp_path):
     assert other["bubble_theory"] == pytest.approx(2 / 6) and 0 < other["bubble_measured"] < 1
 
 
+@pytest.mark.slow
 def test_a_thousand_microbatches_recompute_and_1f1b_do_not_hold_them_all(tmp_path):
     """1000 microbatches of four samples on 4 stages. GPipe's first stage holds the activations of all
     1000 at once (74 kB a sample for the cnn's two conv blocks: about 300 MB); with --recompute only
