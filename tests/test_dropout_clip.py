@@ -26,6 +26,7 @@ def assert_same_norms(run, reference, atol=1e-4):
     assert sum(n > CLIP for n in want) >= len(want) // 2, f"clipping was not active: norms {want}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program,args,nproc", [
     ("pipeline_microbatch.py", MLP + ["--schedule", "1f1b", "--microbatches", "4"], 2),
     ("pipeline_microbatch.py", MLP + ["--schedule", "interleaved", "--microbatches", "2"], 2),
