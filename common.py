@@ -7,6 +7,7 @@ process group, seeding, the three models as ordered lists of blocks, and the met
 import argparse
 import copy
 import datetime
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from keyed_dropout import DropoutKeys, KeyedDropout
 
 NUM_CLASSES = 10
 
@@ -83,6 +86,11 @@ def base_parser(description):
                    help="auto: nccl with one GPU per local rank, else gloo")
     p.add_argument("--timeout-s", type=float, default=180.0, help="collective/p2p timeout in seconds")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout probability (mlp: after each hidden activation; vit: attention and MLP outputs; "
+                        "cnn: before fc1 and fc2), with masks that every layout draws alike")
+    p.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip the gradient to this global norm (the full model's; default: no clipping)")
     return p
 
 
@@ -98,6 +106,10 @@ def validate_common(args, program):
         if not math.isfinite(value) or value < 0 or (value == 0 and name != "momentum"):
             fail(f"--{name.replace('_', '-')} {value} must be a finite number > 0"
                  + (" (or 0 for momentum)" if name == "momentum" else ""))
+    if not 0 <= args.dropout < 1:
+        fail(f"--dropout {args.dropout} must be a probability in [0, 1), e.g. 0.1")
+    if args.clip_grad_norm is not None and not (math.isfinite(args.clip_grad_norm) and args.clip_grad_norm > 0):
+        fail(f"--clip-grad-norm {args.clip_grad_norm} must be a finite number > 0 (omit it for no clipping)")
     if args.model == "mlp" and args.layers < 2:
         fail(f"--layers {args.layers}: the mlp needs at least 2 Linear layers")
     if args.model == "vit" and args.hidden % args.heads:
@@ -270,18 +282,19 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(ln1(x)), then x + mlp(ln2(x)). LayerNorm is per token, so it
-    never mixes samples: exact under microbatching and data parallelism."""
+    """Pre-norm block: x + drop1(attn(ln1(x))), then x + drop2(mlp(ln2(x))). LayerNorm is per
+    token, so it never mixes samples: exact under microbatching and data parallelism."""
 
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, dropout=None):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = Attention(dim, heads)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.drop1, self.drop2 = dropout() if dropout else nn.Identity(), dropout() if dropout else nn.Identity()
 
     def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop1(self.attn(self.ln1(x)))
+        return x + self.drop2(self.mlp(self.ln2(x)))
 
 
 class PatchEmbed(nn.Module):
@@ -308,32 +321,38 @@ class Head(nn.Module):
         return self.fc(self.ln(x).mean(dim=1))
 
 
-def cnn_blocks():
+def cnn_blocks(dropout):
     """The PyTorch CIFAR-10 tutorial network in 5 blocks, with two changes made for the
     equivalence contract. One GroupNorm with one group per channel: its statistics are per sample
     and per channel, so it is exact under microbatching, data parallelism and channel-sharded
     tensor parallelism alike (BatchNorm would not be). GELU and average pooling instead of ReLU and
     max pooling: kinks turn float32 rounding differences (1e-7, from summing a batch's gradient in
     another order) into 1e-1 loss differences within ~100 steps; smooth layers keep them at 1e-7.
-    A generator: each block is constructed (drawing its initial weights) only when it is asked for."""
+    A generator: each block is constructed (drawing its initial weights) only when it is asked for.
+    dropout(): a dropout layer, before each hidden fc layer (fc1, fc2); it ends the block before,
+    so the parameters keep their names whether or not there is dropout."""
     yield nn.Sequential(nn.Conv2d(3, 6, 5), nn.GELU(), nn.AvgPool2d(2))                          # 6x14x14
-    yield nn.Sequential(nn.Conv2d(6, 16, 5), nn.GroupNorm(16, 16), nn.GELU(), nn.AvgPool2d(2))  # 16x5x5
-    yield nn.Sequential(nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.GELU())
+    yield nn.Sequential(nn.Conv2d(6, 16, 5), nn.GroupNorm(16, 16), nn.GELU(), nn.AvgPool2d(2),  # 16x5x5
+                        dropout())
+    yield nn.Sequential(nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.GELU(), dropout())
     yield nn.Sequential(nn.Linear(120, 84), nn.GELU())
     yield nn.Sequential(nn.Linear(84, NUM_CLASSES))
 
 
-def mlp_blocks(layers, hidden):
-    yield nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, hidden), nn.GELU())
+def mlp_blocks(layers, hidden, dropout):
+    """Flatten, Linear(3072, H), GELU, (Linear(H, H), GELU) x (L-2), Linear(H, 10); dropout() after
+    each hidden activation."""
+    yield nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, hidden), nn.GELU(), dropout())
     for _ in range(layers - 2):
-        yield nn.Sequential(nn.Linear(hidden, hidden), nn.GELU())
+        yield nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), dropout())
     yield nn.Sequential(nn.Linear(hidden, NUM_CLASSES))
 
 
-def vit_blocks(layers, hidden, heads):
+def vit_blocks(layers, hidden, heads, dropout):
+    """dropout(): on the attention output and on the MLP output, before each residual add."""
     yield PatchEmbed(hidden)
     for _ in range(layers):
-        yield TransformerBlock(hidden, heads)
+        yield TransformerBlock(hidden, heads, dropout)
     yield Head(hidden)
 
 
@@ -341,16 +360,22 @@ def num_blocks(args):
     return {"cnn": 5, "mlp": args.layers, "vit": args.layers + 2}[args.model]
 
 
-def model_blocks(args):
+def model_blocks(args, keys):
     """The model's blocks in order, each constructed only when the one before has been consumed.
     Every block's initial weights come from one random stream seeded by --seed, drawn in this
-    order, so block i is bit-identical in every program whether or not blocks 0..i-1 were kept."""
+    order, so block i is bit-identical in every program whether or not blocks 0..i-1 were kept.
+    The dropout layers are numbered in the same order (the layer in their masks' key)."""
     seed_everything(args.seed)
+    layers = itertools.count()
+
+    def dropout():   # keyed masks (keyed_dropout.py): every layout draws the baseline's
+        return KeyedDropout(getattr(args, "dropout", 0.0), next(layers), keys)
+
     if args.model == "cnn":
-        return cnn_blocks()
+        return cnn_blocks(dropout)
     if args.model == "mlp":
-        return mlp_blocks(args.layers, args.hidden)
-    return vit_blocks(args.layers, args.hidden, args.heads)
+        return mlp_blocks(args.layers, args.hidden, dropout)
+    return vit_blocks(args.layers, args.hidden, args.heads, dropout)
 
 
 def build_model(args, keep=None, device="cpu"):
@@ -363,14 +388,15 @@ def build_model(args, keep=None, device="cpu"):
     block. Kept blocks keep their index as their name ("2.1.weight" is the baseline's name on
     every rank), so a rank's parameters are named in the full model's coordinates. Without keep:
     the whole model, for the baseline and for --check's reference."""
-    kept, full_mb = OrderedDict(), 0.0
-    for i, block in enumerate(model_blocks(args)):
+    kept, full_mb, keys = OrderedDict(), 0.0, DropoutKeys(args.seed)
+    for i, block in enumerate(model_blocks(args, keys)):
         full_mb += param_mb(block.parameters())
         block = keep(i, block) if keep else block
         if block is not None:
             kept[str(i)] = block.to(device)
     model = nn.Sequential(kept)
     model.full_param_mb = full_mb     # what the whole model's parameters take, for the summary record
+    model.dropout_keys = keys         # the training loop sets the step and the first sample's index
     return model
 
 

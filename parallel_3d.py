@@ -34,7 +34,8 @@ from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
 from pipeline_microbatch import (Messenger, StageRunner, add_pipeline_flags, build_stage_model, check_and_exit,
                                  near_multiples, schedule_actions, train, validate_pipeline)
-from tensor_parallel import (average_replicated_grads, full_slice, parallelize_block, report_replicas, validate_degree)
+from tensor_parallel import (average_replicated_grads, counted_once, full_slice, parallelize_block, report_replicas,
+                             validate_degree)
 
 PROGRAM = "parallel_3d"
 
@@ -89,7 +90,10 @@ def build_stage(args, env, grid):
         average_replicated_grads(model, grid.tp_group)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
     runner = StageRunner(chunks, pos, messenger, recompute=args.recompute)
-    runner.model_param_mb = model.full_param_mb
+    runner.model_param_mb, runner.keys = model.full_param_mb, model.dropout_keys
+    # the gradient norm (clipping.py): summed over my stage's tp shards (its replicated tensors
+    # counted by tp rank 0 only), then over the stages; not over replicas, whose gradients are averaged
+    runner.norm_groups, runner.counted = [grid.tp_group, grid.pp_group], counted_once(model, grid.tp_group)
     return pos, model, runner
 
 

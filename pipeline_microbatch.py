@@ -54,10 +54,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (CommError, MetricsLog, Progress, base_parser, build_model, check_finite, clock, distributed,
+from clipping import clip_global
+from common import (CommError, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock, distributed,
                     exit_now, fail, make_optimizer, memory_fields, num_blocks, start_memory_count, to_device, torchrun_env,
                     validate_common)
 from data import agree_on_data, dp_slice, load_data, test_batches
+from keyed_dropout import DropoutKeys
 from schedules import SCHEDULES, bubble_theory, schedule_actions, with_communication
 from zero_bubble import WeightGradStash
 
@@ -315,6 +317,8 @@ class StageRunner:
         self.stashes = [WeightGradStash(chunk) for chunk in chunks] if split else None
         self.events = None                    # a list while the timeline is recorded
         self.model_param_mb = 0.0             # the whole model's parameters (the summary record): setup_stage
+        self.keys = DropoutKeys(seed=0)       # replaced by the model's own (setup_stage): its dropout reads them
+        self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (clipping.py)
 
     def clock(self):
         """perf_counter; while the timeline records on a GPU, after the queued kernels have run (a
@@ -327,11 +331,13 @@ class StageRunner:
         if self.events is not None:
             self.events.append((cat, name, mb, chunk, start, self.clock()))
 
-    def run(self, actions, inputs, head, mb_size):
+    def run(self, actions, inputs, head, mb_size, first_sample=0):
         """inputs: microbatches for virtual stage 0 (first stage only), indexed by microbatch and
         read when their forward runs. head(mb, output) -> the scaled loss to differentiate (or None
-        when not training), on the last virtual stage."""
+        when not training), on the last virtual stage. first_sample: the global batch index of
+        microbatch 0's first sample (a data-parallel replica's offset), for the dropout masks."""
         saved, outbox, inbox = {}, {}, {}
+        self.mb_size, self.first_sample = mb_size, first_sample
         for stash in self.stashes or []:
             stash.active = True
         try:
@@ -362,9 +368,16 @@ class StageRunner:
     def is_last(self, chunk):
         return self.vstage(chunk) == self.pos.pp_size * self.pos.virtual - 1
 
+    def key_masks_to(self, mb):
+        """Dropout draws microbatch mb's masks: its samples' indices in the global batch key them
+        (keyed_dropout.py), so a forward and its recomputation draw the same, and the baseline's."""
+        if self.keys is not None:
+            self.keys.first_sample = self.first_sample + mb * self.mb_size
+
     def forward(self, mb, chunk, inputs, head, saved, outbox, inbox):
         vstage, training = self.vstage(chunk), torch.is_grad_enabled()
         x = inputs[mb] if vstage == 0 else inbox.pop(("act", mb, vstage)).requires_grad_()
+        self.key_masks_to(mb)
         with torch.no_grad() if self.recompute else contextlib.nullcontext():
             y = self.chunks[chunk](x)
         if not self.is_last(chunk):
@@ -384,6 +397,7 @@ class StageRunner:
         vstage, last = self.vstage(chunk), self.is_last(chunk)
         grad = None if last else inbox.pop(("grad", mb, vstage))
         if self.recompute:                    # re-materialise the chunk's activations from its input
+            self.key_masks_to(mb)
             logits, y = y, self.chunks[chunk](x)
             self.record("recompute", f"R{mb}", mb, start, chunk)
             start = self.clock()
@@ -397,10 +411,11 @@ class StageRunner:
         return start
 
 
-def train_step(runner, actions, x, y, m, samples=None):
+def train_step(runner, actions, x, y, m, samples=None, first_sample=0):
     """One global batch (or this replica's slice of it) through the pipeline; the accumulated
     gradients are the batch-mean gradient. x: inputs (first stage), y: labels (last stage), samples:
-    the batch size, which every stage must know. Returns the batch-mean loss on the last stage, else None."""
+    the batch size, which every stage must know; first_sample: the slice's offset in the global
+    batch. Returns the batch-mean loss on the last stage, else None."""
     losses = []
 
     def head(mb, logits):
@@ -413,7 +428,7 @@ def train_step(runner, actions, x, y, m, samples=None):
         x_mb = x if isinstance(x, StreamedInputs) else x.chunk(m)
     y_mb = y.chunk(m) if runner.pos.is_last_stage else None      # only the last stage reads labels
     samples = samples or len(x if x is not None else y)
-    runner.run(actions, x_mb, head, samples // m)
+    runner.run(actions, x_mb, head, samples // m, first_sample)
     return torch.stack(losses).sum().item() if losses else None
 
 
@@ -478,8 +493,10 @@ def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=Non
     Returns (tensors compared, largest difference); raises AssertionError naming the first mismatch."""
     reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
     full_slice = full_slice or (lambda name, full: full)
-    ref_logits = reference(x)
+    with reference.dropout_keys.training(0):              # step 0's masks, as in training
+        ref_logits = reference(x)
     F.cross_entropy(ref_logits, y).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
     make_optimizer(reference.parameters(), args).step()
     x, y, ref_logits = (dp_slice(t, *replica) for t in (x, y, ref_logits.detach()))
     m, outputs, losses, y_mb = args.microbatches, {}, [], y.chunk(args.microbatches)
@@ -489,11 +506,14 @@ def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=Non
         losses.append(F.cross_entropy(logits, y_mb[mb]) / m)
         return losses[-1]
 
-    runner.run(actions, x.chunk(m) if runner.pos.is_first_stage else None, head, x.shape[0] // m)
+    with runner.keys.training(0):
+        runner.run(actions, x.chunk(m) if runner.pos.is_first_stage else None, head, x.shape[0] // m,
+                   replica[0] * x.shape[0])
     ours = {id(p) for chunk in runner.chunks for p in chunk.parameters()}
     local = [(name, p) for name, p in model.named_parameters() if id(p) in ours]
     if sync_grads:
         sync_grads([p for _, p in local])
+    clip_global([p for _, p in local], args.clip_grad_norm, runner.norm_groups, runner.counted)
     ref = dict(reference.named_parameters())
     pairs = [(f"gradient of {n}", p.grad, full_slice(n, ref[n].grad)) for n, p in local]
     if outputs:
@@ -541,7 +561,7 @@ def setup_stage(args, env, pos):
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
     runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
                          recompute=getattr(args, "recompute", False))   # a parser without the flag: off
-    runner.model_param_mb = model.full_param_mb
+    runner.model_param_mb, runner.keys = model.full_param_mb, model.dropout_keys
     return model, runner
 
 
@@ -592,8 +612,12 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
             runner.events, runner.origin = [], time.perf_counter()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = train_step(runner, actions, x, y, args.microbatches, args.batch_size // replicas.dp_size)
+        samples = args.batch_size // replicas.dp_size
+        with runner.keys.training(step):
+            loss = train_step(runner, actions, x, y, args.microbatches, samples, replicas.dp_rank * samples)
         replicas.sync_grads(params)           # after the last backward, before the update
+        with awaiting(f"rank {env.rank} waited for the gradient norm's sums of step {step}", args.timeout_s):
+            norm = clip_global(params, args.clip_grad_norm, runner.norm_groups, runner.counted)
         optimizer.step()
         step_time = clock(env.device) - start   # the optimizer step's kernels included
         if runner.events is not None:
@@ -603,7 +627,8 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
             loss = replicas.average(loss)
         if owner:
             check_finite(loss, step)
-            log.write("train", step=step, loss=loss, step_time_s=step_time, samples_per_s=args.batch_size / step_time)
+            log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,
+                      samples_per_s=args.batch_size / step_time)
             progress.update(step, loss, step_time, args.batch_size)
         if args.eval_every and replicas.dp_rank == 0 and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             result = evaluate(runner, pos, data, env.device)    # replica 0 only: weights are identical

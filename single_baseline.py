@@ -30,13 +30,22 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- training
 
 
-def train_step(model, optimizer, x, y):
-    """One optimizer step on the whole global batch; returns the loss before the update."""
+def train_step(model, optimizer, x, y, step, grad_norm):
+    """One optimizer step on the whole global batch (the samples of step `step`, for the dropout
+    masks). grad_norm(params): the full model's gradient norm, clipping the gradients to
+    --clip-grad-norm if set. Returns (the loss before the update, that norm)."""
     optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y)
+    with model.dropout_keys.training(step):
+        loss = F.cross_entropy(model(x), y)
     loss.backward()
+    norm = grad_norm(list(model.parameters()))
     optimizer.step()
-    return loss.item()
+    return loss.item(), norm
+
+
+def clip_grad_norm(max_norm):
+    """The one-process norm and clipping: torch's own (inf: measure, never clip)."""
+    return lambda params: torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf")).item()
 
 
 @torch.no_grad()
@@ -66,10 +75,10 @@ def main(argv=None):
         for step in range(args.steps):
             x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))
             start = time.perf_counter()
-            loss = train_step(model, optimizer, x, y)
+            loss, norm = train_step(model, optimizer, x, y, step, clip_grad_norm(args.clip_grad_norm))
             step_time = clock(env.device) - start
             check_finite(loss, step)
-            log.write("train", step=step, loss=loss, step_time_s=step_time,
+            log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,
                       samples_per_s=args.batch_size / step_time)
             progress.update(step, loss, step_time, args.batch_size)
             if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):

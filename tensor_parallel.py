@@ -56,7 +56,9 @@ import torch.nn.functional as F
 from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
                     distributed, exit_now, fail, make_optimizer, memory_fields, num_blocks, replicas_identical,
                     start_memory_count, to_device, torchrun_env, validate_common)
+from clipping import clip_global
 from data import agree_on_data, load_data
+from keyed_dropout import KeyedDropout
 from single_baseline import evaluate, train_step
 
 PROGRAM = "tensor_parallel"
@@ -317,7 +319,7 @@ def parallel_cnn_block(i, block, group):
 def parallel_cnn_classifier_block(i, block, group):
     """fc1 | fc2 a column | row pair, fc3 column-parallel with a gather (the logits whole on every rank)."""
     if i == 2:
-        block[1] = ColumnParallelLinear(block[1], group)
+        block[1] = shard_dropout(block, ColumnParallelLinear(block[1], group))
     elif i == 3:
         block[0] = RowParallelLinear(block[0], group)
     elif i == 4:
@@ -359,7 +361,7 @@ class HybridCNN(nn.Sequential):
 
     def __init__(self, model, group):
         super().__init__(*model)   # blocks 2-4 already made tensor-parallel (parallelize_block)
-        self.group, self.full_param_mb = group, getattr(model, "full_param_mb", 0.0)
+        self.group, self.full_param_mb, self.dropout_keys = group, model.full_param_mb, model.dropout_keys
         self.conv_gradients = SummedGradients(
             [p for block in list(self)[:self.CONV_BLOCKS] for p in block.parameters()], group)
 
@@ -368,9 +370,11 @@ class HybridCNN(nn.Sequential):
         # tensor_split's sizes, which the padded all-gather accepts
         sizes = split_sizes(x.shape[0], tp_size(self.group))
         x = x.tensor_split(len(sizes))[tp_rank(self.group)]  # my contiguous slice: no communication
-        blocks = list(self)
+        blocks, keys = list(self), self.dropout_keys
+        whole_batch, keys.first_sample = keys.first_sample, keys.first_sample + sum(sizes[:tp_rank(self.group)])
         for block in blocks[:self.CONV_BLOCKS]:  # GroupNorm's statistics are per sample: exact on a slice
-            x = block(x)
+            x = block(x)                          # (and the dropout ending block 1 keys my samples' masks)
+        keys.first_sample = whole_batch
         x = gather_from_dp_region(x, self.group, sizes)
         for block in blocks[self.CONV_BLOCKS:]:
             x = block(x)
@@ -382,8 +386,18 @@ def parallel_mlp_block(i, block, group, n_blocks):
     classifier is left over and becomes column-parallel with a gather, so every weight matrix stays sharded."""
     j = next(j for j, m in enumerate(block) if isinstance(m, nn.Linear))
     block[j] = RowParallelLinear(block[j], group) if i % 2 else \
-        ColumnParallelLinear(block[j], group, gather_output=i == n_blocks - 1)
+        shard_dropout(block, ColumnParallelLinear(block[j], group, gather_output=i == n_blocks - 1))
     return block
+
+
+def shard_dropout(block, column):
+    """A dropout after a column-parallel layer sees only this rank's output features, start.. of
+    the full layer's: it must draw those elements' masks, not the first ones' (keyed_dropout.py)."""
+    _, start, _ = column.shards["weight"]
+    for m in block:
+        if isinstance(m, KeyedDropout) and not column.gather_output:
+            m.shard = (start, sum(column.sizes))
+    return column
 
 
 def parallel_vit_block(i, block, group, n_blocks):
@@ -458,6 +472,13 @@ def average_replicated_grads(model, group):
         p.register_post_accumulate_grad_hook(average)
 
 
+def counted_once(model, group):
+    """For the gradient norm (clipping.py): a shard counts on the rank that holds it, a replicated
+    tensor on tp rank 0 only (every tp rank holds the same one)."""
+    replicated, first = {id(p) for p in replicated_parameters(model)}, tp_rank(group) == 0
+    return lambda p: first or id(p) not in replicated
+
+
 def report_replicas(model, group, env, timeout_s):
     """End of a run: the replicated parameters must be bit-identical on every tp rank. 0 if so, else 1."""
     with awaiting(f"rank {env.rank} waited to compare the replicated parameters", timeout_s):
@@ -481,16 +502,20 @@ def compare(what, got, want, results):
         results.append((what, diff, " ".join(str(e).split())[:200]))
 
 
-def check_one_step(model, reference, x, y, args):
-    """One SGD step of the parallel model and of the full reference on (x, y), compared tensor by tensor."""
+def check_one_step(model, reference, x, y, args, group=None):
+    """One SGD step of the parallel model and of the full reference on (x, y), compared tensor by
+    tensor: step 0's dropout masks, the gradients after clipping to the full model's norm."""
     results = []
     opt, ref_opt = make_optimizer(model.parameters(), args), make_optimizer(reference.parameters(), args)
-    out, ref_out = model(x), reference(x)
+    with model.dropout_keys.training(0), reference.dropout_keys.training(0):
+        out, ref_out = model(x), reference(x)
     compare("output", out, ref_out, results)
     loss, ref_loss = F.cross_entropy(out, y), F.cross_entropy(ref_out, y)
     compare("loss", loss, ref_loss, results)
     loss.backward()
     ref_loss.backward()
+    clip_global(model.parameters(), args.clip_grad_norm, [group], counted_once(model, group))
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
     for name, p in model.named_parameters():
         compare(f"gradient of {name}", p.grad, full_slice(model, name, reference.get_parameter(name).grad), results)
     opt.step()
@@ -503,7 +528,7 @@ def check_one_step(model, reference, x, y, args):
 def run_check(model, args, data, env, group):
     """--check: every rank compares its shards; all ranks agree on the exit status (0 match, 1 mismatch)."""
     x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-    results = check_one_step(model, build_model(args).to(env.device), x, y, args)
+    results = check_one_step(model, build_model(args).to(env.device), x, y, args, group)
     for what, diff, error in results:
         if error:
             print(f"mismatch on rank {env.rank}: {what}: largest difference {diff:.3g}; {error}", flush=True)
@@ -523,17 +548,20 @@ def run_check(model, args, data, env, group):
 # ----------------------------------------------------------------------------- training
 
 
-def train(model, args, data, env, log):
+def train(model, args, data, env, log, group):
     optimizer = make_optimizer(model.parameters(), args)
+    grad_norm = partial(clip_global, max_norm=args.clip_grad_norm, groups=[group], counted=counted_once(model, group))
     progress = Progress(args.steps, enabled=env.rank == 0)
     for step in range(args.steps):
         x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
         start = time.perf_counter()
         with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of step {step}", args.timeout_s):
-            loss = train_step(model, optimizer, x, y)  # logits are whole on every rank: each computes the loss
+            # logits are whole on every rank: each computes the loss; the norm sums over the shards
+            loss, norm = train_step(model, optimizer, x, y, step, grad_norm)
         step_time = clock(env.device) - start
         check_finite(loss, step)
-        log.write("train", step=step, loss=loss, step_time_s=step_time, samples_per_s=args.batch_size / step_time)
+        log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,
+                  samples_per_s=args.batch_size / step_time)
         progress.update(step, loss, step_time, args.batch_size)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
             evaluating = f"rank {env.rank} waited for the tensor-parallel collectives of the evaluation"
@@ -559,7 +587,7 @@ def main(argv=None):
         log = MetricsLog(args.log_file, enabled=env.rank == 0)  # TP rank 0 owns the (replicated) loss
         log.config(PROGRAM, args, env)
         start_memory_count(env.device)
-        progress = train(model, args, data, env, log)
+        progress = train(model, args, data, env, log, group)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
                   **memory_fields(env, model.parameters(), model.full_param_mb))
         log.close()

@@ -1,0 +1,97 @@
+"""Dropout that every parallel layout draws alike: each element's mask is a pure function of
+(--seed, step, the sample's index in the global batch, the layer, the element's index in the full layer).
+
+Why not torch's dropout: it draws from a stateful generator, so the mask depends on how many
+numbers were drawn before, on which process, in which order. A microbatch, a data-parallel
+replica, a tensor-parallel shard, a pipeline stage and a recomputed forward would each draw other
+bits than the one-process baseline, and the losses would part after the first step. Megatron
+accepts that (each tensor-parallel rank seeds its own generator, `seed + 2718 + tp_rank`).
+
+Here the bit of one element is a hash of its coordinates, as counter-based generators (Philox,
+Threefry) make random numbers from a key and a counter: no state, so any process can compute the
+bits of exactly the elements it holds, in any order, any number of times, on the CPU or a GPU
+(integer arithmetic is exact on both). The hash is a 32-bit integer mixer (Wellons's "lowbias32")
+applied along the coordinates:
+
+    h = mix(mix(mix(mix(seed) ^ step) ^ layer) ^ sample) ^ element)    keep the element if h >= p * 2^32
+
+computed in int64 tensors whose values stay below 2^32, so no product overflows.
+"""
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x, c):
+    """(x * c) mod 2^32 for int64 x in [0, 2^32): c split into its top bit and the rest, so that no
+    product reaches 2^63 (int64 has no unsigned overflow to lean on)."""
+    r = (x * (c & 0x7FFFFFFF)) & MASK32
+    if c >> 31:
+        r = (r + ((x << 31) & MASK32)) & MASK32
+    return r
+
+
+def mix(x):
+    """A 32-bit integer hash (lowbias32): every input bit flips about half of the output bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def keep_mask(seed, step, layer, samples, elements, p):
+    """Bool [len(samples), len(elements)]: which elements survive dropout with probability p."""
+    key = mix(mix(mix(torch.tensor(seed & MASK32)) ^ (step & MASK32)) ^ layer)
+    per_sample = mix(key.to(samples.device) ^ (samples & MASK32))
+    h = mix(per_sample[:, None] ^ (elements[None, :] & MASK32))
+    return h >= int(p * 2**32)
+
+
+class DropoutKeys:
+    """What a mask depends on besides the element: the seed, the step (None: not training, no
+    dropout) and the global index of the first sample in the batch being run. One object per model,
+    shared by its dropout layers; the training loop sets step and first_sample."""
+
+    def __init__(self, seed):
+        self.seed, self.step, self.first_sample = seed, None, 0
+
+    @contextmanager
+    def training(self, step, first_sample=0):
+        self.step, self.first_sample = step, first_sample
+        try:
+            yield
+        finally:
+            self.step, self.first_sample = None, 0
+
+
+class KeyedDropout(nn.Module):
+    """nn.Dropout's contract (zero each element with probability p, scale the rest by 1/(1-p)),
+    with keyed masks. x is [samples, ...]; the element index is the flat index of the rest in the
+    full layer. shard = (start, full): this rank holds features start.. of `full` along the last
+    dimension (tensor parallelism sets it after a column-parallel layer)."""
+
+    def __init__(self, p, layer, keys):
+        super().__init__()
+        self.p, self.layer, self.keys, self.shard = p, layer, keys, None
+
+    def forward(self, x):
+        if self.p == 0 or self.keys is None or self.keys.step is None:
+            return x
+        n, rest = x.shape[0], x.shape[1:]
+        samples = self.keys.first_sample + torch.arange(n, device=x.device)
+        if self.shard is None:
+            elements = torch.arange(math.prod(rest), device=x.device)
+        else:
+            start, full = self.shard
+            lead = torch.arange(math.prod(rest[:-1]), device=x.device)[:, None] * full
+            elements = (lead + start + torch.arange(rest[-1], device=x.device)[None, :]).reshape(-1)
+        keep = keep_mask(self.keys.seed, self.keys.step, self.layer, samples, elements, self.p)
+        return x * keep.view_as(x).to(x.dtype) * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self):
+        return f"p={self.p}, layer={self.layer}" + (f", shard={self.shard}" if self.shard else "")
