@@ -263,39 +263,52 @@ def takes_checkpoints():
     return "--checkpoint-dir" in run.stdout
 
 
+def wait_for(condition, what, timeout, poll=0.5):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"{what}: not after {timeout} s"
+        time.sleep(poll)
+
+
 def test_a_requeued_job_resumes_and_finishes_with_the_uninterrupted_losses(slurm_cluster, tmp_path):
+    """`scontrol requeue` mid-run (as preemption does): Slurm stops the job and starts the script again;
+    the parallel program resumes from its last checkpoint, and its losses are still the baseline's."""
     if not takes_checkpoints():
         pytest.skip("waits for checkpoints: pipeline_microbatch.py has no --checkpoint-dir yet")
-    env_knobs = dict(PROGRAM="pipeline_microbatch.py", NPROC="2", STEPS="60", CHECKPOINT_DIR=str(tmp_path / "ckpt"),
-                     SAVE_EVERY="5")
+    steps = 1500   # about 16 ms a step here: long enough to be requeued mid-run
     env = dict(slurm_cluster.env, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic",
-               EVAL_EVERY="0", OMP_NUM_THREADS="1", RDZV_PORT=str(free_port("127.0.0.1")), **env_knobs)
-    cmd = [tool("sbatch"), "--wait", "--requeue", "--open-mode=append", "-N", "2", "--time=5",
+               EVAL_EVERY="0", OMP_NUM_THREADS="1", RDZV_PORT=str(free_port("127.0.0.1")), NPROC="2",
+               PROGRAM="pipeline_microbatch.py", STEPS=str(steps), CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+               SAVE_EVERY="50")
+    cmd = [tool("sbatch"), "--wait", "--requeue", "--open-mode=append", "-N", "2", "--time=6",
            f"--output={tmp_path}/slurm-%j.out", "run_slurm.sh"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = tmp_path / "logs"
     try:
-        deadline = time.time() + 120
-        log = None
-        while not log or sum(r["event"] == "train" for r in read_log(log)) < 15:
-            assert time.time() < deadline and proc.poll() is None, "the job did not reach step 15"
-            found = list((tmp_path / "logs").glob("slurm-*-pipeline_microbatch_*.jsonl"))
-            log = found[0] if found else None
-            time.sleep(0.5)
+        trained = lambda: [r for log in logs.glob("slurm-*-pipeline_microbatch_*.jsonl") for r in read_log(log)
+                           if r["event"] == "train"]
+        wait_for(lambda: len(trained()) >= 120 or proc.poll() is not None, "the pipeline's step 120", 180)
+        assert proc.poll() is None, proc.communicate()
+        log = next(logs.glob("slurm-*-pipeline_microbatch_*.jsonl"))
         job = re.match(r"slurm-(\d+)-", log.name).group(1)
         assert slurm_cluster.run(tool("scontrol"), "requeue", job).returncode == 0
-        time.sleep(2)
-        # a requeued job waits (BeginTime) about two minutes before it may start again: not here
-        slurm_cluster.run(tool("scontrol"), "update", f"JobId={job}", "StartTime=now")
-        out, err = proc.communicate(timeout=400)
+        # a requeued job waits two minutes (its BeginTime) before it may start again: not here
+        state = lambda: slurm_cluster.run(tool("squeue"), "-h", "-j", job, "-o", "%T").stdout.strip()
+        wait_for(lambda: state() == "PENDING", "the requeued job pending", 60)
+        assert slurm_cluster.run(tool("scontrol"), "update", f"JobId={job}", "StartTime=now").returncode == 0
+        proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+            proc.communicate()
+    output = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
+    assert proc.returncode == 0, output[-3000:]
+    assert output.count("== baseline") == 2, "the job did not run twice"
     records = read_log(log)
     resumes = [r for r in records if r["event"] == "resume"]
     assert resumes and resumes[-1]["step"] > 0, "the requeued run did not resume from a checkpoint"
     losses = {r["step"]: r["loss"] for r in records if r["event"] == "train"}      # the resumed run's, last
-    baseline = Run(0, "", "", read_log(tmp_path / "logs" / f"slurm-{job}-single_baseline_cnn.jsonl")).losses()
-    assert set(range(resumes[-1]["step"], 60)) <= set(losses)
+    baseline = Run(0, "", "", read_log(logs / f"slurm-{job}-single_baseline_cnn.jsonl")).losses()
+    assert len(baseline) == steps and set(range(resumes[-1]["step"], steps)) <= set(losses)
     worst = max(abs(losses[k] - baseline[k]) for k in losses)
     assert worst <= 1e-4, f"largest |loss - baseline loss| = {worst:.3g} > 1e-4"
