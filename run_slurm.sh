@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The parallel programs on a Slurm cluster: one job that spans several nodes. Slurm reserves the
-# nodes; `srun` starts one torchrun agent on each of them; the agents meet at a rendezvous on the
-# first node and start NPROC ranks each, so the program sees one world of NNODES x NPROC ranks.
-# Then the single-process baseline trains on the first node and plot_curves.py draws both runs
-# into $PLOTS/slurm_loss.png, printing the largest per-step |loss difference| (the equivalence
-# contract wants <= 1e-4), as the other run_*.sh launchers do.
+# The parallel programs on a Slurm cluster, as one job that spans several nodes. Slurm reserves
+# the nodes and runs this script on the first of them. It trains the single-process baseline
+# there; then `srun` starts one torchrun agent on each node, the agents meet at a rendezvous on the
+# first node and start NPROC ranks each, so the program sees one world of nodes x NPROC ranks.
+# Last, plot_curves.py draws both runs into $PLOTS/slurm_loss.png and prints the largest per-step
+# |loss difference| (the equivalence contract wants <= 1e-4), as the other run_*.sh launchers do.
 #
 #   sbatch run_slurm.sh                                        # 2 nodes x 2 ranks: a 4-stage pipeline
 #   sbatch --wait -N 2 run_slurm.sh                            # the same, and return when it is over
 #   PROGRAM=pipeline_dp_joint.py NPROC=3 DP=2 sbatch run_slurm.sh   # one 3-stage pipeline per node
-#   DATA=synthetic STEPS=100 sbatch --time=10 run_slurm.sh --model mlp   # extra flags go to both programs
+#   MODEL=mlp DATA=synthetic STEPS=100 sbatch --time=10 run_slurm.sh --layers 6   # extra flags: both programs
 #   salloc -N 2 bash run_slurm.sh                              # inside an interactive allocation
 #
 # Submit it from the repository's root (Slurm runs a copy of this file, so the job finds the
@@ -27,7 +27,8 @@
 # NPROC=2 (then --backend auto picks nccl). CPUs: `#SBATCH --cpus-per-task=8` gives the agent's
 # task 8 cores for its NPROC ranks. A partition (queue): `#SBATCH --partition=NAME` (`sinfo` lists them).
 # Preemption: with `sbatch --requeue` Slurm may stop the job and start it again from the top;
-# CHECKPOINT_DIR=DIR then makes the parallel program resume from its last checkpoint (see below).
+# CHECKPOINT_DIR=DIR is passed as --checkpoint-dir, for the program to resume from its last
+# checkpoint, once the programs take that flag (not yet: docs/slurm.md, Requeue).
 #
 # Knobs (environment, with defaults; sbatch hands the submitting shell's environment to the job).
 set -euo pipefail
@@ -37,7 +38,7 @@ trap 'rc=$?; echo "run_slurm.sh: stopped: this step failed with exit status $rc:
 PROGRAM=${PROGRAM:-pipeline_microbatch.py}  # pipeline_microbatch.py | pipeline_dp_joint.py | tensor_parallel.py | parallel_3d.py
 NPROC=${NPROC:-2}                      # ranks per node (GPUs per node on a GPU cluster); world = nodes x NPROC
 MICROBATCHES=${MICROBATCHES:-4}        # pipelines: microbatches per global batch (per replica)
-SCHEDULE=${SCHEDULE:-1f1b}             # pipelines: gpipe | 1f1b | interleaved | zb
+SCHEDULE=${SCHEDULE:-1f1b}             # pipelines: gpipe | 1f1b | interleaved (2 chunks per rank) | zb
 DP=${DP:-2}                            # pipeline_dp_joint.py, parallel_3d.py: data-parallel replicas
 TP=${TP:-2}                            # parallel_3d.py: tensor-parallel ranks per stage
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
