@@ -206,11 +206,16 @@ def test_outside_a_slurm_job_the_script_says_how_to_submit_it(tmp_path):
     assert run.stderr.startswith("error: run_slurm.sh runs inside a Slurm job") and "sbatch run_slurm.sh" in run.stderr
 
 
-def test_an_unknown_program_is_refused_before_anything_runs(tmp_path):
-    run = outside_slurm(tmp_path, PROGRAM="pipeline.py", SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1",
-                        SLURM_JOB_NUM_NODES="1")
+@pytest.mark.parametrize("knobs,message", [
+    (dict(PROGRAM="pipeline.py"), "error: PROGRAM=pipeline.py is not one of the parallel programs: set PROGRAM to"),
+    (dict(NPROC="0"), "error: NPROC=0 must be a positive integer"),
+    (dict(REPO="/"), "error: cannot find pipeline_microbatch.py (REPO=/, submitted from "),
+], ids=["program", "nproc", "repo"])
+def test_bad_knobs_are_refused_before_anything_runs(tmp_path, knobs, message):
+    """As inside a job (the SLURM_* variables set by hand): one error line, exit status 2, nothing written."""
+    run = outside_slurm(tmp_path, SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1", SLURM_JOB_NUM_NODES="1", **knobs)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
-    assert run.stderr.startswith("error: PROGRAM=pipeline.py is not one of the parallel programs: set PROGRAM to")
+    assert run.stderr.startswith(message), run.stderr
     assert not (tmp_path / "logs").exists()
 
 
