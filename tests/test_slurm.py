@@ -285,7 +285,7 @@ def test_a_requeued_job_resumes_and_finishes_with_the_uninterrupted_losses(slurm
     the parallel program resumes from its last checkpoint, and its losses are still the baseline's."""
     if not takes_checkpoints():
         pytest.skip("waits for checkpoints: pipeline_microbatch.py has no --checkpoint-dir yet")
-    steps = 1500   # about 16 ms a step here: long enough to be requeued mid-run
+    steps = 1000   # about 20 ms a step here: long enough to be requeued mid-run
     env = dict(slurm_cluster.env, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic",
                EVAL_EVERY="0", OMP_NUM_THREADS="1", RDZV_PORT=str(free_port("127.0.0.1")), NPROC="2",
                PROGRAM="pipeline_microbatch.py", STEPS=str(steps), CHECKPOINT_DIR=str(tmp_path / "ckpt"),
