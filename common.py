@@ -91,6 +91,10 @@ def base_parser(description):
                         "cnn: before fc1 and fc2), with masks that every layout draws alike")
     p.add_argument("--clip-grad-norm", type=float, default=None,
                    help="clip the gradient to this global norm (the full model's; default: no clipping)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save checkpoints here (torch.distributed.checkpoint, in the baseline model's coordinates); "
+                        "a run whose directory holds one resumes from the latest, in any layout")
+    p.add_argument("--save-every", type=int, default=50, help="with --checkpoint-dir: save every K steps and after the last")
     return p
 
 
@@ -117,6 +121,8 @@ def validate_common(args, program):
              f"choose --heads among the divisors of {args.hidden}")
     if args.log_file is None:
         args.log_file = os.path.join("logs", f"{program}.jsonl")
+    from checkpoint import validate   # checkpoint.py imports this module: imported here, when both exist
+    validate(args)
 
 
 # ----------------------------------------------------------------------------- distributed setup
@@ -206,8 +212,7 @@ def distributed(args):
         # without it, nccl's synchronous collectives neither block the CPU nor raise: a dead peer
         # is left to the watchdog, which aborts the process. Read at init, so set before it.
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-    dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size,
-                            store=dist.HashStore() if env.world_size == 1 else None,
+    dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, store=process_group_store(env, args),
                             timeout=datetime.timedelta(seconds=args.timeout_s),
                             device_id=env.device if env.device.type == "cuda" else None)
     try:
@@ -218,6 +223,20 @@ def distributed(args):
     except BaseException as e:  # noqa: BLE001 (every way out must skip the teardown below)
         leave_without_teardown(e)
     dist.destroy_process_group()
+
+
+def process_group_store(env, args):
+    """One process: a store of its own. Under torchrun: torchrun's store, with this attempt's keys
+    under a prefix of their own. torch 2.15's torchrun no longer prefixes a restarted attempt's keys
+    (--max-restarts), so without it the new ranks would read the dead attempt's gloo addresses and
+    hang or be refused in init_process_group."""
+    if env.world_size == 1:
+        return dist.HashStore()
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return None    # another launcher: init_process_group's default (env://)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=args.timeout_s))
+    return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def leave_without_teardown(e):
@@ -415,11 +434,25 @@ class MetricsLog:
     """JSON lines, one record per event, flushed at once so a crash leaves a valid prefix.
     Only the rank that owns the loss writes (enabled=True); the others hold a no-op log."""
 
-    def __init__(self, path, enabled):
-        self.file = None
+    def __init__(self, path, enabled, resuming=False):
+        self.file, self.earlier = None, []
         if enabled:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            if resuming and os.path.exists(path):   # a resumed run keeps the earlier steps' records
+                with open(path) as f:
+                    self.earlier = [r for r in map(parse_record, f) if r]
             self.file = open(path, "w")
+
+    def begin(self, program, args, env, start=0, layout=None):
+        """The config record; for a run resumed at step `start`, then the earlier run's train and
+        eval records of the steps before it (the dead attempt's later ones are dropped: they are
+        trained again) and a resume record."""
+        self.config(program, args, env)
+        if start:
+            for record in self.earlier:
+                if record.get("event") in ("train", "eval") and record.get("step", start) < start:
+                    self.write(record.pop("event"), **record)
+            self.write("resume", step=start, **{"from": layout})
 
     def write(self, event, **fields):
         if self.file:
@@ -433,6 +466,13 @@ class MetricsLog:
     def close(self):
         if self.file:
             self.file.close()
+
+
+def parse_record(line):
+    try:
+        return json.loads(line)
+    except ValueError:    # a line cut short by a crash
+        return None
 
 
 def to_device(tensor, device):

@@ -90,7 +90,7 @@ def build_stage(args, env, grid):
         average_replicated_grads(model, grid.tp_group)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
     runner = StageRunner(chunks, pos, messenger, recompute=args.recompute)
-    runner.model_param_mb, runner.keys = model.full_param_mb, model.dropout_keys
+    runner.model, runner.model_param_mb, runner.keys = model, model.full_param_mb, model.dropout_keys
     # the gradient norm (clipping.py): summed over my stage's tp shards (its replicated tensors
     # counted by tp rank 0 only), then over the stages; not over replicas, whose gradients are averaged
     runner.norm_groups, runner.counted = [grid.tp_group, grid.pp_group], counted_once(model, grid.tp_group)

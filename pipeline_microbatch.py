@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
 from clipping import clip_global
 from common import (CommError, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock, distributed,
                     exit_now, fail, make_optimizer, memory_fields, num_blocks, start_memory_count, to_device, torchrun_env,
@@ -317,6 +318,7 @@ class StageRunner:
         self.stashes = [WeightGradStash(chunk) for chunk in chunks] if split else None
         self.events = None                    # a list while the timeline is recorded
         self.model_param_mb = 0.0             # the whole model's parameters (the summary record): setup_stage
+        self.model = None                     # my blocks, named as in the full model (setup_stage): checkpoints
         self.keys = DropoutKeys(seed=0)       # replaced by the model's own (setup_stage): its dropout reads them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (clipping.py)
 
@@ -561,7 +563,7 @@ def setup_stage(args, env, pos):
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
     runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
                          recompute=getattr(args, "recompute", False))   # a parser without the flag: off
-    runner.model_param_mb, runner.keys = model.full_param_mb, model.dropout_keys
+    runner.model, runner.model_param_mb, runner.keys = model, model.full_param_mb, model.dropout_keys
     return model, runner
 
 
@@ -599,13 +601,17 @@ class OneReplica:
 def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=PROGRAM):
     params = [p for chunk in runner.chunks for p in chunk.parameters()]
     optimizer = make_optimizer(params, args)
+    layout = checkpoint.layout_of(program, env, dp=replicas.dp_size, pp=pos.pp_size,
+                                  tp=env.world_size // (replicas.dp_size * pos.pp_size), schedule=args.schedule,
+                                  virtual_stages=pos.virtual)
+    first, written_by = checkpoint.resume(args, runner.model, optimizer, env.rank)   # 0: a fresh run
     # the rank that owns the loss; with tensor parallelism (parallel_3d.py), tp rank 0 of those
     owner = pos.is_last_stage and replicas.dp_rank == 0 and getattr(replicas, "tp_rank", 0) == 0
-    log = MetricsLog(args.log_file, enabled=owner)
-    log.config(program, args, env)
+    log = MetricsLog(args.log_file, enabled=owner, resuming=first > 0)
+    log.begin(program, args, env, first, written_by)
     progress = Progress(args.steps, enabled=owner)
     start_memory_count(env.device)
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         x, y = next_batch(data, step, args, pos, replicas, env.device, stream=True)
         if args.timeline and step == args.steps - 1:
             dist.barrier()                    # one clock for the timeline: everyone starts together
@@ -635,6 +641,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
             if owner:
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
+        checkpoint.maybe_save(args, step, runner.model, optimizer, layout, env.rank)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, params, runner.model_param_mb), schedule=args.schedule,
               microbatches=args.microbatches)

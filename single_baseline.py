@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 from common import (MetricsLog, Progress, base_parser, build_model, check_finite, clock, distributed, fail,
                     make_optimizer, memory_fields, start_memory_count, to_device, torchrun_env, validate_common)
 from data import agree_on_data, load_data, test_batches
@@ -68,11 +69,12 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         model = build_model(args).to(env.device)
         optimizer = make_optimizer(model.parameters(), args)
-        log = MetricsLog(args.log_file, enabled=True)
-        log.config(PROGRAM, args, env)
+        first, written_by = checkpoint.resume(args, model, optimizer, env.rank)   # 0: a fresh run
+        log = MetricsLog(args.log_file, enabled=True, resuming=first > 0)
+        log.begin(PROGRAM, args, env, first, written_by)
         progress = Progress(args.steps, enabled=True)
         start_memory_count(env.device)
-        for step in range(args.steps):
+        for step in range(first, args.steps):
             x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))
             start = time.perf_counter()
             loss, norm = train_step(model, optimizer, x, y, step, clip_grad_norm(args.clip_grad_norm))
@@ -85,6 +87,7 @@ def main(argv=None):
                 test_loss, test_acc = evaluate(model, data, env.device)  # weights after step's update
                 log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
                 print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
+            checkpoint.maybe_save(args, step, model, optimizer, checkpoint.layout_of(PROGRAM, env), env.rank)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
                   **memory_fields(env, model.parameters(), model.full_param_mb))
         log.close()

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
                     distributed, exit_now, fail, make_optimizer, memory_fields, num_blocks, replicas_identical,
                     start_memory_count, to_device, torchrun_env, validate_common)
+import checkpoint
 from clipping import clip_global
 from data import agree_on_data, load_data
 from keyed_dropout import KeyedDropout
@@ -550,9 +551,11 @@ def run_check(model, args, data, env, group):
 
 def train(model, args, data, env, log, group):
     optimizer = make_optimizer(model.parameters(), args)
+    first, written_by = checkpoint.resume(args, model, optimizer, env.rank)   # 0: a fresh run
+    log.begin(PROGRAM, args, env, first, written_by)
     grad_norm = partial(clip_global, max_norm=args.clip_grad_norm, groups=[group], counted=counted_once(model, group))
     progress = Progress(args.steps, enabled=env.rank == 0)
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
         start = time.perf_counter()
         with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of step {step}", args.timeout_s):
@@ -570,6 +573,8 @@ def train(model, args, data, env, log, group):
             log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
             if env.rank == 0:
                 print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
+        layout = checkpoint.layout_of(PROGRAM, env, tp=env.world_size, hybrid=args.hybrid)
+        checkpoint.maybe_save(args, step, model, optimizer, layout, env.rank)
     return progress
 
 
@@ -584,8 +589,8 @@ def main(argv=None):
             average_replicated_grads(model, group)
         if args.check:
             return run_check(model, args, data, env, group)
-        log = MetricsLog(args.log_file, enabled=env.rank == 0)  # TP rank 0 owns the (replicated) loss
-        log.config(PROGRAM, args, env)
+        # TP rank 0 owns the (replicated) loss
+        log = MetricsLog(args.log_file, enabled=env.rank == 0, resuming=args.resume_from is not None)
         start_memory_count(env.device)
         progress = train(model, args, data, env, log, group)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),

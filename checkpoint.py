@@ -1,0 +1,247 @@
+"""Checkpoints in the baseline model's coordinates, so that a run resumes in any layout.
+
+Every layout here is a slice of one model built from one seed, and every rank names its parameters
+as the baseline does (`2.1.weight`) and knows which slice of the full tensor it holds
+(tensor_parallel's `shards`: dim, start, length). So each rank writes, with
+torch.distributed.checkpoint (DCP), exactly what it holds, each piece under a key that says where it
+sits in the full model:
+
+    param/2.1.weight@0:0:60        rows 0..59 of fc1's weight (tp rank 0 of 2)
+    param/2.1.weight@0:60:60       rows 60..119 (tp rank 1)
+    momentum/2.1.weight@0:0:60     its SGD momentum buffer, the same slice
+    param/2.1.bias                 a whole tensor (a pipeline stage, a replicated tensor)
+
+Replicas (data-parallel, or tp ranks holding a replicated tensor) write the same key; DCP's planner
+keeps one writer per key. On resume each rank computes the slice it holds now, asks DCP for the saved
+pieces that overlap it (each rank loads its own request: resharding) and cuts its slice out of them.
+Why not DTensor: its Shard placement assumes torch.chunk's split (6 over 4 ranks: 2, 2, 2, 0), ours
+is tensor_split's (2, 2, 1, 1), and the vit splits by whole heads; keys that carry the slice express
+any split, and loading whole overlapping pieces costs at most about twice a rank's share.
+
+A save is atomic: every rank writes into DIR/.step-K.partial, then rank 0 adds meta.json (the step,
+the settings, the layout) and renames the directory to DIR/step-K. A process killed during a save
+leaves only a .partial directory, which resuming ignores (and the next save of step K replaces).
+"""
+import json
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from common import fail
+
+# what makes a run what it is: a checkpoint resumes only into a run with the same values
+SETTINGS = ("model", "layers", "hidden", "heads", "data", "seed", "batch_size", "lr", "momentum", "dropout",
+            "clip_grad_norm")
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+# ----------------------------------------------------------------------------- before any collective
+
+
+def validate(args):
+    """Called with the flags, on every rank, before any collective: the directory is usable, and
+    its latest complete checkpoint (if any) is readable and of the same run. Sets args.resume_from."""
+    args.resume_from = None
+    if args.checkpoint_dir is None:
+        return
+    if args.save_every <= 0:
+        fail(f"--save-every {args.save_every} must be a positive integer")
+    if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        fail(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory; give a directory path "
+             f"(it is created if missing)")
+    path = latest(args.checkpoint_dir)
+    if path is None:
+        return
+    meta = read_meta(path)
+    differ = [f"--{k.replace('_', '-')} {meta['settings'].get(k)} there, {getattr(args, k, None)} here"
+              for k in SETTINGS if meta["settings"].get(k) != getattr(args, k, None)]
+    if differ:
+        fail(f"the checkpoint {path} is of another run ({'; '.join(differ)}); resume with its settings, or use "
+             f"another --checkpoint-dir (nothing was deleted)")
+    check_files(path)
+    args.resume_from = path
+
+
+def latest(directory):
+    """The complete checkpoint of the highest step (a directory step-K with meta.json), or None."""
+    if not os.path.isdir(directory):
+        return None
+    steps = sorted(name for name in os.listdir(directory)
+                   if STEP_DIR.match(name) and os.path.exists(os.path.join(directory, name, "meta.json")))
+    return os.path.join(directory, steps[-1]) if steps else None
+
+
+def read_meta(path):
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        meta["step"], meta["settings"], meta["layout"]   # noqa: B018 (the fields a resume needs)
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"the checkpoint {path} is damaged: its meta.json cannot be read ({e}); move that directory away "
+             f"to resume from the one before it (nothing was deleted)")
+
+
+def check_files(path):
+    """DCP's metadata is readable and every byte range it names exists (a truncated file fails here)."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 (any failure to read means the same: damaged)
+        fail(f"the checkpoint {path} is damaged: its DCP metadata cannot be read ({type(e).__name__}); move that "
+             f"directory away to resume from the one before it (nothing was deleted)")
+    for info in (metadata.storage_data or {}).values():
+        file = os.path.join(path, info.relative_path)
+        size = os.path.getsize(file) if os.path.exists(file) else -1
+        if size < info.offset + info.length:
+            fail(f"the checkpoint {path} is damaged: {info.relative_path} has {max(size, 0)} bytes, its metadata "
+                 f"needs {info.offset + info.length}; move that directory away to resume from the one before "
+                 f"it (nothing was deleted)")
+
+
+# ----------------------------------------------------------------------------- what a rank holds
+
+
+def slice_of(model, name):
+    """(dim, start, length) of parameter `name` in the full tensor, or None: held whole."""
+    module_name, _, param_name = name.rpartition(".")
+    return getattr(model.get_submodule(module_name), "shards", {}).get(param_name)
+
+
+def key(kind, name, spec):
+    return f"{kind}/{name}" + ("" if spec is None else "@" + ":".join(map(str, spec)))
+
+
+def parse_key(k):
+    kind, rest = k.split("/", 1)
+    name, _, spec = rest.partition("@")
+    return kind, name, tuple(map(int, spec.split(":"))) if spec else None
+
+
+def held(model, optimizer):
+    """[(kind, name, spec, tensor)] of what this rank holds: parameters and momentum buffers."""
+    out = []
+    for name, p in model.named_parameters():
+        spec = slice_of(model, name)
+        out.append(("param", name, spec, p))
+        buf = optimizer.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            out.append(("momentum", name, spec, buf))
+    return out
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def maybe_save(args, step, model, optimizer, layout, rank):
+    """After step `step`'s update: save when it is a multiple of --save-every, or the last."""
+    if args.checkpoint_dir and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
+        save(args, step + 1, model, optimizer, layout, rank)
+
+
+def save(args, next_step, model, optimizer, layout, rank):
+    """Every rank writes its pieces (a collective), then rank 0 commits the directory by renaming it."""
+    final = os.path.join(args.checkpoint_dir, f"step-{next_step:08d}")
+    partial = os.path.join(args.checkpoint_dir, f".step-{next_step:08d}.partial")
+    if rank == 0:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)        # a save of this step that was killed
+    dist.barrier()
+    state = {key(kind, name, spec): t.detach() for kind, name, spec, t in held(model, optimizer)}
+    dcp.save(state, checkpoint_id=partial)
+    dist.barrier()                                       # every rank's pieces are written
+    if rank == 0:
+        meta = {"step": next_step, "settings": {k: getattr(args, k, None) for k in SETTINGS}, "layout": layout}
+        with open(os.path.join(partial, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):                        # a run that went back to an earlier step
+            shutil.rmtree(final)
+        os.rename(partial, final)                        # the commit: atomic on one file system
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def resume(args, model, optimizer, rank):
+    """Load args.resume_from into this rank's parameters and momentum (a collective); returns
+    (the step to run next, the layout that wrote it), or (0, None) for a fresh run."""
+    if not args.resume_from:
+        return 0, None
+    meta = read_meta(args.resume_from)
+    saved = {}                                           # (kind, name) -> [(spec, key, shape)]
+    for k, md in dcp.FileSystemReader(args.resume_from).read_metadata().state_dict_metadata.items():
+        kind, name, spec = parse_key(k)
+        saved.setdefault((kind, name), []).append((spec, k, tuple(md.size)))
+    wanted, plans = {}, []
+    for name, p in model.named_parameters():
+        spec = slice_of(model, name)
+        plans.append(("param", name, spec, p, True))
+        plans.append(("momentum", name, spec, p, ("momentum", name) in saved))
+    for kind, name, spec, p, present in plans:
+        if present:
+            for _, k, shape in overlapping(saved.get((kind, name), []), spec, p, name, args.resume_from):
+                wanted[k] = torch.empty(shape, dtype=p.dtype, device=p.device)
+    dcp.load(wanted, checkpoint_id=args.resume_from)
+    with torch.no_grad():
+        for kind, name, spec, p, present in plans:
+            if not present:
+                continue
+            mine = assemble(overlapping(saved[(kind, name)], spec, p, name, args.resume_from), wanted, spec, p)
+            if kind == "param":
+                p.copy_(mine)
+            else:
+                optimizer.state[p]["momentum_buffer"] = mine.clone()
+    if rank == 0:
+        print(f"note: resumed from {args.resume_from} at step {meta['step']}, written by {describe(meta['layout'])}",
+              flush=True)
+    return meta["step"], meta["layout"]
+
+
+def extent(spec, shape):
+    """(dim, start, stop) of a piece in the full tensor; a whole tensor along dim 0."""
+    return (spec[0], spec[1], spec[1] + spec[2]) if spec else (0, 0, shape[0] if shape else 1)
+
+
+def overlapping(pieces, spec, p, name, path):
+    """The saved pieces of one tensor that overlap the slice this rank holds."""
+    dim, start, stop = extent(spec, tuple(p.shape)) if spec else (None, None, None)
+    found = []
+    for piece_spec, k, shape in pieces:
+        if spec is None or piece_spec is None or piece_spec[0] != dim:
+            found.append((piece_spec, k, shape))
+        elif piece_spec[1] < stop and piece_spec[1] + piece_spec[2] > start:
+            found.append((piece_spec, k, shape))
+    if not found:
+        fail(f"the checkpoint {path} has no piece of {name} that this rank needs; it is damaged or of another "
+             f"model", seen_by="this rank")
+    return found
+
+
+def assemble(pieces, wanted, spec, p):
+    """This rank's slice, cut out of the saved pieces (whole tensors, or slices along one dim)."""
+    whole = next((wanted[k] for piece_spec, k, _ in pieces if piece_spec is None), None)
+    if whole is None:   # slices along one dim: put them in place in a full-size buffer of that dim
+        dim = pieces[0][0][0]
+        full_len = max(s[1] + s[2] for s, _, _ in pieces)
+        shape = list(pieces[0][2])
+        shape[dim] = full_len
+        whole = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        for piece_spec, k, _ in pieces:   # the parts no piece covers are outside my slice
+            whole.narrow(dim, piece_spec[1], piece_spec[2]).copy_(wanted[k])
+    return whole.narrow(*spec) if spec else whole
+
+
+def describe(layout):
+    return ", ".join(f"{k} {v}" for k, v in (layout or {}).items())
+
+
+def layout_of(program, env, **axes):
+    """The layout that writes a checkpoint, for the note and the metrics log's resume record."""
+    return {"program": program, "world_size": env.world_size, **axes}
+
