@@ -24,6 +24,7 @@ import os
 import sys
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # no screen on the machines that draw these
 import matplotlib.pyplot as plt  # noqa: E402
@@ -304,6 +305,38 @@ def gantt_title(other, busy=None):
         title += (f"\nstages unequal: rank {slow} computes {busy[slow]:.1f} ms a step, rank {fast} {busy[fast]:.1f} ms "
                   f"({busy[slow] / busy[fast]:.1f}x); the others wait for the slowest (--balance moves blocks)")
     return title
+
+
+def plot_clock_table(rows, title, out):
+    """schedules.clock_cells() drawn: a row per stage, a box per tick, coloured as the measured
+    timelines (F forward, B backward, W weight gradient), chunk b, c, ... hatched; white: idle."""
+    kinds = {"F": "forward", "B": "backward", "W": "weight"}
+    ticks = max(len(row) for row in rows)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.32 * ticks + 2), 1.4 + 0.5 * len(rows)))
+    for stage, row in enumerate(rows):
+        for tick, cell in enumerate(row):
+            if cell == ".":
+                continue
+            chunk = ord(cell[-1]) - ord("a") if cell[-1].isalpha() else 0
+            ax.barh(stage, 1, left=tick, height=0.8, color=COLOURS[kinds[cell[0]]], edgecolor="white",
+                    linewidth=0.8, hatch=HATCHES[chunk % len(HATCHES)] or None)
+            ax.text(tick + 0.5, stage, cell, ha="center", va="center", fontsize=7 if len(cell) < 4 else 6,
+                    color="white", bbox={"facecolor": COLOURS[kinds[cell[0]]], "edgecolor": "none", "pad": 0.3}
+                    if chunk else None)
+    ax.set_yticks(range(len(rows)), [f"stage {r}" for r in range(len(rows))])
+    ax.set_xlim(0, ticks)
+    ax.set_ylim(len(rows) - 0.5, -0.5)     # stage 0 on top
+    ax.set_xlabel("clock tick (every F, B and W one tick; white: idle, the bubble)")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_title(title.replace("; ", "\n", 1), fontsize=9)
+    present = sorted({cell[0] for row in rows for cell in row if cell != "."}, key="FBW".index)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[kinds[k]]) for k in present]
+    labels = [f"{k}: {MEANINGS[kinds[k]]}" for k in present]
+    if any(cell[-1] == "b" for row in rows for cell in row):
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#888888", edgecolor="white", hatch=HATCHES[1]))
+        labels.append("hatched: chunk b, c, ... (plain: a)")
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    save(fig, out)
 
 
 def save(fig, out):
