@@ -134,7 +134,8 @@ def title_of(runs, mismatches):
     args = (config_of(runs[0][1]) or {}).get("args", {})
     data = args.get("data", "?")
     data = "SYNTHETIC data (not CIFAR-10)" if data == "synthetic" else str(data).upper()
-    title = f"model {args.get('model', '?')}, {data}; baseline batch {args.get('batch_size', '?')}"
+    title = (f"model {args.get('model', '?')}, {data}; baseline batch {args.get('batch_size', '?')}, "
+             f"{args.get('steps', '?')} steps, lr {args.get('lr', '?')}, seed {args.get('seed', '?')}")
     diffs = largest_differences(runs)
     if mismatches:
         title += "\nNOT COMPARABLE, the settings differ: " + "; ".join(mismatches[:3]) + (
@@ -172,8 +173,20 @@ def plot_curves(paths, out):
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.suptitle(title_of(runs, mismatches), color="red" if mismatches else "black")
-    save(fig, out)
-    return largest_differences(runs)
+    diffs = largest_differences(runs)
+    save(fig, out, {"kind": "curves", "runs": [run_summary(label, records, diffs.get(label))
+                                               for label, records in runs]})
+    return diffs
+
+
+def run_summary(label, records, difference):
+    """What the figure's PNG records about one run (tests/test_figures.py reads it back)."""
+    config = config_of(records) or {}
+    evals = [r for r in records if r["event"] == "eval"]
+    return {"label": label, "program": config.get("program"), "world_size": config.get("world_size"),
+            "args": config.get("args", {}), "train_steps": sum(r["event"] == "train" for r in records),
+            "final_loss": next((r["loss"] for r in reversed(records) if r["event"] == "train"), None),
+            "final_test_acc": evals[-1]["test_acc"] if evals else None, "largest_difference": difference}
 
 
 def draw_differences(ax, pairs, label, floor=1e-12):
@@ -233,7 +246,8 @@ def plot_timelines(paths, out):
     labels.append("blank: not timed (Python between\nactions, optimizer step, or a\nrank waiting for a free core)")
     axes[0, 0].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     axes[-1, 0].set_xlabel("time in the step (ms), one axis for every chart")
-    save(fig, out)
+    save(fig, out, {"kind": "timeline", "traces": [dict(t.get("otherData", {}), title=ax.get_title())
+                                                   for t, ax in zip(traces, axes[:, 0])]})
 
 
 POINTS_ACROSS = 13 * 72 * 0.7   # the time axis spans about 70% of the 13-inch figure (the legend takes the rest)
@@ -336,13 +350,17 @@ def plot_clock_table(rows, title, out):
         handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#888888", edgecolor="white", hatch=HATCHES[1]))
         labels.append("hatched: chunk b, c, ... (plain: a)")
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    save(fig, out)
+    save(fig, out, {"kind": "clock table", "title": title})
 
 
-def save(fig, out):
+def save(fig, out, record=None):
+    """The PNG, with the figure's title and `record` (the settings and numbers drawn, as JSON) in
+    its text chunks, so a test can check a committed figure against the command said to make it."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    title = fig._suptitle.get_text() if fig._suptitle else " / ".join(a.get_title() for a in fig.axes if a.get_title())
+    fig.savefig(out, dpi=110, metadata={"Title": title, "Description": json.dumps(record or {}),
+                                        "Software": "plot_curves.py"})
     plt.close(fig)
     print(f"wrote {out}")
 
@@ -361,6 +379,14 @@ def main(argv=None):
         return
     for label, diff in plot_curves(args.files, args.out).items():
         print(f"largest |loss - baseline| for {label}: {diff:.3g}")
+
+
+def png_record(path):
+    """(title, record) that save() wrote into a PNG's text chunks; ("", {}) for a PNG without them."""
+    from PIL import Image              # matplotlib's own dependency
+    with Image.open(path) as image:
+        text = dict(image.text) if hasattr(image, "text") else {}
+    return text.get("Title", ""), json.loads(text.get("Description") or "{}")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def fake_log(path, batch_size=32, steps=5, loss_shift=0.0, evals=(), program="si
 def drawn_figure(monkeypatch):
     """Keep the figure plot_curves would save, to read its titles and lines."""
     kept = {}
-    monkeypatch.setattr(plot_curves, "save", lambda fig, out: kept.setdefault("fig", fig))
+    monkeypatch.setattr(plot_curves, "save", lambda fig, out, record=None: kept.setdefault("fig", fig))
     return kept
 
 
