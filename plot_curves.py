@@ -15,8 +15,12 @@ settings differ (model, data, seed, batch size, lr, momentum, steps, sizes) are 
 step by step: each difference is named on stderr and in the title.
 Timelines: the Chrome-trace files that `pipeline_microbatch.py --timeline` writes, drawn as Gantt
 charts on one time axis, one above the other: a row per rank, a colour per event category (forward,
-recomputed forward, backward, weight gradient, waiting for a message, and any other the trace
-carries), the action's name on each box (F3, R3, B3, W3).
+recomputed forward, backward, weight gradient, and any other the trace carries), waits for a
+message as thin grey bars, an interleaved rank's chunk b, c, ... hatched, and the action's name
+(F3, R3, B3, W3, F1b) on each box wide enough to hold it. A title names the schedule and its
+bubble, then why the measured bubble exceeds the formula's where the trace shows why: more ranks
+than CPU cores, or stages whose compute differs by 1.25x or more. Every PNG records its title and
+the settings and results it drew in its text chunks (png_record reads them).
 """
 import argparse
 import json
