@@ -1,7 +1,11 @@
 """Draw what the programs logged: loss curves against the baseline, and pipeline timelines.
 
-    python plot_curves.py logs/single_baseline.jsonl logs/pipeline_1f1b.jsonl -o plots/pipeline_loss.png
-    python plot_curves.py --timeline logs/timeline_gpipe.json logs/timeline_1f1b.json -o plots/pipeline_timeline.png
+    python plot_curves.py logs/single_baseline_cnn_b64.jsonl logs/pipeline_cnn_1f1b_p4_m4_b64.jsonl -o loss.png
+    python plot_curves.py --timeline logs/timeline_cnn_gpipe_p4_m4_b64.json logs/timeline_cnn_1f1b_p4_m4_b64.json \
+        -o timeline.png
+
+(the files `bash run_pipeline.sh` writes at its defaults; `python single_baseline.py` alone writes
+logs/single_baseline.jsonl, and every program takes --log-file and --timeline PATH).
 
 Curves: the first log is the baseline. One figure: training loss of every log, the largest
 |loss - baseline loss| per window of steps on a log scale with the 1e-4 line of the equivalence
@@ -11,8 +15,12 @@ settings differ (model, data, seed, batch size, lr, momentum, steps, sizes) are 
 step by step: each difference is named on stderr and in the title.
 Timelines: the Chrome-trace files that `pipeline_microbatch.py --timeline` writes, drawn as Gantt
 charts on one time axis, one above the other: a row per rank, a colour per event category (forward,
-recomputed forward, backward, weight gradient, waiting for a message, and any other the trace
-carries), the action's name on each box (F3, R3, B3, W3).
+recomputed forward, backward, weight gradient, and any other the trace carries), waits for a
+message as thin grey bars, an interleaved rank's chunk b, c, ... hatched, and the action's name
+(F3, R3, B3, W3, F1b) on each box wide enough to hold it. A title names the schedule and its
+bubble, then why the measured bubble exceeds the formula's where the trace shows why: more ranks
+than CPU cores, or stages whose compute differs by 1.25x or more. Every PNG records its title and
+the settings and results it drew in its text chunks (png_record reads them).
 """
 import argparse
 import json
@@ -20,6 +28,7 @@ import os
 import sys
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # no screen on the machines that draw these
 import matplotlib.pyplot as plt  # noqa: E402
@@ -43,9 +52,22 @@ def fail(message):
 def read_json_lines(path):
     try:
         with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
+            text = f.read()
+    except OSError as e:
         fail(f"cannot read metrics log {path}: {e}")
+    try:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        try:
+            records = [json.loads(text)]          # one JSON document over several lines: a trace?
+        except json.JSONDecodeError:
+            fail(f"cannot read metrics log {path}: {e}")
+    if records and isinstance(records[0], dict) and "traceEvents" in records[0]:
+        fail(f"{path} is a pipeline timeline (a Chrome trace), not a metrics log; draw it with "
+             f"--timeline: python plot_curves.py --timeline {path} -o timeline.png")
+    if not all(isinstance(r, dict) and "event" in r for r in records):
+        fail(f"{path} is not a metrics log (JSON lines with an \"event\" key, as the programs' --log-file writes)")
+    return records
 
 
 def config_of(records):
@@ -62,8 +84,11 @@ def label_of(records, path):
         if args.get(key) is not None:
             parts.append(f"{'m' if key == 'microbatches' else key}={args[key]}" if key != "schedule"
                          else str(args[key]))
-    if args.get("hybrid"):
-        parts.append("hybrid")
+    if (args.get("virtual_stages") or 1) > 1:
+        parts.append(f"v={args['virtual_stages']}")
+    parts += [flag for flag in ("recompute", "hybrid") if args.get(flag)]   # what changes how the run computes
+    if args.get("balance"):
+        parts.append(f"balance {args['balance']}")
     if config["world_size"] > 1:
         parts.append(f"{config['world_size']} ranks")
     parts.append(f"batch {args.get('batch_size', '?')}")
@@ -113,7 +138,8 @@ def title_of(runs, mismatches):
     args = (config_of(runs[0][1]) or {}).get("args", {})
     data = args.get("data", "?")
     data = "SYNTHETIC data (not CIFAR-10)" if data == "synthetic" else str(data).upper()
-    title = f"model {args.get('model', '?')}, {data}; baseline batch {args.get('batch_size', '?')}"
+    title = (f"model {args.get('model', '?')}, {data}; baseline batch {args.get('batch_size', '?')}, "
+             f"{args.get('steps', '?')} steps, lr {args.get('lr', '?')}, seed {args.get('seed', '?')}")
     diffs = largest_differences(runs)
     if mismatches:
         title += "\nNOT COMPARABLE, the settings differ: " + "; ".join(mismatches[:3]) + (
@@ -151,8 +177,20 @@ def plot_curves(paths, out):
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.suptitle(title_of(runs, mismatches), color="red" if mismatches else "black")
-    save(fig, out)
-    return largest_differences(runs)
+    diffs = largest_differences(runs)
+    save(fig, out, {"kind": "curves", "runs": [run_summary(label, records, diffs.get(label))
+                                               for label, records in runs]})
+    return diffs
+
+
+def run_summary(label, records, difference):
+    """What the figure's PNG records about one run (tests/test_figures.py reads it back)."""
+    config = config_of(records) or {}
+    evals = [r for r in records if r["event"] == "eval"]
+    return {"label": label, "program": config.get("program"), "world_size": config.get("world_size"),
+            "args": config.get("args", {}), "train_steps": sum(r["event"] == "train" for r in records),
+            "final_loss": next((r["loss"] for r in reversed(records) if r["event"] == "train"), None),
+            "final_test_acc": evals[-1]["test_acc"] if evals else None, "largest_difference": difference}
 
 
 def draw_differences(ax, pairs, label, floor=1e-12):
@@ -168,72 +206,165 @@ def draw_differences(ax, pairs, label, floor=1e-12):
            title=f"difference from the baseline (red: contract {TOLERANCE:g}; exact 0 drawn at {floor:g})")
 
 
+def read_trace(path):
+    """A Chrome trace as --timeline writes it; a metrics log given by mistake is named as one."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        fail(f"cannot read timeline {path}: {e}")
+    try:
+        trace = json.loads(text)
+    except json.JSONDecodeError as e:
+        first = text.lstrip().split("\n", 1)[0]
+        if first.startswith("{") and '"event"' in first:
+            fail(f"{path} is a metrics log, not a timeline; draw it without --timeline: "
+                 f"python plot_curves.py BASELINE_LOG {path} -o loss.png")
+        fail(f"cannot read timeline {path}: {e}")
+    if not isinstance(trace, dict) or "traceEvents" not in trace:
+        fail(f"{path} is not a pipeline timeline (a Chrome trace with \"traceEvents\", as --timeline writes)")
+    return trace
+
+
 def plot_timelines(paths, out):
-    traces = []
-    for path in paths:
-        try:
-            with open(path) as f:
-                traces.append(json.load(f))
-        except (OSError, json.JSONDecodeError) as e:
-            fail(f"cannot read timeline {path}: {e}")
+    traces = [read_trace(path) for path in paths]
+    for trace, path in zip(traces, paths):
+        if not any(e.get("ph") == "X" for e in trace["traceEvents"]):
+            fail(f"the timeline {path} has no events")
     # one time axis for all: a slower schedule is a longer row of boxes
     fig, axes = plt.subplots(len(paths), 1, figsize=(13, 1.2 + 0.9 * 4 * len(paths)), squeeze=False, sharex=True)
     present = {e.get("cat", "wait") for t in traces for e in t["traceEvents"] if e.get("ph") == "X"}
     added = sorted(present - set(COLOURS))                  # e.g. a later schedule's weight-gradient pass
     categories = [c for c in COLOURS if c in present] + added
     colours = {**dict(zip(added, SPARE)), **COLOURS}
-    for ax, trace, path in zip(axes[:, 0], traces, paths):
-        draw_gantt(ax, trace, colours, path)
+    longest = max(span_ms(t) for t in traces)
+    for ax, trace in zip(axes[:, 0], traces):
+        draw_gantt(ax, trace, colours, POINTS_ACROSS / longest)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours.get(c, "#999999")) for c in categories]
     labels = [MEANINGS.get(c, c) for c in categories]
+    chunks = max(t.get("otherData", {}).get("virtual_stages", 1) for t in traces)
+    for c in range(1, min(chunks, len(HATCHES))):         # interleaved: which chunk a box belongs to
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#888888", edgecolor="white", hatch=HATCHES[c]))
+        labels.append(f"hatched {HATCHES[c]}: chunk {chr(ord('a') + c)} (plain: chunk a)")
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", lw=0.5))
     labels.append("blank: not timed (Python between\nactions, optimizer step, or a\nrank waiting for a free core)")
     axes[0, 0].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     axes[-1, 0].set_xlabel("time in the step (ms), one axis for every chart")
-    save(fig, out)
+    save(fig, out, {"kind": "timeline", "traces": [dict(t.get("otherData", {}), title=ax.get_title())
+                                                   for t, ax in zip(traces, axes[:, 0])]})
 
 
-def draw_gantt(ax, trace, colours, path):
+POINTS_ACROSS = 13 * 72 * 0.7   # the time axis spans about 70% of the 13-inch figure (the legend takes the rest)
+HATCHES = ["", "////", "....", "xxxx"]   # chunk a, b, c, d of an interleaved rank
+
+
+def span_ms(trace):
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    if not events:
-        fail(f"the timeline {path} has no events")
+    return (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1000
+
+
+def draw_gantt(ax, trace, colours, points_per_ms):
+    """One chart: a row per rank; a wait is a thin grey bar, so the work stands out; an action's
+    name is written on its box where it fits at 7 points, and a chunk other than a is hatched."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     other = trace.get("otherData", {})
     interleaved = other.get("virtual_stages", 1) > 1
     start = min(e["ts"] for e in events)
-    span = (max(e["ts"] + e["dur"] for e in events) - start) / 1000
     ranks = sorted({e["pid"] for e in events})
     for e in events:
         kind = e.get("cat", "wait")
         left, width = (e["ts"] - start) / 1000, e["dur"] / 1000
-        ax.barh(e["pid"], width, left=left, height=0.8, color=colours.get(kind, "#999999"),
-                edgecolor="white" if kind != "wait" else "none", linewidth=0.5)
-        if kind != "wait":           # the action's name, F3 or B1b as in the docs' tables
-            chunk = e.get("args", {}).get("chunk") or 0
-            name = e.get("name", "") + (chr(ord("a") + chunk) if interleaved else "")
-            if width > span * 0.012 * len(name):   # only where the name fits in its box
-                ax.text(left + width / 2, e["pid"], name, ha="center", va="center", fontsize=7, color="white")
+        if kind == "wait":
+            ax.barh(e["pid"], width, left=left, height=0.25, color=colours["wait"], linewidth=0)
+            continue
+        chunk = e.get("args", {}).get("chunk") or 0
+        ax.barh(e["pid"], width, left=left, height=0.8, color=colours.get(kind, "#999999"), edgecolor="white",
+                linewidth=0.5, hatch=HATCHES[chunk % len(HATCHES)] if interleaved else None)
+        name = e.get("name", "") + (chr(ord("a") + chunk) if interleaved else "")  # F3 or B1b as in the tables
+        if width * points_per_ms > 4.6 * len(name) + 3:  # about 4.2 points a character at fontsize 7
+            ax.text(left + width / 2, e["pid"], name, ha="center", va="center", fontsize=7, color="white",
+                    bbox={"facecolor": colours.get(kind, "#999999"), "edgecolor": "none", "pad": 0.5}
+                    if interleaved else None)
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()  # stage 0 on top, as pipelines are drawn in papers
     ax.tick_params(labelbottom=True)
-    ax.set_title(gantt_title(other), fontsize=10)
+    ax.set_title(gantt_title(other, busy_ms(events)), fontsize=10)
 
 
-def gantt_title(other):
+def busy_ms(events):
+    """{rank: milliseconds of forward, backward and W work in the step}, each action counted at its
+    rank's median time for that kind of action: one action stretched by a wait for a free core
+    (ranks > cores) does not make its rank look slow."""
+    times = {}
+    for e in events:
+        if e.get("cat", "wait") != "wait":
+            times.setdefault((e["pid"], e["cat"]), []).append(e["dur"] / 1000)
+    busy = {}
+    for (rank, _), durations in times.items():
+        busy[rank] = busy.get(rank, 0) + len(durations) * sorted(durations)[len(durations) // 2]
+    return busy
+
+
+IMBALANCE = 1.25   # the busiest rank works this many times the least busy one's time or more: say so
+
+
+def gantt_title(other, busy=None):
     chunks = f", v={other['virtual_stages']}" if other.get("virtual_stages", 1) > 1 else ""
-    title = (f"{other.get('schedule', '?')}: {other.get('stages', '?')} stages, {other.get('microbatches', '?')} "
-             f"microbatches{chunks}; bubble measured {other.get('bubble_measured', float('nan')):.1%}, "
-             f"theory {other.get('bubble_theory', float('nan')):.1%}")
+    recompute = ", --recompute" if other.get("recompute") else ""
+    title = (f"{other.get('schedule', '?')}{recompute}: {other.get('stages', '?')} stages, "
+             f"{other.get('microbatches', '?')} microbatches{chunks}; bubble measured "
+             f"{other.get('bubble_measured', float('nan')):.1%}, theory {other.get('bubble_theory', float('nan')):.1%}")
     cores, stages = other.get("cpu_cores"), other.get("stages", 0)
     if other.get("device", "cpu") == "cpu" and cores and stages > cores:
         title += (f"\nmeasured > theory: {stages} ranks shared {cores} CPU cores, so a rank often waited "
                   f"for a core, not for its neighbour")
+    if busy and min(busy.values()) > 0 and max(busy.values()) >= IMBALANCE * min(busy.values()):
+        slow, fast = max(busy, key=busy.get), min(busy, key=busy.get)
+        title += (f"\nstages unequal: rank {slow} computes {busy[slow]:.1f} ms a step, rank {fast} {busy[fast]:.1f} ms "
+                  f"({busy[slow] / busy[fast]:.1f}x); the others wait for the slowest (--balance moves blocks)")
     return title
 
 
-def save(fig, out):
+def plot_clock_table(rows, title, out):
+    """schedules.clock_cells() drawn: a row per stage, a box per tick, coloured as the measured
+    timelines (F forward, B backward, W weight gradient), chunk b, c, ... hatched; white: idle."""
+    kinds = {"F": "forward", "B": "backward", "W": "weight"}
+    ticks = max(len(row) for row in rows)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.32 * ticks + 2), 1.4 + 0.5 * len(rows)))
+    for stage, row in enumerate(rows):
+        for tick, cell in enumerate(row):
+            if cell == ".":
+                continue
+            chunk = ord(cell[-1]) - ord("a") if cell[-1].isalpha() else 0
+            ax.barh(stage, 1, left=tick, height=0.8, color=COLOURS[kinds[cell[0]]], edgecolor="white",
+                    linewidth=0.8, hatch=HATCHES[chunk % len(HATCHES)] or None)
+            ax.text(tick + 0.5, stage, cell, ha="center", va="center", fontsize=7 if len(cell) < 4 else 6,
+                    color="white", bbox={"facecolor": COLOURS[kinds[cell[0]]], "edgecolor": "none", "pad": 0.3}
+                    if chunk else None)
+    ax.set_yticks(range(len(rows)), [f"stage {r}" for r in range(len(rows))])
+    ax.set_xlim(0, ticks)
+    ax.set_ylim(len(rows) - 0.5, -0.5)     # stage 0 on top
+    ax.set_xlabel("clock tick (every F, B and W one tick; white: idle, the bubble)")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_title(title.replace("; ", "\n", 1), fontsize=9)
+    present = sorted({cell[0] for row in rows for cell in row if cell != "."}, key="FBW".index)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[kinds[k]]) for k in present]
+    labels = [f"{k}: {MEANINGS[kinds[k]]}" for k in present]
+    if any(cell[-1] == "b" for row in rows for cell in row):
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#888888", edgecolor="white", hatch=HATCHES[1]))
+        labels.append("hatched: chunk b, c, ... (plain: a)")
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    save(fig, out, {"kind": "clock table", "title": title})
+
+
+def save(fig, out, record=None):
+    """The PNG, with the figure's title and `record` (the settings and numbers drawn, as JSON) in
+    its text chunks, so a test can check a committed figure against the command said to make it."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    title = fig._suptitle.get_text() if fig._suptitle else " / ".join(a.get_title() for a in fig.axes if a.get_title())
+    fig.savefig(out, dpi=110, metadata={"Title": title, "Description": json.dumps(record or {}),
+                                        "Software": "plot_curves.py"})
     plt.close(fig)
     print(f"wrote {out}")
 
@@ -252,6 +383,14 @@ def main(argv=None):
         return
     for label, diff in plot_curves(args.files, args.out).items():
         print(f"largest |loss - baseline| for {label}: {diff:.3g}")
+
+
+def png_record(path):
+    """(title, record) that save() wrote into a PNG's text chunks; ("", {}) for a PNG without them."""
+    from PIL import Image              # matplotlib's own dependency
+    with Image.open(path) as image:
+        text = dict(image.text) if hasattr(image, "text") else {}
+    return text.get("Title", ""), json.loads(text.get("Description") or "{}")
 
 
 if __name__ == "__main__":

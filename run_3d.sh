@@ -8,16 +8,19 @@
 #   DATA=synthetic STEPS=100 bash run_3d.sh            # no network
 #   DP=1 TP=2 NPROC=4 MODEL=vit DATA=synthetic bash run_3d.sh --hidden 64 --heads 4
 #
-# Knobs (environment, with defaults); extra arguments go to both programs.
+# Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
+# both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
 set -euo pipefail
+STEP="the argument check"
 # a failed step stops the script here, with its name, before anything later is plotted
-trap 'rc=$?; echo "$(basename "$0"): stopped: this step failed with exit status $rc: $BASH_COMMAND" >&2' ERR
+trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc; nothing after it ran" >&2' ERR
 
 DP=${DP:-2}                            # data-parallel replicas
 TP=${TP:-2}                            # tensor-parallel ranks per stage
 NPROC=${NPROC:-8}                      # ranks; stages = NPROC / (DP x TP)
 MICROBATCHES=${MICROBATCHES:-4}        # per replica, per step
 SCHEDULE=${SCHEDULE:-1f1b}             # any --schedule of pipeline_microbatch.py
+RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
@@ -27,28 +30,43 @@ SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
 LOGS=${LOGS:-logs}
 PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figures (docs/running.md)
-PLOT="$PLOTS/3d_loss.png"
 PYTHON=${PYTHON:-python}
 
 cd "$(dirname "$0")"
+# flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
+KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
+       --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --tp:TP:n
+       --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w --recompute:RECOMPUTE=1:- --timeline:LOGS:-)
+source ./launch_checks.sh
+check_knob RECOMPUTE "$RECOMPUTE" 0 1
+check_count NPROC "$NPROC"
+refuse_knob_flags "$@"
+
 mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 PARALLEL=(--backend "$BACKEND" --dp "$DP" --tp "$TP" --microbatches "$MICROBATCHES" --schedule "$SCHEDULE")
-BASELINE_LOG="$LOGS/single_baseline_${MODEL}_b${BATCH_SIZE}.jsonl"
-GRID_LOG="$LOGS/parallel_3d_${MODEL}_dp${DP}_tp${TP}_n${NPROC}_m${MICROBATCHES}.jsonl"
+SUFFIX=""
+if [ "$RECOMPUTE" = 1 ]; then PARALLEL+=(--recompute); SUFFIX="_recompute"; fi
+EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
+GRID_LOG="$LOGS/parallel_3d_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_tp${TP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${SUFFIX}.jsonl"
+PLOT="$PLOTS/3d_loss${SUFFIX}.png"
 
 # the parallel program's arguments at its world size, before anything trains (parse_args only)
-WORLD_SIZE=$NPROC "$PYTHON" -c 'import sys, parallel_3d as p; p.parse_args(sys.argv[1:])' \
-    "${COMMON[@]}" "${PARALLEL[@]}" --log-file "$GRID_LOG"
+check_args parallel_3d "${COMMON[@]}" "${PARALLEL[@]}" --log-file "$GRID_LOG"
+check_baseline_args "${COMMON[@]}"
 
+STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
-echo "== 3-D: $DP replicas x $((NPROC / (DP * TP))) stages x $TP tp ranks, $MICROBATCHES microbatches ($SCHEDULE)"
+STEP="the 3-D run (parallel_3d.py on $NPROC ranks)"
+echo "== 3-D: $DP replicas x $((NPROC / (DP * TP))) stages x $TP tp ranks, $MICROBATCHES microbatches ($SCHEDULE${SUFFIX:+, --recompute})"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
     parallel_3d.py "${COMMON[@]}" "${PARALLEL[@]}" --log-file "$GRID_LOG"
 
+STEP="plot_curves.py"
 "$PYTHON" plot_curves.py "$BASELINE_LOG" "$GRID_LOG" -o "$PLOT"
 echo "plot: $PLOT"

@@ -8,10 +8,12 @@
 #   DATA=synthetic STEPS=100 bash run_joint.sh         # no network
 #   DP=3 NPROC=6 MICROBATCHES=2 SCHEDULE=gpipe DATA=synthetic bash run_joint.sh
 #
-# Knobs (environment, with defaults); extra arguments go to both programs.
+# Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
+# both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
 set -euo pipefail
+STEP="the argument check"
 # a failed step stops the script here, with its name, before anything later is plotted
-trap 'rc=$?; echo "$(basename "$0"): stopped: this step failed with exit status $rc: $BASH_COMMAND" >&2' ERR
+trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc; nothing after it ran" >&2' ERR
 
 DP=${DP:-2}                            # data-parallel pipelines
 NPROC=${NPROC:-6}                      # ranks; stages = NPROC / DP
@@ -31,25 +33,37 @@ PLOT="$PLOTS/joint_loss.png"
 PYTHON=${PYTHON:-python}
 
 cd "$(dirname "$0")"
+# flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
+KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
+       --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --microbatches:MICROBATCHES:n
+       --schedule:SCHEDULE:w --timeline:LOGS:-)
+source ./launch_checks.sh
+check_count NPROC "$NPROC"
+refuse_knob_flags "$@"
+
 mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
-BASELINE_LOG="$LOGS/single_baseline_${MODEL}_b${BATCH_SIZE}.jsonl"
-JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}_dp${DP}_n${NPROC}_m${MICROBATCHES}.jsonl"
+EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
+JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}.jsonl"
 
 # the parallel program's arguments at its world size, before anything trains (parse_args only)
-WORLD_SIZE=$NPROC "$PYTHON" -c 'import sys, pipeline_dp_joint as p; p.parse_args(sys.argv[1:])' \
-    "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" --schedule "$SCHEDULE" \
-    --log-file "$JOINT_LOG"
+check_args pipeline_dp_joint "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
+    --schedule "$SCHEDULE" --log-file "$JOINT_LOG"
+check_baseline_args "${COMMON[@]}"
 
+STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
+STEP="the joint run (pipeline_dp_joint.py on $NPROC ranks)"
 echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatches ($SCHEDULE)"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
     pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
     --schedule "$SCHEDULE" --log-file "$JOINT_LOG"
 
+STEP="plot_curves.py"
 "$PYTHON" plot_curves.py "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
 echo "plot: $PLOT"

@@ -9,10 +9,12 @@
 #   SCHEDULES="1f1b interleaved" MICROBATCHES=8 MODEL=vit DATA=synthetic bash run_pipeline.sh --layers 6
 #   SCHEDULES="1f1b zb" RECOMPUTE=1 DATA=synthetic bash run_pipeline.sh    # zero bubble; re-materialisation
 #
-# Knobs (environment, with defaults); extra arguments go to both programs.
+# Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
+# both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
 set -euo pipefail
+STEP="the argument check"
 # a failed step stops the script here, with its name, before anything later is plotted
-trap 'rc=$?; echo "$(basename "$0"): stopped: this step failed with exit status $rc: $BASH_COMMAND" >&2' ERR
+trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc; nothing after it ran" >&2' ERR
 
 NPROC=${NPROC:-4}                      # pipeline stages = number of ranks
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
@@ -31,28 +33,44 @@ PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figu
 PYTHON=${PYTHON:-python}
 
 cd "$(dirname "$0")"
+# flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
+KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
+       --eval-every:EVAL_EVERY:n --backend:BACKEND:w --microbatches:MICROBATCHES:n --schedule:SCHEDULES:w
+       --virtual-stages:VIRTUAL_STAGES:n --recompute:RECOMPUTE=1:- --log-file:LOGS:- --timeline:LOGS:-)
+source ./launch_checks.sh
+check_knob RECOMPUTE "$RECOMPUTE" 0 1
+check_count NPROC "$NPROC"
+refuse_knob_flags "$@"
+
 mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
-BASELINE_LOG="$LOGS/single_baseline_${MODEL}.jsonl"
+EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
+SUFFIX=""
+if [ "$RECOMPUTE" = 1 ]; then SUFFIX="_recompute"; fi
 
 pipeline_flags() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTUAL_STAGES"; fi
                   if [ "$RECOMPUTE" = 1 ]; then echo --recompute; fi; }
 # the parallel program's arguments at its world size, for every schedule, before anything trains
 for SCHEDULE in $SCHEDULES; do
-    WORLD_SIZE=$NPROC "$PYTHON" -c 'import sys, pipeline_microbatch as p; p.parse_args(sys.argv[1:])' \
-        "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" --microbatches "$MICROBATCHES" \
-        $(pipeline_flags "$SCHEDULE")
+    check_args pipeline_microbatch "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
+        --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE")
 done
+check_baseline_args "${COMMON[@]}"
 
+STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 LOGS_OF=() TRACES=()
 for SCHEDULE in $SCHEDULES; do
-    LOG="$LOGS/pipeline_${MODEL}_${SCHEDULE}_p${NPROC}_m${MICROBATCHES}.jsonl"
-    TRACE="$LOGS/timeline_${MODEL}_${SCHEDULE}_p${NPROC}_m${MICROBATCHES}.json"
-    echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches"
+    RUN="${MODEL}${EXTRA}_${SCHEDULE}_p${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}"
+    if [ "$SCHEDULE" = interleaved ]; then RUN="${RUN}_v${VIRTUAL_STAGES}"; fi
+    LOG="$LOGS/pipeline_${RUN}${SUFFIX}.jsonl"
+    TRACE="$LOGS/timeline_${RUN}${SUFFIX}.json"
+    STEP="the $SCHEDULE pipeline (pipeline_microbatch.py on $NPROC ranks)"
+    echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches${SUFFIX:+, --recompute}"
     # "--" ends torchrun's own options, so that every later flag reaches the program
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
         pipeline_microbatch.py "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
@@ -61,6 +79,7 @@ for SCHEDULE in $SCHEDULES; do
     TRACES+=("$TRACE")
 done
 
-"$PYTHON" plot_curves.py "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss.png"
-"$PYTHON" plot_curves.py --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline.png"
-echo "plots: $PLOTS/pipeline_loss.png $PLOTS/pipeline_timeline.png"
+STEP="plot_curves.py"
+"$PYTHON" plot_curves.py "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${SUFFIX}.png"
+"$PYTHON" plot_curves.py --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${SUFFIX}.png"
+echo "plots: $PLOTS/pipeline_loss${SUFFIX}.png $PLOTS/pipeline_timeline${SUFFIX}.png"

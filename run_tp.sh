@@ -8,10 +8,12 @@
 #   NPROC=4 MODEL=vit DATA=synthetic bash run_tp.sh --heads 4 --hidden 64
 #   HYBRID=1 DATA=synthetic bash run_tp.sh            # cnn: also --hybrid, drawn on the same plot
 #
-# Knobs (environment, with defaults); extra arguments go to both programs.
+# Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
+# both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
 set -euo pipefail
+STEP="the argument check"
 # a failed step stops the script here, with its name, before anything later is plotted
-trap 'rc=$?; echo "$(basename "$0"): stopped: this step failed with exit status $rc: $BASH_COMMAND" >&2' ERR
+trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc; nothing after it ran" >&2' ERR
 
 NPROC=${NPROC:-2}              # tensor-parallel degree = number of ranks
 MODEL=${MODEL:-cnn}            # cnn | mlp | vit
@@ -26,26 +28,36 @@ LOGS=${LOGS:-logs}
 PLOTS=${PLOTS:-$LOGS/plots}    # PLOTS=plots rewrites the committed figures (docs/running.md)
 PLOT="$PLOTS/tp_loss.png"
 PYTHON=${PYTHON:-python}
-case "$HYBRID" in 0|1) ;; *) echo "error: HYBRID=$HYBRID must be 0 or 1" >&2; exit 2 ;; esac
-if [ "$HYBRID" = 1 ] && [ "$MODEL" != cnn ]; then
-    echo "error: HYBRID=1 needs MODEL=cnn (--hybrid runs the cnn's convolutions data-parallel), not MODEL=$MODEL" >&2
-    exit 2
-fi
 
 cd "$(dirname "$0")"
+# flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
+KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
+       --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --hybrid:HYBRID=1:-)
+source ./launch_checks.sh
+check_knob HYBRID "$HYBRID" 0 1
+check_count NPROC "$NPROC"
+refuse_knob_flags "$@"
+if [ "$HYBRID" = 1 ] && [ "$MODEL" != cnn ]; then
+    launcher_error "HYBRID=1 needs MODEL=cnn (--hybrid runs the cnn's convolutions data-parallel), not MODEL=$MODEL"
+fi
+
 mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
-BASELINE_LOG="$LOGS/single_baseline_${MODEL}.jsonl"
-TP_LOG="$LOGS/tensor_parallel_${MODEL}_tp${NPROC}.jsonl"
+EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
+TP_LOG="$LOGS/tensor_parallel_${MODEL}${EXTRA}_tp${NPROC}_b${BATCH_SIZE}.jsonl"
 
 # the parallel program's arguments at its world size, before anything trains (parse_args only)
-WORLD_SIZE=$NPROC "$PYTHON" -c 'import sys, tensor_parallel as p; p.parse_args(sys.argv[1:])' \
-    "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_LOG"
+check_args tensor_parallel "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_LOG"
+if [ "$HYBRID" = 1 ]; then check_args tensor_parallel "${COMMON[@]}" --hybrid --backend "$BACKEND"; fi
+check_baseline_args "${COMMON[@]}"
 
+STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
+STEP="the tensor-parallel run (tensor_parallel.py on $NPROC ranks)"
 echo "== tensor parallel: degree $NPROC"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
@@ -53,12 +65,14 @@ echo "== tensor parallel: degree $NPROC"
 
 LOGS_TO_PLOT=("$BASELINE_LOG" "$TP_LOG")
 if [ "$HYBRID" = 1 ]; then
-    HYBRID_LOG="$LOGS/tensor_parallel_${MODEL}_tp${NPROC}_hybrid.jsonl"
+    HYBRID_LOG="$LOGS/tensor_parallel_${MODEL}${EXTRA}_tp${NPROC}_b${BATCH_SIZE}_hybrid.jsonl"
+    STEP="the hybrid run (tensor_parallel.py --hybrid on $NPROC ranks)"
     echo "== hybrid: data-parallel convolutions, tensor-parallel fc layers, degree $NPROC"
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
         tensor_parallel.py "${COMMON[@]}" --hybrid --backend "$BACKEND" --log-file "$HYBRID_LOG"
     LOGS_TO_PLOT+=("$HYBRID_LOG")
 fi
 
+STEP="plot_curves.py"
 "$PYTHON" plot_curves.py "${LOGS_TO_PLOT[@]}" -o "$PLOT"
 echo "plot: $PLOT"

@@ -36,3 +36,20 @@ def test_our_tensor_parallel_mlp_steps_like_torch_tensor_parallel(tmp_path):
     row = result["rows"][0]
     assert row["config"] == "mlp:tp2"
     assert row["max_loss_diff_vs_torch"] < 1e-5 and row["max_loss_diff_vs_baseline"] < 1e-4, row
+
+
+def test_block_costs_split_minimises_the_slowest_stage():
+    import importlib.util
+    import itertools
+    import os
+    from helpers import ROOT
+    spec = importlib.util.spec_from_file_location("block_costs", os.path.join(ROOT, "benchmarks", "block_costs.py"))
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    costs = [1.12, 0.87, 0.15, 0.08, 0.03]                        # the cnn's blocks, ms, as measured
+    slowest, split = bc.best_split(costs, 4)
+    assert sum(split) == 5 and len(split) == 4 and slowest == bc.stage_max(costs, split) == 1.12
+    assert bc.stage_max(costs, bc.even_split(5, 4)) == pytest.approx(1.99)     # 2,1,1,1 puts both convs together
+    for p in (1, 2, 3):                                           # no split of consecutive blocks does better
+        every = [s for s in itertools.product(range(1, 6), repeat=p) if sum(s) == 5]
+        assert bc.best_split(costs, p)[0] == pytest.approx(min(bc.stage_max(costs, s) for s in every))

@@ -140,3 +140,20 @@ def test_the_test_split_is_normalised_once():
     data.test = torch.randint(256, (20, 3, 32, 32), dtype=torch.uint8), torch.randint(10, (20,))
     first = data.test_set
     assert data.test_set is first and torch.equal(first[0], Cifar10Data.normalise(data.test[0]))
+
+
+def test_synthetic_batches_agree_however_they_are_drawn():
+    """labels() and image_parts() are batch() without the images, or in microbatches: every rank
+    that draws a step gets the same numbers, whatever it needs of them."""
+    data = SyntheticData(5)
+    x, y = data.batch(11, 24)
+    assert torch.equal(data.labels(11, 24), y)
+    assert torch.equal(torch.cat(list(data.image_parts(11, 24, 4))), x)
+    assert torch.equal(SyntheticData(5).batch(11, 24)[0], x) and not torch.equal(data.batch(12, 24)[0], x)
+    assert x.shape == (24, 3, 32, 32) and 0.9 < x.std() < 1.2     # noise of std 1 under the class pattern
+    # the class is in the image: the mean pattern of a class's samples points along its prototype
+    xs, ys = data.test_set
+    for c in range(3):
+        mean = xs[ys == c].mean(0).flatten()
+        cosines = torch.nn.functional.cosine_similarity(mean[None], data.prototypes.flatten(1))
+        assert cosines.argmax() == c and cosines[c] > 0.5, cosines

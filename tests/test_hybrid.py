@@ -109,7 +109,7 @@ def test_bad_hybrid_input_is_one_error_line_and_exit_2(tmp_path, monkeypatch, ar
 
 
 def test_run_tp_draws_hybrid_beside_plain_tensor_parallelism(tmp_path):
-    run = launcher("run_tp.sh", tmp_path, ["--batch-size", "16"], STEPS="3", NPROC="2", HYBRID="1",
+    run = launcher("run_tp.sh", tmp_path, STEPS="3", NPROC="2", HYBRID="1", BATCH_SIZE="16",
                    PLOTS=str(tmp_path / "plots"))
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "plots" / "tp_loss.png").stat().st_size > 10_000

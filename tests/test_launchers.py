@@ -1,9 +1,11 @@
 """The run_*.sh launchers: a short run plots; a failed step stops the script with its name and
 nothing is plotted after it."""
+import json
 import os
 import subprocess
 import sys
 
+import plot_curves
 from helpers import ROOT
 
 
@@ -27,24 +29,78 @@ def test_a_failed_parallel_step_stops_the_launcher_before_it_plots(tmp_path):
                    BACKEND="nccl", NPROC="6")
     assert run.returncode != 0
     assert "error: " in run.stderr                                  # the program's own one-line reason
-    assert "run_joint.sh: stopped: this step failed with exit status" in run.stderr
-    assert "pipeline_dp_joint.py" in run.stderr.splitlines()[-1]    # names the step that failed
+    last = run.stderr.splitlines()[-1]                              # names the step that failed, expanded
+    assert last.startswith("run_joint.sh: stopped: the joint run (pipeline_dp_joint.py on 6 ranks) failed "
+                           "with exit status"), last
+    assert "$" not in last and '"' not in last, last                 # no bash source such as "${COMMON[@]}"
     assert not (tmp_path / "logs" / "plots" / "joint_loss.png").exists()
 
 
-def test_a_bad_argument_stops_the_launcher_before_anything_trains(tmp_path):
-    run = launcher("run_pipeline.sh", tmp_path, ["--steps", "-3"], MODEL="mlp")
-    assert run.returncode != 0
-    assert run.stderr.startswith("error: --steps -3 must be a positive integer"), run.stderr
-    assert "pipeline_microbatch" in run.stderr.splitlines()[-1] and "== baseline" not in run.stdout
+def test_a_bad_knob_stops_the_launcher_before_anything_trains_in_the_knobs_terms(tmp_path):
+    run = launcher("run_pipeline.sh", tmp_path, MODEL="mlp", STEPS="-3")
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == ["error: STEPS=-3 must be a positive integer"], run.stderr
+    assert "== baseline" not in run.stdout
     assert not os.path.exists(tmp_path / "logs" / "plots" / "pipeline_loss.png")
+    run = launcher("run_pipeline.sh", tmp_path, MODEL="mlp", MICROBATCHES="3")
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == ["error: BATCH_SIZE=64 is not divisible by 1 replica(s) x MICROBATCHES=3; "
+                                       "use BATCH_SIZE=63 or BATCH_SIZE=66"], run.stderr
+    run = launcher("run_3d.sh", tmp_path, MODEL="mlp", RECOMPUTE="yes")
+    assert run.stderr.splitlines() == ["error: RECOMPUTE=yes must be one of: 0 1"] and run.returncode == 2
+
+
+def test_a_flag_that_has_a_knob_is_refused_with_the_knob(tmp_path):
+    """--recompute would reach the baseline, which does not take it, and leave the log names silent."""
+    for script, args, knob in (("run_pipeline.sh", ["--recompute"], "use RECOMPUTE=1 bash run_pipeline.sh"),
+                               ("run_joint.sh", ["--micro", "2"], "use MICROBATCHES=2 bash run_joint.sh"),
+                               ("run_tp.sh", ["--hybrid"], "use HYBRID=1 bash run_tp.sh"),
+                               ("run_3d.sh", ["--steps=5"], "use STEPS=5 bash run_3d.sh")):
+        run = launcher(script, tmp_path, args, MODEL="mlp")
+        lines = run.stderr.splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and knob in lines[0], (script, run.stderr)
+        assert "== baseline" not in run.stdout and not list((tmp_path / "logs").glob("*.jsonl"))
+
+
+def test_an_extra_flag_the_baseline_does_not_take_is_refused_before_anything_trains(tmp_path):
+    run = launcher("run_pipeline.sh", tmp_path, ["--balance", "2,1,1,1"], MODEL="cnn")
+    lines = run.stderr.splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("error: run_pipeline.sh passes its extra flags to single_baseline.py too, which "
+                               "refused them: unrecognized arguments: --balance 2,1,1,1"), lines
+    assert "== baseline" not in run.stdout
+
+
+def test_recompute_gets_its_own_logs_legend_and_titles_and_the_help_names_real_files(tmp_path):
+    """The default run's files are the ones plot_curves.py's help names; RECOMPUTE=1 writes beside them."""
+    run = launcher("run_pipeline.sh", tmp_path, STEPS="2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    logs = tmp_path / "logs"
+    named = [word for line in plot_curves.__doc__.splitlines() if "plot_curves.py" in line
+             for word in line.split() if word.startswith("logs/") and word.endswith((".json", ".jsonl"))]
+    assert len(named) == 4
+    for path in named:
+        assert (logs / path[len("logs/"):]).exists(), (path, sorted(os.listdir(logs)))
+    plain = (logs / "pipeline_cnn_1f1b_p4_m4_b64.jsonl").read_text()
+    run = launcher("run_pipeline.sh", tmp_path, STEPS="2", RECOMPUTE="1", SCHEDULES="1f1b")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (logs / "pipeline_cnn_1f1b_p4_m4_b64.jsonl").read_text() == plain     # the run without it is kept
+    records = [json.loads(line) for line in (logs / "pipeline_cnn_1f1b_p4_m4_b64_recompute.jsonl").open()]
+    assert "recompute" in plot_curves.label_of(records, "x")
+    assert "recompute" not in plot_curves.label_of([json.loads(line) for line in plain.splitlines()], "x")
+    trace = json.loads((logs / "timeline_cnn_1f1b_p4_m4_b64_recompute.json").read_text())
+    assert plot_curves.gantt_title(trace["otherData"]).startswith("1f1b, --recompute: 4 stages")
+    for png in ("pipeline_loss.png", "pipeline_timeline.png", "pipeline_loss_recompute.png",
+                "pipeline_timeline_recompute.png"):
+        assert (logs / "plots" / png).stat().st_size > 10_000, png
 
 
 def test_the_parallel_arguments_are_checked_before_anything_trains(tmp_path):
     """--heads 4 cannot be split over 3 ranks: the launcher stops before the baseline trains."""
     run = launcher("run_tp.sh", tmp_path, MODEL="vit", NPROC="3", STEPS="2")
     assert run.returncode == 2, run.stderr[-2000:]
-    assert run.stderr.startswith("error: --heads 4 is not divisible by the tensor-parallel degree 3")
+    assert run.stderr.splitlines() == ["error: --heads 4 is not divisible by the tensor-parallel degree NPROC=3; "
+                                       "each rank needs whole heads: use 2 ranks (NPROC=2)"], run.stderr
     assert "== baseline" not in run.stdout and not list((tmp_path / "logs").glob("*.jsonl"))
 
 
@@ -60,5 +116,5 @@ def test_run_3d_plots_the_grid_against_the_baseline(tmp_path):
 def test_run_3d_checks_the_grid_before_anything_trains(tmp_path):
     run = launcher("run_3d.sh", tmp_path, MODEL="mlp", NPROC="6", STEPS="2")
     assert run.returncode == 2, run.stderr[-2000:]
-    assert run.stderr.startswith("error: the world size 6 is not divisible by --dp 2 x --tp 2 = 4")
+    assert run.stderr.startswith("error: the world size NPROC=6 is not divisible by DP=2 x TP=2 = 4"), run.stderr
     assert "== baseline" not in run.stdout and not list((tmp_path / "logs").glob("*.jsonl"))

@@ -56,7 +56,7 @@ def fake_log(path, batch_size=32, steps=5, loss_shift=0.0, evals=(), program="si
 def drawn_figure(monkeypatch):
     """Keep the figure plot_curves would save, to read its titles and lines."""
     kept = {}
-    monkeypatch.setattr(plot_curves, "save", lambda fig, out: kept.setdefault("fig", fig))
+    monkeypatch.setattr(plot_curves, "save", lambda fig, out, record=None: kept.setdefault("fig", fig))
     return kept
 
 
@@ -108,3 +108,66 @@ def test_timelines_share_one_axis_and_name_chunks_and_new_categories(tmp_path, m
     legend = [t.get_text() for t in top.get_legend().get_texts()]
     assert legend[:3] == ["forward", "backward", "weight gradient (W)"] and "blank: not timed" in legend[-1], legend
     assert "4 ranks shared 2 CPU cores" in top.get_title()
+
+
+def fake_trace(path, busy_per_rank, chunks=1, dur_wait=2000, **other):
+    """A trace with one F and one B per rank and chunk, each lasting busy_per_rank[rank] / 2 ms per chunk."""
+    events, clock = [], 0
+    for rank, busy in enumerate(busy_per_rank):
+        for chunk in range(chunks):
+            for k, cat in (("F", "forward"), ("B", "backward")):
+                dur = busy * 1000 / 2 / chunks
+                events.append({"name": f"{k}0", "cat": cat, "ph": "X", "ts": clock, "dur": dur, "pid": rank, "tid": 0,
+                               "args": {"microbatch": 0, "chunk": chunk}})
+                clock += dur
+        events.append({"name": "wait", "cat": "wait", "ph": "X", "ts": clock, "dur": dur_wait, "pid": rank, "tid": 0})
+        clock += dur_wait
+    path.write_text(json.dumps({"traceEvents": events, "otherData": {
+        "schedule": "1f1b", "stages": len(busy_per_rank), "microbatches": 1, "virtual_stages": chunks,
+        "bubble_measured": 0.5, "bubble_theory": 0.4, "device": "cpu", "cpu_cores": 8, **other}}))
+    return str(path)
+
+
+def test_a_trace_given_as_a_metrics_log_and_back_is_one_error_line(tmp_path, capsys):
+    trace = fake_trace(tmp_path / "t.json", [1, 1])
+    log = fake_log(tmp_path / "log.jsonl")
+    for argv, hint in (([trace], "draw it with --timeline"), (["--timeline", log], "draw it without --timeline")):
+        try:
+            plot_curves.main(argv + ["-o", str(tmp_path / "x.png")])
+            raise AssertionError("no error")
+        except SystemExit as e:
+            assert e.code == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and hint in err[0], err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_unequal_stages_are_named_in_the_title_and_equal_ones_are_not(tmp_path, monkeypatch):
+    kept = drawn_figure(monkeypatch)
+    unequal = fake_trace(tmp_path / "u.json", [6, 2, 2, 2])
+    equal = fake_trace(tmp_path / "e.json", [2, 2, 2.2, 2], recompute=True)
+    plot_curves.plot_timelines([unequal, equal], str(tmp_path / "t.png"))
+    top, bottom = kept["fig"].axes
+    assert "stages unequal: rank 0 computes 6.0 ms a step, rank 1 2.0 ms (3.0x)" in top.get_title(), top.get_title()
+    assert "unequal" not in bottom.get_title() and bottom.get_title().startswith("1f1b, --recompute: 4 stages")
+    assert "CPU cores" not in top.get_title()                        # 4 ranks on 8 cores: no core contention
+
+
+def test_interleaved_chunks_are_hatched_and_names_that_do_not_fit_are_left_out(tmp_path, monkeypatch):
+    kept = drawn_figure(monkeypatch)
+    # rank 0's boxes are 100 times shorter than rank 1's, on a one-step axis of about 2 s
+    path = fake_trace(tmp_path / "i.json", [0.04, 4], chunks=2, dur_wait=2_000_000)
+    plot_curves.plot_timelines([path], str(tmp_path / "t.png"))
+    ax, = kept["fig"].axes
+    boxes = [p for p in ax.patches if p.get_height() == 0.8]
+    assert {str(p.get_hatch() or "") for p in boxes} == {"", plot_curves.HATCHES[1]}   # chunk a plain, b hatched
+    texts = {(t.get_text(), round(t.get_position()[1])) for t in ax.texts}
+    assert texts == set(), texts                                     # 2 s of axis: no box is wide enough
+    path = fake_trace(tmp_path / "j.json", [0.04, 4], chunks=2, dur_wait=2000)
+    kept.clear()
+    plot_curves.plot_timelines([path], str(tmp_path / "t.png"))
+    ax, = kept["fig"].axes
+    texts = {(t.get_text(), round(t.get_position()[1])) for t in ax.texts}
+    assert texts == {("F0a", 1), ("B0a", 1), ("F0b", 1), ("B0b", 1)}, texts   # rank 1's fit, rank 0's do not
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(x.startswith("hatched") and "chunk b" in x for x in legend), legend

@@ -210,3 +210,29 @@ def test_zb_sends_the_input_gradient_before_the_weight_gradient_runs():
                 assert after[0] == "comm" and ("send", rank - 1, ("grad", action[1], rank - 1)) in after[1]
             if action[0] == "W":
                 assert schedules.messages(action, PipelineRank(rank, 3, [0, 1, 2])) == (None, None)
+
+
+def test_the_command_line_prints_and_draws_the_planned_table(tmp_path, capsys):
+    out = tmp_path / "zb.png"
+    schedules.main(["--schedule", "zb", "--stages", "4", "--microbatches", "4", "-o", str(out)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "zb: 4 stages, 4 microbatches; 15 ticks, idle 20.0% of the table = bubble_theory 20.0%"
+    assert lines[1:5] == schedules.clock_table("zb", 4, 4) and lines[5] == f"wrote {out}"
+    assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000
+    schedules.main(["--schedule", "interleaved", "--stages", "2", "--microbatches", "4", "--virtual-stages", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("interleaved: 2 stages, 4 microbatches, v=3 chunks per rank") and "7.7%" in lines[0]
+    assert lines[1:] == schedules.clock_table("interleaved", 2, 4, 3)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--stages", "0"], "error: --stages 0 must be a positive integer"),
+    (["--schedule", "interleaved", "--microbatches", "6"],
+     "error: --schedule interleaved needs --microbatches a multiple of --stages 4, got 6; use --microbatches 8 or 4"),
+    (["--virtual-stages", "2"], "error: --virtual-stages 2 applies only to --schedule interleaved, not 1f1b"),
+])
+def test_the_command_line_refuses_bad_sizes_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        schedules.main(argv)
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(message), err

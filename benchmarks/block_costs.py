@@ -1,0 +1,113 @@
+"""What each block of a model costs, forward plus backward, and the split over stages that this
+cost suggests: the numbers behind docs/questions.md's advice on balancing a pipeline.
+
+    python benchmarks/block_costs.py                          # cnn and mlp, a microbatch of 16, 4 stages
+    python benchmarks/block_costs.py --model mlp --layers 8 --stages 4 --microbatch 16
+
+One process, one thread (as each pipeline rank runs). A block's time is the median over --repeat
+runs of its forward and of the backward from a gradient of ones, with its input requiring grad as
+on every stage but the first (block 0's input needs no gradient, as on stage 0). The suggested
+split is one of consecutive blocks whose slowest stage costs least by these times (where several
+tie, the one the search meets first); pipeline_microbatch.py's --balance takes it (e.g. 1,1,1,2).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import build_model  # noqa: E402
+
+
+def block_times(blocks, x, repeat):
+    """[(forward ms, backward ms)] per block, each the median of `repeat` runs after one warm-up."""
+    out = []
+    for i, block in enumerate(blocks):
+        x = x.detach().requires_grad_(i > 0)
+        forwards, backwards = [], []
+        for _ in range(repeat + 1):
+            start = time.perf_counter()
+            y = block(x)
+            middle = time.perf_counter()
+            y.backward(torch.ones_like(y))
+            end = time.perf_counter()
+            forwards.append(middle - start)
+            backwards.append(end - middle)
+        out.append((1000 * statistics.median(forwards[1:]), 1000 * statistics.median(backwards[1:])))
+        x = y
+    return out
+
+
+def best_split(costs, stages):
+    """(cost of the slowest stage, block counts per stage): consecutive blocks, the slowest stage as
+    cheap as it can be; a small dynamic programme over (blocks used, stages used)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = {(0, 0): (0.0, [])}
+    for s in range(1, stages + 1):
+        for end in range(s, n - (stages - s) + 1):
+            options = [(max(best[(start, s - 1)][0], prefix[end] - prefix[start]), best[(start, s - 1)][1] + [end - start])
+                       for start in range(s - 1, end) if (start, s - 1) in best]
+            best[(end, s)] = min(options, key=lambda o: o[0])
+    return best[(n, stages)]
+
+
+def report(name, args, model_args):
+    torch.manual_seed(0)
+    blocks = list(build_model(model_args))
+    times = block_times(blocks, torch.randn(args.microbatch, 3, 32, 32), args.repeat)
+    params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum(f + b for f, b in times)
+    print(f"\n{name}, a microbatch of {args.microbatch}, median of {args.repeat}:")
+    print("| block | layers | parameters | forward ms | backward ms | share of F+B |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for i, (block, (f, b), n) in enumerate(zip(blocks, times, params)):
+        layers = ", ".join(type(m).__name__ for m in block.children()) or type(block).__name__
+        print(f"| {i} | {layers} | {n:,} | {f:.3f} | {b:.3f} | {(f + b) / total:.0%} |")
+    costs = [f + b for f, b in times]
+    if args.stages <= len(blocks):
+        even = even_split(len(blocks), args.stages)
+        slowest, split = best_split(costs, args.stages)
+        print(f"{args.stages} stages: even split {','.join(map(str, even))} -> slowest stage "
+              f"{stage_max(costs, even):.3f} ms; by these costs {','.join(map(str, split))} -> {slowest:.3f} ms "
+              f"(a stage's least possible is the largest block, {max(costs):.3f} ms)")
+
+
+def even_split(n, stages):
+    """pipeline_microbatch.py's default: as even as possible, earlier stages one larger."""
+    return [n // stages + (1 if s < n % stages else 0) for s in range(stages)]
+
+
+def stage_max(costs, split):
+    out, start = [], 0
+    for k in split:
+        out.append(sum(costs[start:start + k]))
+        start += k
+    return max(out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["cnn", "mlp", "vit", "both"], default="both", help="both: cnn and mlp")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--microbatch", type=int, default=16, help="samples a block sees at once (64 / 4 microbatches)")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=50)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    for model in (["cnn", "mlp"] if args.model == "both" else [args.model]):
+        model_args = argparse.Namespace(model=model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                        seed=0, dropout=0.0)
+        name = model if model == "cnn" else f"{model} --layers {args.layers} --hidden {args.hidden}"
+        report(name, args, model_args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+# The checks every run_*.sh launcher makes before anything trains, sourced by each after it has
+# changed into the repository. The launcher sets PYTHON, NPROC and KNOBS, its flags that have a knob
+# as flag:KNOB:kind (kind n: a number, w: a word, -: no value). Every mistake is one `error:` line on
+# stderr, in the launcher's own terms (MICROBATCHES=3, not --microbatches 3), then exit status 2.
+
+launcher_error() {
+    echo "error: $*" >&2
+    exit 2
+}
+
+check_knob() {   # NAME VALUE ALLOWED...: a knob with a few legal values
+    local name=$1 value=$2 ok
+    shift 2
+    for ok in "$@"; do
+        if [ "$value" = "$ok" ]; then return 0; fi
+    done
+    launcher_error "$name=$value must be one of: $*"
+}
+
+check_count() {   # NAME VALUE: a positive integer such as NPROC
+    case "$2" in
+        '' | *[!0-9]* | 0*) launcher_error "$1=$2 must be a positive integer" ;;
+    esac
+}
+
+refuse_knob_flags() {   # the extra arguments: a flag that has a knob is refused, with the knob to set
+    local args=("$@") i pair flag knob kind typed value
+    for ((i = 0; i < ${#args[@]}; i++)); do
+        typed=${args[i]%%=*}
+        case "$typed" in --???*) ;; *) continue ;; esac
+        for pair in "${KNOBS[@]}"; do
+            IFS=: read -r flag knob kind <<< "$pair"
+            case "$flag" in "$typed"*) ;; *) continue ;; esac   # argparse takes a prefix as the flag too
+            if [ "$kind" = - ]; then
+                value=$knob
+                if [ "$knob" = LOGS ]; then value="LOGS=DIR (the launcher names the files in it)"; fi
+            elif [[ ${args[i]} == *=* ]]; then
+                value="$knob=${args[i]#*=}"
+            else
+                value="$knob=${args[i + 1]:-...}"
+            fi
+            launcher_error "$(basename "$0") sets $flag from a knob: use $value bash $(basename "$0"), not ${args[i]} (extra flags reach the baseline too, and the knobs name the logs and the plots)"
+        done
+    done
+}
+
+in_knob_terms() {   # stdin to stdout with the programs' flags as the knobs: --microbatches 3 -> MICROBATCHES=3
+    local script=() pair flag knob kind end='\([^a-z-]\|$\)'
+    for pair in "${KNOBS[@]}"; do
+        IFS=: read -r flag knob kind <<< "$pair"
+        case "$kind" in
+            n) script+=(-e "s/$flag \([0-9-][^ ,;:)]*\)/$knob=\1/g" -e "s/$flag$end/$knob\1/g") ;;
+            w) script+=(-e "s/$flag \([a-z0-9][^ ,;:)]*\)/$knob=\1/g" -e "s/$flag$end/$knob\1/g") ;;
+            -) if [[ $knob == *=* ]]; then script+=(-e "s/$flag$end/$knob\1/g"); fi ;;
+        esac
+    done
+    sed "${script[@]}" -e 's/world size \([0-9][0-9]*\)/world size NPROC=\1/g' \
+        -e 's/tensor-parallel degree \([0-9][0-9]*\)/tensor-parallel degree NPROC=\1/g' \
+        -e 's/torchrun --nproc-per-node \([0-9][0-9]*\)/NPROC=\1/g'
+}
+
+check_args() {   # PROGRAM ARGS...: the parallel program's parse_args at WORLD_SIZE=$NPROC (trains nothing)
+    local program=$1 err rc=0
+    shift
+    { err=$(WORLD_SIZE=$NPROC "$PYTHON" -c "import sys, $program as p; p.parse_args(sys.argv[1:])" "$@" \
+            2>&1 1>&3) || rc=$?; } 3>&1
+    if [ "$rc" != 0 ]; then
+        printf '%s\n' "$err" | in_knob_terms >&2   # the program's one error line: nothing has trained
+        exit "$rc"
+    fi
+    if [ -n "$err" ]; then printf '%s\n' "$err" >&2; fi
+}
+
+check_baseline_args() {   # ARGS...: the baseline takes the extra flags too
+    local err rc=0
+    { err=$(env -u WORLD_SIZE "$PYTHON" -c "import sys, single_baseline as p; p.parse_args(sys.argv[1:])" "$@" \
+            2>&1 1>&3) || rc=$?; } 3>&1
+    if [ "$rc" != 0 ]; then
+        launcher_error "$(basename "$0") passes its extra flags to single_baseline.py too, which refused them: ${err#error: }"
+    fi
+}
+
+flags_tag() {   # the extra flags that change what runs, as part of a file name: --layers 6 -> _layers6
+    local tag="" skip=0 arg
+    for arg in "$@"; do
+        if [ "$skip" = 1 ]; then skip=0; continue; fi
+        case "$arg" in
+            --data-dir | --threads | --timeout-s) skip=1 ;;
+            --data-dir=* | --threads=* | --timeout-s=*) ;;
+            --*) tag+="_${arg#--}" ;;
+            *) tag+="$arg" ;;
+        esac
+    done
+    echo "${tag//[^A-Za-z0-9._=-]/}"
+}

@@ -1,0 +1,138 @@
+"""The committed figures in plots/ are what docs/running.md's one command draws, and the numbers the
+README quotes come from them, or say where and when they were measured. Reads the PNGs' text
+chunks (plot_curves.save writes the runs' settings and results there); runs nothing."""
+import os
+import re
+
+import pytest
+
+import plot_curves
+from helpers import ROOT
+
+FIGURES = {"run_pipeline": ["pipeline_loss.png", "pipeline_timeline.png"], "run_joint": ["joint_loss.png"],
+           "run_tp": ["tp_loss.png"], "run_3d": ["3d_loss.png"]}
+OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh"}   # drawn by another documented command
+
+
+def read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def documented_command():
+    """(launchers, knobs) of the one command in docs/running.md that rewrites plots/."""
+    lines = [line for line in read("docs/running.md").splitlines() if line.startswith("for run in ")]
+    assert len(lines) == 1, lines
+    match = re.fullmatch(r"for run in ([\w ]+); do ((?:\w+=\S+ )+)bash \$run\.sh \|\| break; done", lines[0])
+    assert match, lines[0]
+    knobs = dict(pair.split("=", 1) for pair in match.group(2).split())
+    return match.group(1).split(), knobs
+
+
+def settings(launcher, knobs):
+    """The launcher's knobs as that command sets them: its defaults (NAME=${NAME:-value}), then the command's."""
+    found = dict(re.findall(r'^(\w+)=\$\{\1:-"?([^"}]*)"?\}', read(launcher + ".sh"), re.M))
+    return {**found, **{k: v for k, v in knobs.items()}}
+
+
+def test_the_command_rewrites_the_committed_figures_and_nothing_else_does():
+    launchers, knobs = documented_command()
+    assert sorted(launchers) == sorted(FIGURES) and knobs.get("PLOTS") == "plots"
+    committed = sorted(f for f in os.listdir(os.path.join(ROOT, "plots")) if f.endswith(".png"))
+    assert committed == sorted(sum(FIGURES.values(), []) + list(OTHER_COMMANDS)), committed
+    for figure, command in OTHER_COMMANDS.items():
+        assert command in read("docs/running.md") and figure in read("docs/running.md")
+
+
+def loss_record(figure):
+    title, record = plot_curves.png_record(os.path.join(ROOT, "plots", figure))
+    assert record.get("kind") == "curves", f"plots/{figure} was not drawn by this plot_curves.py: redraw it"
+    return title, record["runs"]
+
+
+@pytest.mark.parametrize("launcher", sorted(FIGURES))
+def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
+    s = settings(launcher, documented_command()[1])
+    title, runs = loss_record(FIGURES[launcher][0])
+    base, parallel = runs[0], runs[1:]
+    data = "SYNTHETIC" if s["DATA"] == "synthetic" else s["DATA"].upper()
+    assert f"model {s['MODEL']}, {data}" in title and f"baseline batch {s['BATCH_SIZE']}, {s['STEPS']} steps" in title
+    assert f"seed {s['SEED']}" in title, title
+    assert base["program"] == "single_baseline"
+    for run in runs:
+        args = run["args"]
+        assert (args["model"], args["data"], args["steps"], args["batch_size"], args["seed"]) == (
+            s["MODEL"], s["DATA"], int(s["STEPS"]), int(s["BATCH_SIZE"]), int(s["SEED"])), run["label"]
+        assert run["train_steps"] == int(s["STEPS"]), run["label"]                # finished, not cut short
+    for run in parallel:
+        assert run["world_size"] == int(s["NPROC"]) and run["largest_difference"] <= 1e-4, run["label"]
+        args = run["args"]
+        if launcher == "run_pipeline":
+            assert args["microbatches"] == int(s["MICROBATCHES"])
+            assert bool(args.get("recompute")) == (s["RECOMPUTE"] == "1")
+        if launcher in ("run_joint", "run_3d"):
+            assert (args["dp"], args["microbatches"], args["schedule"]) == (
+                int(s["DP"]), int(s["MICROBATCHES"]), s["SCHEDULE"])
+        if launcher == "run_3d":
+            assert args["tp"] == int(s["TP"])
+    if launcher == "run_pipeline":
+        assert [run["args"]["schedule"] for run in parallel] == s["SCHEDULES"].split()
+    if launcher == "run_tp":
+        assert [bool(run["args"].get("hybrid")) for run in parallel] == [False] + [True] * (s["HYBRID"] == "1")
+
+
+def test_the_timeline_figure_shows_the_documented_schedules():
+    s = settings("run_pipeline", documented_command()[1])
+    _, record = plot_curves.png_record(os.path.join(ROOT, "plots", "pipeline_timeline.png"))
+    assert record.get("kind") == "timeline", "plots/pipeline_timeline.png was not drawn by this plot_curves.py"
+    traces = record["traces"]
+    assert [t["schedule"] for t in traces] == s["SCHEDULES"].split()
+    for t in traces:
+        assert (t["stages"], t["microbatches"], t["recompute"]) == (int(s["NPROC"]), int(s["MICROBATCHES"]),
+                                                                   s["RECOMPUTE"] == "1")
+
+
+# ----------------------------------------------------------------------------- the README's numbers
+
+MEASUREMENT = re.compile(r"\d+(?:\.\d+)?e-\d+|\d+(?:\.\d+)?%|\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b"
+                         r"|\d+(?:\.\d+)? ?(?:MB|GB|ms|s|minutes)\b")
+DATED = re.compile(r"(?:measured|counted)[^|]*?\d{4}-\d\d-\d\d", re.I)   # the claim says where and when
+
+
+def readme_segments():
+    """The README cut where a claim ends: sentences, within table cells; code blocks left out (the
+    quick start's comments are kept: they are claims too)."""
+    text = read("README.md")
+    text = re.sub(r"```.*?```", lambda m: "\n\n".join(re.findall(r"#.*", m.group(0))), text, flags=re.S)
+    for paragraph in text.split("\n\n"):
+        cells = paragraph.split("|") if paragraph.lstrip().startswith("|") else [paragraph]
+        for cell in cells:
+            yield from re.split(r"(?<=[.;])\s+(?=[A-Z`(])", " ".join(cell.split()))
+
+
+def figure_numbers():
+    """Every number the committed loss figures carry, as the README writes them."""
+    out = set()
+    for figure in sum(FIGURES.values(), []):
+        _, record = plot_curves.png_record(os.path.join(ROOT, "plots", figure))
+        for run in record.get("runs", []):
+            if run["largest_difference"] is not None:
+                out.add(f"{run['largest_difference']:.1e}".replace("e-0", "e-"))
+            if run["final_test_acc"] is not None:
+                out.add(f"{run['final_test_acc']:.1%}")
+    return out
+
+
+def test_every_number_the_readme_quotes_is_drawn_by_the_command_or_dated():
+    from_figures, undated = figure_numbers() | {"1e-4"}, []           # 1e-4: the contract, not a measurement
+    for segment in readme_segments():
+        for number in MEASUREMENT.findall(segment):
+            if number not in from_figures and not DATED.search(segment):
+                undated.append((number, " ".join(segment.split())[:120]))
+    assert not undated, f"numbers neither in plots/ nor marked 'measured ... YYYY-MM-DD': {undated}"
+
+
+def test_the_figures_numbers_the_readme_quotes_are_the_current_ones():
+    quoted = set(MEASUREMENT.findall(read("README.md")))
+    assert {n for n in figure_numbers() if n.endswith("%")} & quoted     # the test accuracy
+    assert any(n in quoted for n in figure_numbers() if "e-" in n)        # a largest difference
