@@ -93,3 +93,19 @@ flags_tag() {   # the extra flags that change what runs, as part of a file name:
     done
     echo "${tag//[^A-Za-z0-9._=-]/}"
 }
+
+run_knobs() {   # after COMMON and EXTRA: DROPOUT and CLIP go to both programs and into the log names;
+                # RESTARTS to torchrun (TORCHRUN_OPTS); CHECKPOINT_DIR is the parallel run's (checkpoint_flags)
+    case "$RESTARTS" in '' | *[!0-9]*) launcher_error "RESTARTS=$RESTARTS must be 0 or a positive integer" ;; esac
+    if [ -n "$CHECKPOINT_DIR" ]; then check_count SAVE_EVERY "$SAVE_EVERY"; fi
+    if [ "$DROPOUT" != 0 ]; then COMMON+=(--dropout "$DROPOUT"); EXTRA+="_dropout$DROPOUT"; fi
+    if [ -n "$CLIP" ]; then COMMON+=(--clip-grad-norm "$CLIP"); EXTRA+="_clip$CLIP"; fi
+    TORCHRUN_OPTS=(--max-restarts "$RESTARTS")
+}
+
+checkpoint_flags() {   # LOG: the parallel run's checkpoints, in a directory of its own under CHECKPOINT_DIR
+    CKPT=()            # (one per run: two schedules must not resume from each other's checkpoints)
+    if [ -n "$CHECKPOINT_DIR" ]; then
+        CKPT=(--checkpoint-dir "$CHECKPOINT_DIR/$(basename "$1" .jsonl)" --save-every "$SAVE_EVERY")
+    fi
+}

@@ -40,7 +40,8 @@ MEANINGS = {"forward": "forward", "recompute": "forward again (R, --recompute)",
             "weight": "weight gradient (W)", "wait": "waiting for a message"}   # zb's B: input gradient only
 SPARE = ["#8172B3", "#C44E52", "#937860", "#DA8BC3", "#CCB974"]  # categories a trace adds later
 # the settings two runs must share for their losses to be compared step by step
-SAME = ("model", "data", "seed", "batch_size", "lr", "momentum", "steps")
+SAME = ("model", "data", "seed", "batch_size", "lr", "momentum", "steps", "dropout", "clip_grad_norm")
+OFF = {"dropout": 0.0, "clip_grad_norm": None}   # a log written before these flags existed ran without them
 SIZES = {"mlp": ("layers", "hidden"), "vit": ("layers", "hidden", "heads"), "cnn": ()}
 
 
@@ -106,7 +107,8 @@ def setting_differences(runs):
     out = []
     for label, records in runs[1:]:
         args = (config_of(records) or {}).get("args", {})
-        out += [f"{k} {base.get(k)} (baseline) vs {args.get(k)} ({label})" for k in keys if args.get(k) != base.get(k)]
+        out += [f"{k} {base.get(k, OFF.get(k))} (baseline) vs {args.get(k, OFF.get(k))} ({label})" for k in keys
+                if args.get(k, OFF.get(k)) != base.get(k, OFF.get(k))]
     return out
 
 
@@ -140,6 +142,8 @@ def title_of(runs, mismatches):
     data = "SYNTHETIC data (not CIFAR-10)" if data == "synthetic" else str(data).upper()
     title = (f"model {args.get('model', '?')}, {data}; baseline batch {args.get('batch_size', '?')}, "
              f"{args.get('steps', '?')} steps, lr {args.get('lr', '?')}, seed {args.get('seed', '?')}")
+    if args.get("dropout") or args.get("clip_grad_norm"):
+        title += f", dropout {args.get('dropout') or 0}, clip {args.get('clip_grad_norm') or 'off'}"
     diffs = largest_differences(runs)
     if mismatches:
         title += "\nNOT COMPARABLE, the settings differ: " + "; ".join(mismatches[:3]) + (

@@ -7,6 +7,8 @@
 #   bash run_3d.sh                                     # 2 replicas x 2 stages x 2 tp ranks, cnn, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_3d.sh            # no network
 #   DP=1 TP=2 NPROC=4 MODEL=vit DATA=synthetic bash run_3d.sh --hidden 64 --heads 4
+#   DATA=synthetic DROPOUT=0.1 CLIP=1 bash run_3d.sh   # dropout and clipping, exact in every layout
+#   DATA=synthetic CHECKPOINT_DIR=ck RESTARTS=1 bash run_3d.sh   # checkpoints; a killed rank resumes
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
@@ -28,6 +30,11 @@ BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-64}           # global: a multiple of DP x MICROBATCHES
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
+CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
+SAVE_EVERY=${SAVE_EVERY:-50}           # with CHECKPOINT_DIR: save every K steps and after the last
+RESTARTS=${RESTARTS:-0}                # torchrun --max-restarts: a killed rank restarts the workers, which resume
 LOGS=${LOGS:-logs}
 PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figures (docs/running.md)
 PYTHON=${PYTHON:-python}
@@ -36,7 +43,8 @@ cd "$(dirname "$0")"
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --tp:TP:n
-       --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w --recompute:RECOMPUTE=1:- --timeline:LOGS:-)
+       --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w --recompute:RECOMPUTE=1:- --timeline:LOGS:-
+       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
@@ -49,6 +57,7 @@ PARALLEL=(--backend "$BACKEND" --dp "$DP" --tp "$TP" --microbatches "$MICROBATCH
 SUFFIX=""
 if [ "$RECOMPUTE" = 1 ]; then PARALLEL+=(--recompute); SUFFIX="_recompute"; fi
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 GRID_LOG="$LOGS/parallel_3d_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_tp${TP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${SUFFIX}.jsonl"
 PLOT="$PLOTS/3d_loss${SUFFIX}.png"
@@ -64,8 +73,9 @@ echo "== baseline: one process"
 STEP="the 3-D run (parallel_3d.py on $NPROC ranks)"
 echo "== 3-D: $DP replicas x $((NPROC / (DP * TP))) stages x $TP tp ranks, $MICROBATCHES microbatches ($SCHEDULE${SUFFIX:+, --recompute})"
 # "--" ends torchrun's own options, so that every later flag reaches the program
-"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
-    parallel_3d.py "${COMMON[@]}" "${PARALLEL[@]}" --log-file "$GRID_LOG"
+checkpoint_flags "$GRID_LOG"
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+    parallel_3d.py "${COMMON[@]}" "${PARALLEL[@]}" "${CKPT[@]}" --log-file "$GRID_LOG"
 
 STEP="plot_curves.py"
 "$PYTHON" plot_curves.py "$BASELINE_LOG" "$GRID_LOG" -o "$PLOT"

@@ -27,6 +27,11 @@ BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-72}           # global: a multiple of DP x MICROBATCHES
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
+CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
+SAVE_EVERY=${SAVE_EVERY:-50}           # with CHECKPOINT_DIR: save every K steps and after the last
+RESTARTS=${RESTARTS:-0}                # torchrun --max-restarts: a killed rank restarts the workers, which resume
 LOGS=${LOGS:-logs}
 PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figures (docs/running.md)
 PLOT="$PLOTS/joint_loss.png"
@@ -36,7 +41,8 @@ cd "$(dirname "$0")"
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --microbatches:MICROBATCHES:n
-       --schedule:SCHEDULE:w --timeline:LOGS:-)
+       --schedule:SCHEDULE:w --timeline:LOGS:-
+       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -45,6 +51,7 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}.jsonl"
 
@@ -60,9 +67,10 @@ echo "== baseline: one process"
 STEP="the joint run (pipeline_dp_joint.py on $NPROC ranks)"
 echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatches ($SCHEDULE)"
 # "--" ends torchrun's own options, so that every later flag reaches the program
-"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
+checkpoint_flags "$JOINT_LOG"
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
-    --schedule "$SCHEDULE" --log-file "$JOINT_LOG"
+    --schedule "$SCHEDULE" "${CKPT[@]}" --log-file "$JOINT_LOG"
 
 STEP="plot_curves.py"
 "$PYTHON" plot_curves.py "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"

@@ -28,6 +28,11 @@ BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
+CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
+SAVE_EVERY=${SAVE_EVERY:-50}           # with CHECKPOINT_DIR: save every K steps and after the last
+RESTARTS=${RESTARTS:-0}                # torchrun --max-restarts: a killed rank restarts the workers, which resume
 LOGS=${LOGS:-logs}
 PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figures (docs/running.md)
 PYTHON=${PYTHON:-python}
@@ -36,7 +41,8 @@ cd "$(dirname "$0")"
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --microbatches:MICROBATCHES:n --schedule:SCHEDULES:w
-       --virtual-stages:VIRTUAL_STAGES:n --recompute:RECOMPUTE=1:- --log-file:LOGS:- --timeline:LOGS:-)
+       --virtual-stages:VIRTUAL_STAGES:n --recompute:RECOMPUTE=1:- --log-file:LOGS:- --timeline:LOGS:-
+       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
@@ -46,6 +52,7 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 SUFFIX=""
 if [ "$RECOMPUTE" = 1 ]; then SUFFIX="_recompute"; fi
@@ -72,9 +79,10 @@ for SCHEDULE in $SCHEDULES; do
     STEP="the $SCHEDULE pipeline (pipeline_microbatch.py on $NPROC ranks)"
     echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches${SUFFIX:+, --recompute}"
     # "--" ends torchrun's own options, so that every later flag reaches the program
-    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
+    checkpoint_flags "$LOG"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
         pipeline_microbatch.py "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
-        --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE") --timeline "$TRACE" --log-file "$LOG"
+        --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE") "${CKPT[@]}" --timeline "$TRACE" --log-file "$LOG"
     LOGS_OF+=("$LOG")
     TRACES+=("$TRACE")
 done

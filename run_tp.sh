@@ -24,6 +24,11 @@ HYBRID=${HYBRID:-0}            # 1: also run --hybrid (cnn: data-parallel convol
 BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
+CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
+SAVE_EVERY=${SAVE_EVERY:-50}           # with CHECKPOINT_DIR: save every K steps and after the last
+RESTARTS=${RESTARTS:-0}                # torchrun --max-restarts: a killed rank restarts the workers, which resume
 LOGS=${LOGS:-logs}
 PLOTS=${PLOTS:-$LOGS/plots}    # PLOTS=plots rewrites the committed figures (docs/running.md)
 PLOT="$PLOTS/tp_loss.png"
@@ -32,7 +37,8 @@ PYTHON=${PYTHON:-python}
 cd "$(dirname "$0")"
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
-       --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --hybrid:HYBRID=1:-)
+       --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --hybrid:HYBRID=1:-
+       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_knob HYBRID "$HYBRID" 0 1
 check_count NPROC "$NPROC"
@@ -45,6 +51,7 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 TP_LOG="$LOGS/tensor_parallel_${MODEL}${EXTRA}_tp${NPROC}_b${BATCH_SIZE}.jsonl"
 
@@ -60,16 +67,18 @@ echo "== baseline: one process"
 STEP="the tensor-parallel run (tensor_parallel.py on $NPROC ranks)"
 echo "== tensor parallel: degree $NPROC"
 # "--" ends torchrun's own options, so that every later flag reaches the program
-"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
-    tensor_parallel.py "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_LOG"
+checkpoint_flags "$TP_LOG"
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+    tensor_parallel.py "${COMMON[@]}" --backend "$BACKEND" "${CKPT[@]}" --log-file "$TP_LOG"
 
 LOGS_TO_PLOT=("$BASELINE_LOG" "$TP_LOG")
 if [ "$HYBRID" = 1 ]; then
     HYBRID_LOG="$LOGS/tensor_parallel_${MODEL}${EXTRA}_tp${NPROC}_b${BATCH_SIZE}_hybrid.jsonl"
     STEP="the hybrid run (tensor_parallel.py --hybrid on $NPROC ranks)"
     echo "== hybrid: data-parallel convolutions, tensor-parallel fc layers, degree $NPROC"
-    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -- \
-        tensor_parallel.py "${COMMON[@]}" --hybrid --backend "$BACKEND" --log-file "$HYBRID_LOG"
+    checkpoint_flags "$HYBRID_LOG"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+        tensor_parallel.py "${COMMON[@]}" --hybrid --backend "$BACKEND" "${CKPT[@]}" --log-file "$HYBRID_LOG"
     LOGS_TO_PLOT+=("$HYBRID_LOG")
 fi
 
