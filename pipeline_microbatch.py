@@ -417,7 +417,7 @@ def train_step(runner, actions, x, y, m, samples=None, first_sample=0):
     """One global batch (or this replica's slice of it) through the pipeline; the accumulated
     gradients are the batch-mean gradient. x: inputs (first stage), y: labels (last stage), samples:
     the batch size, which every stage must know; first_sample: the slice's offset in the global
-    batch. Returns the batch-mean loss on the last stage, else None."""
+    batch. Returns the batch-mean loss on the last stage (a tensor: read it after the update), else None."""
     losses = []
 
     def head(mb, logits):
@@ -431,7 +431,7 @@ def train_step(runner, actions, x, y, m, samples=None, first_sample=0):
     y_mb = y.chunk(m) if runner.pos.is_last_stage else None      # only the last stage reads labels
     samples = samples or len(x if x is not None else y)
     runner.run(actions, x_mb, head, samples // m, first_sample)
-    return torch.stack(losses).sum().item() if losses else None
+    return torch.stack(losses).sum() if losses else None
 
 
 @torch.no_grad()
@@ -612,11 +612,11 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     progress = Progress(args.steps, enabled=owner)
     start_memory_count(env.device)
     for step in range(first, args.steps):
-        x, y = next_batch(data, step, args, pos, replicas, env.device, stream=True)
         if args.timeline and step == args.steps - 1:
             dist.barrier()                    # one clock for the timeline: everyone starts together
             runner.events, runner.origin = [], time.perf_counter()
-        start = time.perf_counter()
+        start = time.perf_counter()           # as in every program: from the batch's drawing on
+        x, y = next_batch(data, step, args, pos, replicas, env.device, stream=True)
         optimizer.zero_grad(set_to_none=True)
         samples = args.batch_size // replicas.dp_size
         with runner.keys.training(step):
@@ -625,6 +625,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
         with awaiting(f"rank {env.rank} waited for the gradient norm's sums of step {step}", args.timeout_s):
             norm = clip_global(params, args.clip_grad_norm, runner.norm_groups, runner.counted)
         optimizer.step()
+        loss = loss.item() if loss is not None else None   # read after the update, as the baseline does
         step_time = clock(env.device) - start   # the optimizer step's kernels included
         if runner.events is not None:
             write_timeline(gather_timeline(runner, pos, args), args.timeline, owner)

@@ -31,15 +31,15 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- training
 
 
-def train_step(model, optimizer, x, y, step, grad_norm):
+def train_step(model, optimizer, x, y, step=0, grad_norm=None):
     """One optimizer step on the whole global batch (the samples of step `step`, for the dropout
     masks). grad_norm(params): the full model's gradient norm, clipping the gradients to
-    --clip-grad-norm if set. Returns (the loss before the update, that norm)."""
+    --clip-grad-norm if set (None: neither). Returns (the loss before the update, that norm)."""
     optimizer.zero_grad(set_to_none=True)
     with model.dropout_keys.training(step):
         loss = F.cross_entropy(model(x), y)
     loss.backward()
-    norm = grad_norm(list(model.parameters()))
+    norm = grad_norm(list(model.parameters())) if grad_norm else None
     optimizer.step()
     return loss.item(), norm
 
@@ -75,8 +75,8 @@ def main(argv=None):
         progress = Progress(args.steps, enabled=True)
         start_memory_count(env.device)
         for step in range(first, args.steps):
+            start = time.perf_counter()   # every program times its step from the batch's drawing on
             x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))
-            start = time.perf_counter()
             loss, norm = train_step(model, optimizer, x, y, step, clip_grad_norm(args.clip_grad_norm))
             step_time = clock(env.device) - start
             check_finite(loss, step)

@@ -556,8 +556,8 @@ def train(model, args, data, env, log, group):
     grad_norm = partial(clip_global, max_norm=args.clip_grad_norm, groups=[group], counted=counted_once(model, group))
     progress = Progress(args.steps, enabled=env.rank == 0)
     for step in range(first, args.steps):
+        start = time.perf_counter()   # every program times its step from the batch's drawing on
         x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
-        start = time.perf_counter()
         with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of step {step}", args.timeout_s):
             # logits are whole on every rank: each computes the loss; the norm sums over the shards
             loss, norm = train_step(model, optimizer, x, y, step, grad_norm)

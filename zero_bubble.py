@@ -39,7 +39,9 @@ class _InputGradLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         ctx.layer.stash.put(ctx.layer, x, dy)
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
-        return dy @ weight, None, db, None       # None for the weight: autograd leaves its .grad alone
+        # the first stage's first layer reads the images, which need no gradient: skip its matmul
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        return dx, None, db, None                # None for the weight: autograd leaves its .grad alone
 
 
 class _InputGradConv2d(torch.autograd.Function):
@@ -57,7 +59,7 @@ class _InputGradConv2d(torch.autograd.Function):
         layer = ctx.layer
         layer.stash.put(layer, x, dy)
         dx = torch.nn.grad.conv2d_input(x.shape, weight, dy, layer.stride, layer.padding, layer.dilation,
-                                        layer.groups)
+                                        layer.groups) if ctx.needs_input_grad[0] else None
         return dx, None, dy.sum((0, 2, 3)) if ctx.has_bias else None, None
 
 

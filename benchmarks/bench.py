@@ -111,7 +111,7 @@ def ours_pipeline(margs, env, pos):
         loss = pm.train_step(runner, actions, x if pos.is_first_stage else None,
                              y if pos.is_last_stage else None, margs.microbatches, margs.batch_size)
         opt.step()
-        return loss
+        return loss.item() if loss is not None else None
     return step, runner, actions
 
 
@@ -145,7 +145,7 @@ def baseline_engine(margs, env):
     """The single-process baseline on rank 0, the other ranks waiting in the barrier."""
     model = build_model(margs).to(env.device)
     opt = make_optimizer(model.parameters(), margs)
-    return lambda x, y: single_baseline.train_step(model, opt, x, y) if env.rank == 0 else None
+    return lambda x, y: single_baseline.train_step(model, opt, x, y)[0] if env.rank == 0 else None
 
 
 def bubble_of(runner, actions, pos, margs, step_fn, batches, warmup, repeat):
@@ -220,7 +220,7 @@ def summarise(config, result):
 def ours_tp(margs, env):
     model = tp.parallelize(build_model(margs), "mlp", dist.group.WORLD).to(env.device)
     opt = make_optimizer(model.parameters(), margs)
-    return lambda x, y: single_baseline.train_step(model, opt, x, y)
+    return lambda x, y: single_baseline.train_step(model, opt, x, y)[0]
 
 
 def torch_tp(margs, env):
@@ -233,7 +233,7 @@ def torch_tp(margs, env):
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     model = parallelize_module(model, mesh, plan)
     opt = make_optimizer(model.parameters(), margs)
-    return lambda x, y: single_baseline.train_step(model, opt, x, y)
+    return lambda x, y: single_baseline.train_step(model, opt, x, y)[0]
 
 
 def run_tp(args, env):

@@ -74,7 +74,7 @@ def bytes_per_rank(calls, degree):
 def engine(margs, group, hybrid):
     model = tp.parallelize(build_model(margs), "cnn", group, hybrid)
     optimizer = make_optimizer(model.parameters(), margs)
-    return model, lambda x, y: single_baseline.train_step(model, optimizer, x, y)
+    return model, lambda x, y: single_baseline.train_step(model, optimizer, x, y)[0]
 
 
 def main(argv=None):

@@ -72,3 +72,24 @@ def test_a_split_backward_outside_a_b_action_is_refused():
     chunk, stash, _ = split_and_plain(nn.Linear(4, 3))
     with pytest.raises(AssertionError, match="outside a B action"):
         chunk(torch.randn(2, 4, requires_grad=True)).sum().backward()
+
+
+def test_b_computes_no_input_gradient_that_nothing_reads(monkeypatch):
+    """The first stage's first layer reads the images: its B skips the input gradient (a whole
+    conv-transpose, or a matmul of the largest layer, per microbatch) and still defers dA to W."""
+    calls = []
+    real = torch.nn.grad.conv2d_input
+    monkeypatch.setattr(torch.nn.grad, "conv2d_input", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chunk, stash, plain = split_and_plain(nn.Conv2d(3, 6, 5))
+    x = torch.randn(2, 3, 12, 12)                              # an image batch: no requires_grad
+    dy = torch.randn_like(plain(x))
+    with stash.backward_of(0):
+        torch.autograd.backward(chunk(x), dy)
+    assert calls == []
+    stash.weight_grads(0)
+    torch.autograd.backward(plain(x), dy)
+    torch.testing.assert_close(chunk[0].weight.grad, plain.weight.grad)
+    x = x.requires_grad_()                                     # a later layer's input: B computes it
+    with stash.backward_of(1):
+        torch.autograd.backward(chunk(x), dy)
+    assert calls == [1]
