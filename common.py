@@ -30,6 +30,14 @@ NUM_CLASSES = 10
 # ----------------------------------------------------------------------------- errors and flags
 
 
+def note_one_rank(what):
+    """A parallel program started as one process (python prog.py, or torchrun with one rank) runs, as
+    the contract allows, but splits nothing: say so once, with what to launch instead."""
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        print(f"note: one rank (WORLD_SIZE 1): {what}; launch it with torchrun --nproc-per-node N to split "
+              f"the work over N ranks", flush=True)
+
+
 def print_error(message):
     """One `error:` line in a single write, so the lines of ranks sharing a stderr pipe never interleave."""
     sys.stderr.write(f"error: {message}\n")
@@ -267,7 +275,7 @@ def replicas_identical(params, group, device="cpu"):
 
 
 def exit_now(status):
-    """Flush and leave without running gloo's destructors, which in torch 2.13 sometimes abort
+    """Flush and leave without running gloo's destructors, which (seen in torch 2.13) sometimes abort
     (SIGABRT, "terminate called without an active exception") after all work is done."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -543,7 +551,7 @@ def check_finite(loss, step):
 
 class Progress:
     """A short console line every few seconds, and the step times for the summary. Steps are
-    numbered from 0 here as in the metrics log and the plots: the last of 300 is `step 299/299`."""
+    numbered from 0 here as in the metrics log and the plots: the last of 300 is `step 299 (of 0-299)`."""
 
     def __init__(self, total_steps, enabled, every_s=5.0):
         self.total, self.enabled, self.every_s = total_steps, enabled, every_s
@@ -554,7 +562,7 @@ class Progress:
         self.step_times.append(step_time)
         now = time.perf_counter()
         if self.enabled and (now - self.last_print >= self.every_s or step == self.total - 1):
-            print(f"step {step}/{self.total - 1}  loss {loss:.4f}  {samples / step_time:.0f} samples/s",
+            print(f"step {step} (of 0-{self.total - 1})  loss {loss:.4f}  {samples / step_time:.0f} samples/s",
                   flush=True)
             self.last_print = now
 

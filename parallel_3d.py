@@ -29,7 +29,8 @@ rank: build_stage_model() runs one zero sample through the tensor-parallel block
 """
 from functools import partial
 
-from common import base_parser, build_model, distributed, exit_now, fail, num_blocks, torchrun_env, validate_common
+from common import (base_parser, build_model, distributed, exit_now, fail, note_one_rank, num_blocks, torchrun_env,
+                    validate_common)
 from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
 from pipeline_microbatch import (Messenger, StageRunner, add_pipeline_flags, build_stage_model, check_and_exit,
@@ -116,6 +117,7 @@ def describe(grid, shapes):
 
 def main(argv=None):
     args = parse_args(argv)
+    note_one_rank("a grid of 1 x 1 x 1")
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank

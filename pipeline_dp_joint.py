@@ -32,7 +32,8 @@ stage exchange activations inside every layer, so they belong on the fastest lin
 import torch
 import torch.distributed as dist
 
-from common import awaiting, base_parser, distributed, exit_now, fail, replicas_identical, torchrun_env, validate_common
+from common import (awaiting, base_parser, distributed, exit_now, fail, note_one_rank, replicas_identical, torchrun_env,
+                    validate_common)
 from data import agree_on_data, dp_slice, load_data
 from pipeline_microbatch import (PipelineRank, add_pipeline_flags, check_and_exit,
                                  schedule_actions, setup_stage, train, validate_pipeline)
@@ -156,6 +157,7 @@ def report_replicas(runner, grid, rank):
 
 def main(argv=None):
     args = parse_args(argv)
+    note_one_rank("one replica of a one-stage pipeline")
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank

@@ -56,9 +56,9 @@ import torch.nn.functional as F
 
 import checkpoint
 from clipping import clip_global
-from common import (CommError, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock, distributed,
-                    exit_now, fail, make_optimizer, memory_fields, num_blocks, start_memory_count, to_device, torchrun_env,
-                    validate_common)
+from common import (CommError, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
+                    distributed, exit_now, fail, make_optimizer, memory_fields, note_one_rank, num_blocks,
+                    start_memory_count, to_device, torchrun_env, validate_common)
 from data import agree_on_data, dp_slice, load_data, test_batches
 from keyed_dropout import DropoutKeys
 from schedules import SCHEDULES, bubble_theory, schedule_actions, with_communication
@@ -569,6 +569,7 @@ def setup_stage(args, env, pos):
 
 def main(argv=None):
     args = parse_args(argv)
+    note_one_rank("a pipeline of one stage, every block on this rank")
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank

@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
-                    distributed, exit_now, fail, make_optimizer, memory_fields, num_blocks, replicas_identical,
+                    distributed, exit_now, fail, make_optimizer, memory_fields, note_one_rank, num_blocks, replicas_identical,
                     start_memory_count, to_device, torchrun_env, validate_common)
 import checkpoint
 from clipping import clip_global
@@ -580,6 +580,7 @@ def train(model, args, data, env, log, group):
 
 def main(argv=None):
     args = parse_args(argv)
+    note_one_rank("tensor parallelism of degree 1, every weight whole")
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
