@@ -50,12 +50,16 @@ def fail(message):
     sys.exit(2)
 
 
-def read_json_lines(path):
+def read_text(path, what):
     try:
         with open(path) as f:
-            text = f.read()
+            return f.read()
     except OSError as e:
-        fail(f"cannot read metrics log {path}: {e}")
+        fail(f"cannot read {what} {path}: {e}")
+
+
+def read_json_lines(path):
+    text = read_text(path, "metrics log")
     try:
         records = [json.loads(line) for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as e:
@@ -212,11 +216,7 @@ def draw_differences(ax, pairs, label, floor=1e-12):
 
 def read_trace(path):
     """A Chrome trace as --timeline writes it; a metrics log given by mistake is named as one."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        fail(f"cannot read timeline {path}: {e}")
+    text = read_text(path, "timeline")
     try:
         trace = json.loads(text)
     except json.JSONDecodeError as e:
