@@ -24,8 +24,10 @@ def global_grad_norm(params, groups=(), counted=None):
     says it counts), summed over each process group in `groups`. A tensor on every rank."""
     grads = [p.grad for p in params if p.grad is not None and (counted is None or counted(p))]
     device = next((p.device for p in params), torch.device("cpu"))
-    squares = torch.stack([g.detach().double().square().sum() for g in grads]).sum() if grads else \
-        torch.zeros((), dtype=torch.float64, device=device)
+    # each tensor's norm as torch's clip_grad_norm_ takes it (float32, no squared copy of a gradient:
+    # that copy, in float64, once cost a stage 100 MB), then their squares summed in float64
+    squares = torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]).double().square().sum() if grads \
+        else torch.zeros((), dtype=torch.float64, device=device)
     for group in groups:
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(squares, group=group)

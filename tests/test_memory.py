@@ -29,7 +29,7 @@ def test_each_pipeline_stage_holds_only_its_blocks(tmp_path):
     """Peak RSS above the floor (the same 4 ranks with a tiny model of the same depth) is at most this
     stage's weights, gradients and momentum, plus two of the largest block (one built during set-up
     before it is kept or dropped; one microbatch's weight gradient before it is added to .grad),
-    plus 40 MB for activations and allocator slack; and the stages' param_mb sum to the model."""
+    plus 60 MB for activations, buffers and allocator slack; and the stages' param_mb sum to the model."""
     run = summary(launch("pipeline_microbatch.py", big(2048), tmp_path, nproc=4, log_name="big.jsonl"))
     floor = summary(launch("pipeline_microbatch.py", big(8), tmp_path, nproc=4, log_name="tiny.jsonl"))
     held = {int(r): mb for r, mb in run["param_mb"].items()}
@@ -38,9 +38,9 @@ def test_each_pipeline_stage_holds_only_its_blocks(tmp_path):
     largest_block = (3072 * 2048 + 2048) * 4 / 2**20       # the first Linear, 24 MB
     for rank, mb in held.items():
         above = run["peak_memory_mb"][str(rank)] - floor["peak_memory_mb"][str(rank)]
-        bound = 3 * mb + 2 * largest_block + 40
+        bound = 3 * mb + 2 * largest_block + 60
         assert above <= bound, (f"stage {rank} peaked {above:.0f} MB above the floor, more than 3 x its "
-                                f"{mb:.1f} MB of weights + two blocks + 40 = {bound:.0f} MB: "
+                                f"{mb:.1f} MB of weights + two blocks + 60 = {bound:.0f} MB: "
                                 f"{run['peak_memory_mb']} against {floor['peak_memory_mb']}")
     assert held[0] == pytest.approx(56.02, abs=0.01)   # blocks 0-2 of 12: 3072 x 2048, 2 x 2048 x 2048
 
