@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
+from common import (Attention, Head, MetricsLog, PatchEmbed, Progress, awaiting, base_parser, build_model, check_finite, clock,
                     distributed, exit_now, fail, make_optimizer, memory_fields, num_blocks, replicas_identical,
                     start_memory_count, to_device, torchrun_env, validate_common)
 from clipping import clip_global
@@ -62,6 +62,7 @@ from keyed_dropout import KeyedDropout
 from single_baseline import evaluate, train_step
 
 PROGRAM = "tensor_parallel"
+VIT_TOKENS = (32 // 4) ** 2   # common.PatchEmbed: 4x4 patches of a 32x32 image
 
 
 def parse_args(argv=None):
@@ -70,10 +71,15 @@ def parse_args(argv=None):
                    help="one step on the first batch against the full model in this process; exit 0 on match")
     p.add_argument("--hybrid", action="store_true",
                    help="cnn: convolutions data-parallel on slices of the batch, fc layers tensor-parallel")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="vit: LayerNorms, dropouts and residual adds on 1/degree of the tokens per rank")
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
+    degree = torchrun_env("gloo").world_size  # env vars only: no collective yet
+    if args.sequence_parallel:
+        validate_sequence_parallel(args, degree)
     validate = validate_hybrid if args.hybrid else validate_degree
-    validate(args, torchrun_env("gloo").world_size)  # env vars only: no collective yet
+    validate(args, degree)
     return args
 
 
@@ -100,6 +106,22 @@ def validate_degree(args, degree, use_degree=ranks_for):
     if degree > width:
         fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
              f"use at most {use_degree(width)}")
+
+
+def validate_sequence_parallel(args, degree):
+    """--sequence-parallel: the vit only, and every rank holds an equal run of its 64 tokens."""
+    if args.hybrid:
+        fail("--sequence-parallel shards the vit's tokens and --hybrid the cnn's batch; they do not combine: "
+             "drop one of them")
+    if args.model != "vit":
+        fail(f"--sequence-parallel shards the vit's sequence of {VIT_TOKENS} tokens, and --model {args.model} "
+             f"has no sequence: use --model vit, or drop --sequence-parallel")
+    if VIT_TOKENS % degree:
+        fits = [d for d in range(2, VIT_TOKENS + 1) if VIT_TOKENS % d == 0]
+        near = [max(d for d in fits if d < degree)] + [d for d in fits if d > degree][:1]
+        fail(f"the vit's {VIT_TOKENS} tokens are not divisible by the tensor-parallel degree {degree}; under "
+             f"--sequence-parallel every rank holds an equal run of tokens: use {' or '.join(map(ranks_for, near))}, "
+             f"or drop --sequence-parallel")
 
 
 def validate_hybrid(args, degree):
@@ -140,6 +162,17 @@ def _all_reduce(x, group):
     x = x.clone(memory_format=torch.contiguous_format)  # in place below; autograd may hold x (a gradient can be shared)
     dist.all_reduce(x, group=group)
     return x
+
+
+def _reduce_scatter(x, group, dim):
+    """Sum x over the group and keep my equal slice along dim: half an all-reduce (its other half is an
+    all-gather). gloo implements reduce_scatter (checked on torch 2.15), so no all-reduce stands in."""
+    if tp_size(group) == 1:
+        return x
+    parts = [part.contiguous() for part in x.chunk(tp_size(group), dim)]
+    out = torch.empty_like(parts[tp_rank(group)])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
 
 
 def _all_gather(x, group, sizes, dim):
@@ -199,6 +232,47 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.narrow(ctx.dim, ctx.start, ctx.size).contiguous(), None, None, None
 
 
+class _GatherFromSequence(torch.autograd.Function):
+    """Sequence parallel, before a column-parallel layer: forward all-gather of the token shards; backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, [x.shape[1]] * tp_size(group), 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # each rank's column shard gives a partial gradient of every token: sum them, keep my tokens'
+        return _reduce_scatter(grad, ctx.group, 1), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Sequence parallel, after a row-parallel layer: forward reduce-scatter (sum, keep my tokens); backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Sequence parallel, after the replicated embedding: forward keep my tokens; backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(tp_size(group), 1)[tp_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the embedding is replicated: its gradient must be whole, so every token's gradient goes to every rank
+        return _all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
+
+
 def copy_to_tp_region(x, group):
     return _CopyToTP.apply(x, group)
 
@@ -209,6 +283,18 @@ def reduce_from_tp_region(x, group):
 
 def gather_from_tp_region(x, group, sizes, dim=-1):
     return _GatherFromTP.apply(x, group, sizes, dim)
+
+
+def gather_from_sequence_parallel_region(x, group):
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    return _ReduceScatterToSequence.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    return _ScatterToSequence.apply(x, group)
 
 
 def gather_from_dp_region(x, group, sizes):
@@ -248,23 +334,29 @@ class _Sharded(nn.Module):
 
 
 class _ColumnParallel(_Sharded):
-    def __init__(self, full, group, sizes=None, copy_input=True, gather_output=False):
+    def __init__(self, full, group, sizes=None, copy_input=True, gather_output=False, sequence_parallel=False):
         super().__init__(full, group, 0, sizes)
-        self.copy_input, self.gather_output = copy_input, gather_output
+        self.copy_input, self.gather_output, self.sequence_parallel = copy_input, gather_output, sequence_parallel
 
     def forward(self, x):
-        if self.copy_input:
+        if self.sequence_parallel:   # the input is my tokens: gather them all (in place of f)
+            x = gather_from_sequence_parallel_region(x, self.group)
+        elif self.copy_input:
             x = copy_to_tp_region(x, self.group)
         y = self.op(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.group, self.sizes, self.feature_dim) if self.gather_output else y
 
 
 class _RowParallel(_Sharded):
-    def __init__(self, full, group, sizes=None):
+    def __init__(self, full, group, sizes=None, sequence_parallel=False):
         super().__init__(full, group, 1, sizes)
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel and self.bias is not None:   # added to my tokens only: a partial gradient
+            self.bias.sequence_parallel = True
 
     def forward(self, x):
-        y = reduce_from_tp_region(self.op(x, self.weight), self.group)
+        reduce = reduce_scatter_to_sequence_parallel_region if self.sequence_parallel else reduce_from_tp_region
+        y = reduce(self.op(x, self.weight), self.group)
         if self.bias is None:
             return y
         # replicated bias, added once after the sum (added on every rank before it, it would count degree times)
@@ -291,16 +383,18 @@ class ParallelAttention(Attention):
     """common.Attention on this rank's whole heads: q, k, v column-parallel, proj row-parallel.
     Attention reads the head count off its weights, so its forward runs unchanged on the local heads."""
 
-    def __init__(self, full, group, sizes):
+    def __init__(self, full, group, sizes, sequence_parallel=False):
         nn.Module.__init__(self)  # not Attention.__init__: the layers are slices of `full`
-        self.group, self.head_dim = group, full.head_dim
+        self.group, self.head_dim, self.sequence_parallel = group, full.head_dim, sequence_parallel
         self.q, self.k, self.v = (ColumnParallelLinear(f, group, sizes, copy_input=False)
                                   for f in (full.q, full.k, full.v))
-        self.proj = RowParallelLinear(full.proj, group, sizes)
+        self.proj = RowParallelLinear(full.proj, group, sizes, sequence_parallel=sequence_parallel)
 
     def forward(self, x):
-        # enter the region once for q, k and v: backward all-reduces their summed input gradient once, not 3x
-        return super().forward(copy_to_tp_region(x, self.group))
+        # enter the region once for q, k and v: backward all-reduces (or reduce-scatters) their summed
+        # input gradient once, not 3x
+        enter = gather_from_sequence_parallel_region if self.sequence_parallel else copy_to_tp_region
+        return super().forward(enter(x, self.group))
 
 
 # ----------------------------------------------------------------------------- the models
@@ -400,43 +494,99 @@ def shard_dropout(block, column):
     return column
 
 
-def parallel_vit_block(i, block, group, n_blocks):
+def parallel_vit_block(i, block, group, n_blocks, sequence_parallel=False):
     """Attention split by heads, the block MLP column | row; LayerNorms, the patch embedding and the
-    head are replicated (small, and the residual stream must be whole for LayerNorm anyway)."""
+    head are replicated (small, and the residual stream must be whole for LayerNorm anyway).
+    sequence_parallel: the residual stream, and so the LayerNorms and dropouts, on my tokens only."""
     if 0 < i < n_blocks - 1:
         heads = block.attn.q.out_features // block.attn.head_dim
         head_sizes = [n * block.attn.head_dim for n in split_sizes(heads, tp_size(group))]
-        block.attn = ParallelAttention(block.attn, group, head_sizes)
-        block.mlp[0] = ColumnParallelLinear(block.mlp[0], group)
-        block.mlp[2] = RowParallelLinear(block.mlp[2], group)
+        block.attn = ParallelAttention(block.attn, group, head_sizes, sequence_parallel)
+        block.mlp[0] = ColumnParallelLinear(block.mlp[0], group, sequence_parallel=sequence_parallel)
+        block.mlp[2] = RowParallelLinear(block.mlp[2], group, sequence_parallel=sequence_parallel)
+        if sequence_parallel:
+            shard_sequence(block, group)
+    elif sequence_parallel:
+        return (SequenceParallelEmbed if i == 0 else SequenceParallelHead)(block, group)
     return block
 
 
-def parallelize_block(i, block, model_name, group, n_blocks, hybrid=False):
+def shard_sequence(block, group):
+    """A block under sequence parallelism: ln1, ln2 and both dropouts see tokens first.. of the 64."""
+    first = VIT_TOKENS // tp_size(group) * tp_rank(group)
+    for p in [*block.ln1.parameters(), *block.ln2.parameters()]:
+        # replicated, but each rank normalises other tokens, so each holds a partial gradient: the
+        # whole one is their sum over the group (sum_sequence_parallel_grads)
+        p.sequence_parallel = True
+    for drop in (block.drop1, block.drop2):
+        if isinstance(drop, KeyedDropout):
+            drop.first_token = first   # my tokens' masks are those of tokens first.. in the full layer
+
+
+class SequenceParallelEmbed(nn.Module):
+    """The patch embedding, replicated (the whole image on every rank), then my run of tokens. The
+    sequence is split here, after the only layer whose input is not tokens: the cut is free (no
+    communication) and each rank keeps 1/degree of every activation from here to the head."""
+
+    def __init__(self, full, group):
+        super().__init__()
+        self.conv, self.pos, self.group = full.conv, full.pos, group   # PatchEmbed's names
+
+    def forward(self, x):
+        return scatter_to_sequence_parallel_region(PatchEmbed.forward(self, x), self.group)
+
+
+class SequenceParallelHead(nn.Module):
+    """All tokens gathered, then the replicated head. The head's mean mixes every token, so the
+    sequence is gathered here (backward: keep my tokens' gradient, whole and equal on every rank)."""
+
+    def __init__(self, full, group):
+        super().__init__()
+        self.ln, self.fc, self.group = full.ln, full.fc, group   # Head's names
+
+    def forward(self, x):
+        x = gather_from_tp_region(x, self.group, [x.shape[1]] * tp_size(self.group), dim=1)
+        return Head.forward(self, x)
+
+
+def sum_sequence_parallel_grads(model, group):
+    """The LayerNorm parameters and row-parallel biases that act on my tokens only get partial
+    gradients: one all-reduce per step sums them (then they are whole, and the same, on every rank)."""
+    params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    if params:
+        model.sequence_grads = SummedGradients(params, group)
+    return model
+
+
+def parallelize_block(i, block, model_name, group, n_blocks, hybrid=False, sequence_parallel=False):
     """Block i of the full model with its layers replaced, in place, by this rank's parallel layers
     (same names); the full weights go as soon as the caller drops the full block."""
     if hybrid:   # the convolutions stay whole (data-parallel), the classifier is split
         return parallel_cnn_classifier_block(i, block, group)
     if model_name == "cnn":
         return parallel_cnn_block(i, block, group)
-    return {"mlp": parallel_mlp_block, "vit": parallel_vit_block}[model_name](i, block, group, n_blocks)
+    if model_name == "vit":
+        return parallel_vit_block(i, block, group, n_blocks, sequence_parallel)
+    return parallel_mlp_block(i, block, group, n_blocks)
 
 
 def build_parallel_model(args, group, device, hybrid=False):
     """This rank's model and nothing more (the memory contract): block by block from --seed, each
     full block sliced into my shards as soon as it is built, the full one dropped before the next."""
-    shard = partial(parallelize_block, model_name=args.model, group=group, n_blocks=num_blocks(args), hybrid=hybrid)
+    sequence_parallel = getattr(args, "sequence_parallel", False)
+    shard = partial(parallelize_block, model_name=args.model, group=group, n_blocks=num_blocks(args), hybrid=hybrid,
+                    sequence_parallel=sequence_parallel)
     model = build_model(args, shard, device)
     if hybrid:
         model = HybridCNN(model, group)
-    return model
+    return sum_sequence_parallel_grads(model, group)
 
 
-def parallelize(model, model_name, group, hybrid=False):
+def parallelize(model, model_name, group, hybrid=False, sequence_parallel=False):
     """A whole model (tests and benchmarks build one) made parallel block by block, in place."""
     for i, block in enumerate(model):
-        parallelize_block(i, block, model_name, group, len(model), hybrid)
-    return HybridCNN(model, group) if hybrid else model
+        model[i] = parallelize_block(i, block, model_name, group, len(model), hybrid, sequence_parallel)
+    return HybridCNN(model, group) if hybrid else sum_sequence_parallel_grads(model, group)
 
 
 def shard_of(model, name):
@@ -469,12 +619,14 @@ def average_replicated_grads(model, group):
         p.grad /= size
 
     for p in replicated_parameters(model):
-        p.register_post_accumulate_grad_hook(average)
+        if not getattr(p, "sequence_parallel", False):   # those are summed into one whole gradient already
+            p.register_post_accumulate_grad_hook(average)
 
 
 def counted_once(model, group):
     """For the gradient norm (clipping.py): a shard counts on the rank that holds it, a replicated
-    tensor on tp rank 0 only (every tp rank holds the same one)."""
+    tensor on tp rank 0 only (every tp rank holds the same one; under sequence parallelism the
+    LayerNorms' partial gradients are summed during backward, before the norm: whole again)."""
     replicated, first = {id(p) for p in replicated_parameters(model)}, tp_rank(group) == 0
     return lambda p: first or id(p) not in replicated
 
