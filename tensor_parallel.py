@@ -33,17 +33,19 @@ GELU is elementwise, so it runs on each shard with no communication. A layer tha
 without a row-parallel partner is column-parallel with gather_from_tp_region (forward all-gather,
 backward split), so that the logits are whole on every rank.
 
---hybrid (Krizhevsky 2014, "One weird trick", arXiv:1404.5997), the cnn only: convolutions hold most
-of the compute and few of the weights, so they run data-parallel; the fc layers hold most of the
-weights and little of the compute, so they stay tensor-parallel. One all-gather switches between the two:
+--sequence-parallel, the vit only (Korthikanti et al. 2022, "Reducing activation recomputation in
+large transformer models"): g's all-reduce = reduce-scatter + all-gather, so do the reduce-scatter
+after the row-parallel layer, keep 1/t of the tokens through LayerNorm, dropout and the residual add,
+and all-gather before the next column-parallel layer. The same bytes; those activations shrink by t.
 
-    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --hybrid
+    rank 0:  [B, S/2, H] --LN--> all-gather --> [B, S, H] --A1--GELU--B1--> reduce-scatter --> [B, S/2, H] +x
+    rank 1:  [B, S/2, H] --LN--> (backward:      [B, S, H] --A2--GELU--B2--> (backward:        [B, S/2, H] +x
+                                 reduce-scatter)                             all-gather)
 
-    rank 0:  X[0:B/2] --conv blocks (replicated)--+                                    +-- logits
-                                                  all-gather along the batch --> fc1 | fc2, fc3
-    rank 1:  X[B/2:B] --conv blocks (replicated)--+  (backward: keep my slice)         +-- logits
+    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
 
-The conv weights' gradients are summed over the ranks in one all-reduce after backward.
+--hybrid (data-parallel convolutions, a tensor-parallel classifier) is in hybrid.py; --check and the
+end-of-run report on the replicated parameters in tp_check.py.
 """
 import time
 from functools import partial
@@ -53,8 +55,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (Attention, Head, MetricsLog, PatchEmbed, Progress, awaiting, base_parser, build_model, check_finite, clock,
-                    distributed, exit_now, fail, make_optimizer, memory_fields, num_blocks, replicas_identical,
+from common import (Attention, Head, MetricsLog, PatchEmbed, Progress, awaiting, base_parser, build_model,
+                    check_finite, clock, distributed, exit_now, fail, make_optimizer, memory_fields, num_blocks,
                     start_memory_count, to_device, torchrun_env, validate_common)
 from clipping import clip_global
 from data import agree_on_data, load_data
@@ -78,6 +80,7 @@ def parse_args(argv=None):
     degree = torchrun_env("gloo").world_size  # env vars only: no collective yet
     if args.sequence_parallel:
         validate_sequence_parallel(args, degree)
+    from hybrid import validate_hybrid   # hybrid.py, tp_check.py import this module: imported when needed
     validate = validate_hybrid if args.hybrid else validate_degree
     validate(args, degree)
     return args
@@ -122,22 +125,6 @@ def validate_sequence_parallel(args, degree):
         fail(f"the vit's {VIT_TOKENS} tokens are not divisible by the tensor-parallel degree {degree}; under "
              f"--sequence-parallel every rank holds an equal run of tokens: use {' or '.join(map(ranks_for, near))}, "
              f"or drop --sequence-parallel")
-
-
-def validate_hybrid(args, degree):
-    """--hybrid: the cnn's batch splits evenly over the ranks, and fc3 has a neuron for every rank."""
-    if args.model != "cnn":
-        has = "no convolutions" if args.model == "mlp" else "only its patch embedding as a convolution"
-        fail(f"--hybrid runs the cnn's convolutions data-parallel, and --model {args.model} has {has}: "
-             f"use --model cnn, or drop --hybrid")
-    if args.batch_size % degree:
-        low = args.batch_size // degree * degree
-        fail(f"--batch-size {args.batch_size} is not divisible by the tensor-parallel degree {degree}; under "
-             f"--hybrid every rank runs the convolutions on an equal slice of the batch: use a multiple of "
-             f"{degree}, e.g. {low + degree}" + (f" or {low}" if low else ""))
-    if degree > 10:
-        fail(f"the tensor-parallel degree {degree} exceeds the 10 outputs of cnn fc3; every rank needs at "
-             f"least one: use at most 10 ranks")
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
@@ -297,14 +284,6 @@ def scatter_to_sequence_parallel_region(x, group):
     return _ScatterToSequence.apply(x, group)
 
 
-def gather_from_dp_region(x, group, sizes):
-    """--hybrid's switch from data- to tensor-parallel: forward all-gather along the batch (each rank
-    has its samples' features; the fc layers need every sample); backward keep my slice of the
-    gradient. The backward needs no communication because the f in front of fc1 has already
-    all-reduced the feature gradient: it is whole, and the same, on every rank."""
-    return _GatherFromTP.apply(x, group, sizes, 0)
-
-
 # ----------------------------------------------------------------------------- parallel layers
 
 
@@ -446,35 +425,6 @@ class SummedGradients:
             g.copy_(summed.view_as(g))
 
 
-class HybridCNN(nn.Sequential):
-    """Krizhevsky's one weird trick on the cnn: blocks 0-1 (the convolutions, 2,904 weights, ~90% of the
-    multiply-adds) replicated and data-parallel; blocks 2-4 (the fc layers, 59,134 weights) tensor-parallel.
-    The same blocks under the same names as the full model; the whole global batch in, whole logits out."""
-
-    CONV_BLOCKS = 2
-
-    def __init__(self, model, group):
-        super().__init__(*model)   # blocks 2-4 already made tensor-parallel (parallelize_block)
-        self.group, self.full_param_mb, self.dropout_keys = group, model.full_param_mb, model.dropout_keys
-        self.conv_gradients = SummedGradients(
-            [p for block in list(self)[:self.CONV_BLOCKS] for p in block.parameters()], group)
-
-    def forward(self, x):
-        # training batches split evenly (validate_hybrid); a test chunk may not (500 over 3 ranks), so
-        # tensor_split's sizes, which the padded all-gather accepts
-        sizes = split_sizes(x.shape[0], tp_size(self.group))
-        x = x.tensor_split(len(sizes))[tp_rank(self.group)]  # my contiguous slice: no communication
-        blocks, keys = list(self), self.dropout_keys
-        whole_batch, keys.first_sample = keys.first_sample, keys.first_sample + sum(sizes[:tp_rank(self.group)])
-        for block in blocks[:self.CONV_BLOCKS]:  # GroupNorm's statistics are per sample: exact on a slice
-            x = block(x)                          # (and the dropout ending block 1 keys my samples' masks)
-        keys.first_sample = whole_batch
-        x = gather_from_dp_region(x, self.group, sizes)
-        for block in blocks[self.CONV_BLOCKS:]:
-            x = block(x)
-        return x
-
-
 def parallel_mlp_block(i, block, group, n_blocks):
     """Linear layers (one a block) paired from the front as column | row; with an odd count the
     classifier is left over and becomes column-parallel with a gather, so every weight matrix stays sharded."""
@@ -578,12 +528,14 @@ def build_parallel_model(args, group, device, hybrid=False):
                     sequence_parallel=sequence_parallel)
     model = build_model(args, shard, device)
     if hybrid:
+        from hybrid import HybridCNN
         model = HybridCNN(model, group)
     return sum_sequence_parallel_grads(model, group)
 
 
 def parallelize(model, model_name, group, hybrid=False, sequence_parallel=False):
     """A whole model (tests and benchmarks build one) made parallel block by block, in place."""
+    from hybrid import HybridCNN
     for i, block in enumerate(model):
         model[i] = parallelize_block(i, block, model_name, group, len(model), hybrid, sequence_parallel)
     return HybridCNN(model, group) if hybrid else sum_sequence_parallel_grads(model, group)
@@ -631,72 +583,6 @@ def counted_once(model, group):
     return lambda p: first or id(p) not in replicated
 
 
-def report_replicas(model, group, env, timeout_s):
-    """End of a run: the replicated parameters must be bit-identical on every tp rank. 0 if so, else 1."""
-    with awaiting(f"rank {env.rank} waited to compare the replicated parameters", timeout_s):
-        same = replicas_identical(replicated_parameters(model), group, env.device)
-    if env.rank == 0:
-        print(f"replicated parameters bit-identical across the {tp_size(group)} tensor-parallel ranks: "
-              f"{'yes' if same else 'NO'}", flush=True)
-    return 0 if same else 1
-
-
-# ----------------------------------------------------------------------------- --check
-
-
-def compare(what, got, want, results):
-    """Record (what, largest difference, error message or None) for one tensor."""
-    diff = (got.detach() - want.detach()).abs().max().item() if got.numel() else 0.0
-    try:
-        torch.testing.assert_close(got, want)
-        results.append((what, diff, None))
-    except AssertionError as e:
-        results.append((what, diff, " ".join(str(e).split())[:200]))
-
-
-def check_one_step(model, reference, x, y, args, group=None):
-    """One SGD step of the parallel model and of the full reference on (x, y), compared tensor by
-    tensor: step 0's dropout masks, the gradients after clipping to the full model's norm."""
-    results = []
-    opt, ref_opt = make_optimizer(model.parameters(), args), make_optimizer(reference.parameters(), args)
-    with model.dropout_keys.training(0), reference.dropout_keys.training(0):
-        out, ref_out = model(x), reference(x)
-    compare("output", out, ref_out, results)
-    loss, ref_loss = F.cross_entropy(out, y), F.cross_entropy(ref_out, y)
-    compare("loss", loss, ref_loss, results)
-    loss.backward()
-    ref_loss.backward()
-    clip_global(model.parameters(), args.clip_grad_norm, [group], counted_once(model, group))
-    torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
-    for name, p in model.named_parameters():
-        compare(f"gradient of {name}", p.grad, full_slice(model, name, reference.get_parameter(name).grad), results)
-    opt.step()
-    ref_opt.step()
-    for name, p in model.named_parameters():
-        compare(f"{name} after one step", p, full_slice(model, name, reference.get_parameter(name)), results)
-    return results
-
-
-def run_check(model, args, data, env, group):
-    """--check: every rank compares its shards; all ranks agree on the exit status (0 match, 1 mismatch)."""
-    x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-    results = check_one_step(model, build_model(args).to(env.device), x, y, args, group)
-    for what, diff, error in results:
-        if error:
-            print(f"mismatch on rank {env.rank}: {what}: largest difference {diff:.3g}; {error}", flush=True)
-    mine = torch.tensor([sum(e is not None for _, _, e in results), max(d for _, d, _ in results)],
-                        dtype=torch.float64, device=env.device)
-    if env.world_size > 1:
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-    failed, worst = int(mine[0].item()), mine[1].item()
-    if env.rank == 0:
-        grads = sum(what.startswith("gradient") for what, _, _ in results)
-        print(f"--check at degree {env.world_size}, model {args.model}: compared the output, the loss, {grads} "
-              f"local gradients and {grads} weights after one step with the matching slices of the full model; "
-              f"largest difference {worst:.3g}: {'MISMATCH' if failed else 'match'}", flush=True)
-    return 1 if failed else 0
-
-
 # ----------------------------------------------------------------------------- training
 
 
@@ -726,6 +612,7 @@ def train(model, args, data, env, log, group):
 
 
 def main(argv=None):
+    from tp_check import report_replicas, run_check
     args = parse_args(argv)
     data = load_data(args)
     with distributed(args) as env:
@@ -749,4 +636,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_now(main())  # everything is written and torn down: skip gloo's destructors (common.exit_now)
+    # hybrid.py and tp_check.py import this file as the module tensor_parallel: run that module's main,
+    # so that one copy of the layers and operators serves all three (not this __main__ copy as well)
+    from tensor_parallel import main as module_main
+    exit_now(module_main())  # everything is written and torn down: skip gloo's destructors (common.exit_now)

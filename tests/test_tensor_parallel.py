@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import tensor_parallel as tp
+import tp_check
 from common import build_model
 from helpers import FAST, assert_same_losses, launch, run_ranks
 
@@ -203,7 +204,7 @@ def case_check_catches(rank, world, group):
     if rank == 1:
         with torch.no_grad():
             model[3][0].weight[0, 0] += 0.05  # one wrong number in fc2's shard on rank 1
-    failed = [what for what, _, error in tp.check_one_step(model, build_model(args), x, y, args) if error]
+    failed = [what for what, _, error in tp_check.check_one_step(model, build_model(args), x, y, args) if error]
     assert "output" in failed, failed
     assert ("3.0.weight after one step" in failed) == (rank == 1), failed
 
