@@ -56,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import (Attention, Head, MetricsLog, PatchEmbed, Progress, awaiting, base_parser, build_model,
-                    check_finite, clock, distributed, exit_now, fail, make_optimizer, memory_fields, num_blocks,
+                    check_finite, clock, distributed, exit_now, make_optimizer, memory_fields, num_blocks,
                     start_memory_count, to_device, torchrun_env, validate_common)
 from clipping import clip_global
 from data import agree_on_data, load_data
@@ -76,55 +76,15 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true",
                    help="vit: LayerNorms, dropouts and residual adds on 1/degree of the tokens per rank")
     args = p.parse_args(argv)
+    from hybrid import validate_hybrid   # hybrid.py and tp_check.py import this module: imported here, when needed
+    from tp_check import validate_degree, validate_sequence_parallel
     validate_common(args, PROGRAM)
     degree = torchrun_env("gloo").world_size  # env vars only: no collective yet
     if args.sequence_parallel:
         validate_sequence_parallel(args, degree)
-    from hybrid import validate_hybrid   # hybrid.py, tp_check.py import this module: imported when needed
     validate = validate_hybrid if args.hybrid else validate_degree
     validate(args, degree)
     return args
-
-
-def ranks_for(degree):
-    return f"{degree} ranks (torchrun --nproc-per-node {degree})"
-
-
-def validate_degree(args, degree, use_degree=ranks_for):
-    """Every rank needs whole heads and at least one neuron of the narrowest split layer.
-    use_degree(d): how to ask for degree d (here the world size; parallel_3d.py: --tp d)."""
-    if args.model == "vit" and args.heads % degree:   # fixes that also keep --hidden divisible by --heads
-        heads = [h for h in range(degree, args.hidden + 1, degree) if args.hidden % h == 0][:2]
-        ranks = [d for d in range(2, args.heads + 1) if args.heads % d == 0][:1]
-        fixes = [f"--heads {h}" for h in heads] + [use_degree(d) for d in ranks]
-        fixes = fixes or [f"--hidden {args.hidden * degree} --heads {degree}"]
-        fail(f"--heads {args.heads} is not divisible by the tensor-parallel degree {degree}; each rank "
-             f"needs whole heads: use {' or '.join(fixes)}")
-    if args.model == "cnn":
-        width, what = 6, "output channels of cnn conv1"
-    elif args.model == "mlp" and args.layers % 2:  # the classifier is split too: 10 outputs
-        width, what = min(args.hidden, 10), "neurons of the mlp's narrowest split layer"
-    else:
-        width, what = args.hidden, f"--hidden neurons of the {args.model}"
-    if degree > width:
-        fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
-             f"use at most {use_degree(width)}")
-
-
-def validate_sequence_parallel(args, degree):
-    """--sequence-parallel: the vit only, and every rank holds an equal run of its 64 tokens."""
-    if args.hybrid:
-        fail("--sequence-parallel shards the vit's tokens and --hybrid the cnn's batch; they do not combine: "
-             "drop one of them")
-    if args.model != "vit":
-        fail(f"--sequence-parallel shards the vit's sequence of {VIT_TOKENS} tokens, and --model {args.model} "
-             f"has no sequence: use --model vit, or drop --sequence-parallel")
-    if VIT_TOKENS % degree:
-        fits = [d for d in range(2, VIT_TOKENS + 1) if VIT_TOKENS % d == 0]
-        near = [max(d for d in fits if d < degree)] + [d for d in fits if d > degree][:1]
-        fail(f"the vit's {VIT_TOKENS} tokens are not divisible by the tensor-parallel degree {degree}; under "
-             f"--sequence-parallel every rank holds an equal run of tokens: use {' or '.join(map(ranks_for, near))}, "
-             f"or drop --sequence-parallel")
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
@@ -376,7 +336,7 @@ class ParallelAttention(Attention):
         return super().forward(enter(x, self.group))
 
 
-# ----------------------------------------------------------------------------- the models
+# ----------------------------------------------------------------------------- parallelize: the models made parallel
 
 
 def parallel_cnn_block(i, block, group):
@@ -398,31 +358,6 @@ def parallel_cnn_classifier_block(i, block, group):
     elif i == 4:
         block[0] = ColumnParallelLinear(block[0], group, gather_output=True)
     return block
-
-
-class SummedGradients:
-    """The data-parallel half's one collective: once backward has accumulated the gradient of every
-    replicated parameter, one all-reduce of them all, flattened into one bucket (DDP's bucket, without
-    its overlap). Summed, not averaged: the loss is already the mean over the global batch, so each
-    rank's gradient is its slice's share of the full gradient. One backward per step (a second
-    backward before the step would sum the summed gradients again)."""
-
-    def __init__(self, params, group):
-        self.params, self.group, self.ready = list(params), group, 0
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self.accumulated)
-
-    def accumulated(self, _param):
-        self.ready += 1
-        if self.ready < len(self.params):
-            return
-        self.ready = 0
-        grads = [p.grad for p in self.params]
-        flat = torch.cat([g.flatten() for g in grads])
-        if tp_size(self.group) > 1:
-            dist.all_reduce(flat, group=self.group)
-        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(summed.view_as(g))
 
 
 def parallel_mlp_block(i, block, group, n_blocks):
@@ -497,6 +432,32 @@ class SequenceParallelHead(nn.Module):
     def forward(self, x):
         x = gather_from_tp_region(x, self.group, [x.shape[1]] * tp_size(self.group), dim=1)
         return Head.forward(self, x)
+
+
+class SummedGradients:
+    """Replicated parameters that each rank applied to part of the data (--hybrid's convolutions to a
+    slice of the batch, a norm under --sequence-parallel to a slice of the tokens): once backward has
+    accumulated all their gradients, one all-reduce of them, flattened into one bucket (DDP's bucket,
+    without its overlap). Summed, not averaged: the loss is already the mean over the global batch,
+    so each rank's gradient is its part's share of the full one. One backward per step (a second
+    backward before the step would sum the summed gradients again)."""
+
+    def __init__(self, params, group):
+        self.params, self.group, self.ready = list(params), group, 0
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.accumulated)
+
+    def accumulated(self, _param):
+        self.ready += 1
+        if self.ready < len(self.params):
+            return
+        self.ready = 0
+        grads = [p.grad for p in self.params]
+        flat = torch.cat([g.flatten() for g in grads])
+        if tp_size(self.group) > 1:
+            dist.all_reduce(flat, group=self.group)
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(summed.view_as(g))
 
 
 def sum_sequence_parallel_grads(model, group):

@@ -1,5 +1,8 @@
-"""tensor_parallel.py --check, and the end-of-run report on the replicated parameters.
+"""What tensor_parallel.py checks: its flags before any collective, one step against the full model
+(--check), and the replicated parameters at the end of every run.
 
+The flags: every rank needs whole heads and at least one neuron of each split layer, and under
+--sequence-parallel an equal run of the vit's tokens; a bad value is one `error:` line, exit 2.
 --check runs one step on the first batch with the parallel model and with the full model in this
 process, and compares the output, the loss, every local gradient (against the matching slice of
 the full model's) and every weight after one optimizer step. The report at the end of every run
@@ -10,8 +13,54 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from clipping import clip_global
-from common import awaiting, build_model, make_optimizer, replicas_identical
-from tensor_parallel import counted_once, full_slice, replicated_parameters, tp_size
+from common import awaiting, build_model, fail, make_optimizer, replicas_identical
+from tensor_parallel import VIT_TOKENS, counted_once, full_slice, replicated_parameters, tp_size
+
+# ----------------------------------------------------------------------------- the flags
+
+
+def ranks_for(degree):
+    return f"{degree} ranks (torchrun --nproc-per-node {degree})"
+
+
+def validate_degree(args, degree, use_degree=ranks_for):
+    """Every rank needs whole heads and at least one neuron of the narrowest split layer.
+    use_degree(d): how to ask for degree d (here the world size; parallel_3d.py: --tp d)."""
+    if args.model == "vit" and args.heads % degree:   # fixes that also keep --hidden divisible by --heads
+        heads = [h for h in range(degree, args.hidden + 1, degree) if args.hidden % h == 0][:2]
+        ranks = [d for d in range(2, args.heads + 1) if args.heads % d == 0][:1]
+        fixes = [f"--heads {h}" for h in heads] + [use_degree(d) for d in ranks]
+        fixes = fixes or [f"--hidden {args.hidden * degree} --heads {degree}"]
+        fail(f"--heads {args.heads} is not divisible by the tensor-parallel degree {degree}; each rank "
+             f"needs whole heads: use {' or '.join(fixes)}")
+    if args.model == "cnn":
+        width, what = 6, "output channels of cnn conv1"
+    elif args.model == "mlp" and args.layers % 2:  # the classifier is split too: 10 outputs
+        width, what = min(args.hidden, 10), "neurons of the mlp's narrowest split layer"
+    else:
+        width, what = args.hidden, f"--hidden neurons of the {args.model}"
+    if degree > width:
+        fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
+             f"use at most {use_degree(width)}")
+
+
+def validate_sequence_parallel(args, degree):
+    """--sequence-parallel: the vit only, and every rank holds an equal run of its 64 tokens."""
+    if args.hybrid:
+        fail("--sequence-parallel shards the vit's tokens and --hybrid the cnn's batch; they do not combine: "
+             "drop one of them")
+    if args.model != "vit":
+        fail(f"--sequence-parallel shards the vit's sequence of {VIT_TOKENS} tokens, and --model {args.model} "
+             f"has no sequence: use --model vit, or drop --sequence-parallel")
+    if VIT_TOKENS % degree:
+        fits = [d for d in range(2, VIT_TOKENS + 1) if VIT_TOKENS % d == 0]
+        near = [max(d for d in fits if d < degree)] + [d for d in fits if d > degree][:1]
+        fail(f"the vit's {VIT_TOKENS} tokens are not divisible by the tensor-parallel degree {degree}; under "
+             f"--sequence-parallel every rank holds an equal run of tokens: use {' or '.join(map(ranks_for, near))}, "
+             f"or drop --sequence-parallel")
+
+
+# ----------------------------------------------------------------------------- --check
 
 
 def compare(what, got, want, results):
