@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (Attention, Head, MetricsLog, PatchEmbed, Progress, awaiting, base_parser, build_model,
+from common import (Attention, MetricsLog, PatchEmbed, Progress, awaiting, base_parser, build_model,
                     check_finite, clock, distributed, exit_now, make_optimizer, memory_fields, num_blocks,
                     start_memory_count, to_device, torchrun_env, validate_common)
 from clipping import clip_global
@@ -206,20 +206,6 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    """Sequence parallel, after the replicated embedding: forward keep my tokens; backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(tp_size(group), 1)[tp_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        # the embedding is replicated: its gradient must be whole, so every token's gradient goes to every rank
-        return _all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
-
-
 def copy_to_tp_region(x, group):
     return _CopyToTP.apply(x, group)
 
@@ -238,10 +224,6 @@ def gather_from_sequence_parallel_region(x, group):
 
 def reduce_scatter_to_sequence_parallel_region(x, group):
     return _ReduceScatterToSequence.apply(x, group)
-
-
-def scatter_to_sequence_parallel_region(x, group):
-    return _ScatterToSequence.apply(x, group)
 
 
 # ----------------------------------------------------------------------------- parallel layers
@@ -396,42 +378,56 @@ def parallel_vit_block(i, block, group, n_blocks, sequence_parallel=False):
     return block
 
 
-def shard_sequence(block, group):
-    """A block under sequence parallelism: ln1, ln2 and both dropouts see tokens first.. of the 64."""
-    first = VIT_TOKENS // tp_size(group) * tp_rank(group)
-    for p in [*block.ln1.parameters(), *block.ln2.parameters()]:
-        # replicated, but each rank normalises other tokens, so each holds a partial gradient: the
-        # whole one is their sum over the group (sum_sequence_parallel_grads)
+def my_tokens(group):
+    """(first, count): the run of the vit's 64 tokens this rank holds under sequence parallelism."""
+    count = VIT_TOKENS // tp_size(group)
+    return count * tp_rank(group), count
+
+
+def partial_gradients(*modules):
+    """Mark replicated parameters that this rank applies to its own tokens only: each rank holds a
+    partial gradient, and the whole one is their sum over the group (sum_sequence_parallel_grads)."""
+    for p in (p for m in modules for p in m.parameters()):
         p.sequence_parallel = True
+
+
+def shard_sequence(block, group):
+    """A block under sequence parallelism: ln1, ln2 and both dropouts see my tokens only."""
+    partial_gradients(block.ln1, block.ln2)   # each rank normalises other tokens
     for drop in (block.drop1, block.drop2):
         if isinstance(drop, KeyedDropout):
-            drop.first_token = first   # my tokens' masks are those of tokens first.. in the full layer
+            drop.first_token = my_tokens(group)[0]   # my tokens' masks are those of these tokens in the full layer
 
 
 class SequenceParallelEmbed(nn.Module):
-    """The patch embedding, replicated (the whole image on every rank), then my run of tokens. The
-    sequence is split here, after the only layer whose input is not tokens: the cut is free (no
-    communication) and each rank keeps 1/degree of every activation from here to the head."""
+    """The patch embedding, then my run of tokens. The sequence is split here, after the only layer
+    whose input is not tokens, with no communication: every rank embeds the whole image (replicated
+    work, about 1% of a step) and keeps its tokens. Its backward pads the other tokens' gradient with
+    zeros, so conv and pos get partial gradients, summed with the norms' (not a B x 64 x H all-gather)."""
 
     def __init__(self, full, group):
         super().__init__()
         self.conv, self.pos, self.group = full.conv, full.pos, group   # PatchEmbed's names
+        partial_gradients(self)
 
     def forward(self, x):
-        return scatter_to_sequence_parallel_region(PatchEmbed.forward(self, x), self.group)
+        return PatchEmbed.forward(self, x).narrow(1, *my_tokens(self.group))
 
 
 class SequenceParallelHead(nn.Module):
-    """All tokens gathered, then the replicated head. The head's mean mixes every token, so the
-    sequence is gathered here (backward: keep my tokens' gradient, whole and equal on every rank)."""
+    """The head on my tokens: LayerNorm, my tokens' share of the mean over all 64, then g (all-reduce)
+    sums the shares into the whole [B, H] mean on every rank, and the classifier is replicated. The
+    mean is the head's only mix of tokens, so it is where the sequence ends; reducing the pooled
+    B x H moves 64 times fewer elements than gathering the B x 64 x H tokens first."""
 
     def __init__(self, full, group):
         super().__init__()
         self.ln, self.fc, self.group = full.ln, full.fc, group   # Head's names
+        partial_gradients(self.ln)
 
     def forward(self, x):
-        x = gather_from_tp_region(x, self.group, [x.shape[1]] * tp_size(self.group), dim=1)
-        return Head.forward(self, x)
+        share = self.ln(x).sum(dim=1) / VIT_TOKENS
+        return self.fc(reduce_from_tp_region(share, self.group))
 
 
 class SummedGradients:
@@ -461,7 +457,7 @@ class SummedGradients:
 
 
 def sum_sequence_parallel_grads(model, group):
-    """The LayerNorm parameters and row-parallel biases that act on my tokens only get partial
+    """The LayerNorms, row-parallel biases and patch embedding that act on my tokens only get partial
     gradients: one all-reduce per step sums them (then they are whole, and the same, on every rank)."""
     params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
     if params:

@@ -144,8 +144,8 @@ def test_collectives_of_one_step_one_forward_all_reduce_per_pair(tmp_path):
 
 def case_sequence_counts(rank, world, group):
     """--sequence-parallel: each all-reduce of the plain vit becomes a reduce-scatter plus an all-gather of
-    the same whole tensor (the bytes stay the same); the head's gather, the embedding's backward gather and
-    one all-reduce of the partial LayerNorm and bias gradients are what it adds."""
+    the same whole tensor (the bytes stay the same); the head's all-reduce of the pooled B x H and one
+    all-reduce of the partial gradients (norms, row-parallel biases, patch embedding) are what it adds."""
     flags = ["--data", "synthetic", "--model", "vit", "--layers", "2", "--hidden", "32"]
     args, b, layers, hidden = tp.parse_args(flags + ["--sequence-parallel"]), 8, 2, 32
     torch.manual_seed(0)
@@ -156,11 +156,12 @@ def case_sequence_counts(rank, world, group):
     counts = count_collectives(model, x, y, sequence)
     tokens = b * 64 * hidden        # one activation of the residual stream, whole
     pairs = 2 * layers              # column | row pairs: attention and MLP of each block
-    norms = layers * (4 * hidden + 2 * hidden)   # ln1, ln2 (weight, bias) and the proj and mlp.2 biases
+    # ln1, ln2 (weight, bias), the proj and mlp.2 biases; the head's ln; the patch conv and position embedding
+    partial = layers * (4 * hidden + 2 * hidden) + 2 * hidden + (3 * 4 * 4 + 1) * hidden + 64 * hidden
     assert plain == {("forward", "all_reduce"): pairs * tokens, ("backward", "all_reduce"): pairs * tokens}, plain
-    assert sequence == {("forward", "all_gather"): (pairs + 1) * tokens, ("forward", "reduce_scatter"): pairs * tokens,
-                        ("backward", "reduce_scatter"): pairs * tokens, ("backward", "all_gather"): (pairs + 1) * tokens,
-                        ("backward", "all_reduce"): norms}, sequence
+    assert sequence == {("forward", "all_gather"): pairs * tokens, ("forward", "reduce_scatter"): pairs * tokens,
+                        ("forward", "all_reduce"): b * hidden, ("backward", "reduce_scatter"): pairs * tokens,
+                        ("backward", "all_gather"): pairs * tokens, ("backward", "all_reduce"): partial}, sequence
     assert counts[("forward", "reduce_scatter")] == counts[("backward", "reduce_scatter")] == pairs, counts
     assert counts[("backward", "all_reduce")] == 1, "the partial gradients are summed in one bucket"
 
@@ -307,8 +308,8 @@ def test_sequence_parallel_check_matches(tmp_path):
 
 
 def case_sequence_shards(rank, world, group):
-    """Under --sequence-parallel the residual stream holds my 64/world tokens, the norms of every block are
-    marked for the gradient sum, and the dropouts key their masks with my first token."""
+    """Under --sequence-parallel the residual stream holds my 64/world tokens, the parameters applied to my
+    tokens only are marked for the gradient sum, and the dropouts key their masks with my first token."""
     args = tp.parse_args(FAST + ["--model", "vit", "--layers", "2", "--hidden", "32", "--dropout", "0.1"])
     model = tp.parallelize(build_model(args), "vit", group, sequence_parallel=True)
     tokens = 64 // world
@@ -316,7 +317,8 @@ def case_sequence_shards(rank, world, group):
     assert [m.first_token for m in model.modules() if hasattr(m, "first_token")] == [rank * tokens] * 4
     marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
     assert marked == {f"{i}.{m}" for i in (1, 2) for m in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias",
-                                                          "attn.proj.bias", "mlp.2.bias")}, marked
+                                                          "attn.proj.bias", "mlp.2.bias")} | {
+        "0.conv.weight", "0.conv.bias", "0.pos", "3.ln.weight", "3.ln.bias"}, marked
     assert set(model.sequence_grads.params) == {p for n, p in model.named_parameters() if n in marked}
 
 
