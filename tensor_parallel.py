@@ -411,7 +411,8 @@ class SequenceParallelEmbed(nn.Module):
         partial_gradients(self)
 
     def forward(self, x):
-        return PatchEmbed.forward(self, x).narrow(1, *my_tokens(self.group))
+        # a copy of my tokens, not a view: a view would keep the whole embedding alive for backward
+        return PatchEmbed.forward(self, x).narrow(1, *my_tokens(self.group)).clone(memory_format=torch.contiguous_format)
 
 
 class SequenceParallelHead(nn.Module):
