@@ -29,9 +29,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
-from bench import race  # noqa: E402
+from bench import one_step, race  # noqa: E402
 from common import base_parser, build_model, distributed, exit_now, make_optimizer  # noqa: E402
 from data import SyntheticData  # noqa: E402
 
@@ -87,13 +86,6 @@ def wire_bytes(elements, degree):
     return sum(4 * WIRE[key.split()[1]] * (degree - 1) / degree * n for key, n in elements.items())
 
 
-def engine(model, optimizer):
-    """step(x, y) -> loss: no dropout here (step 0's keys), no clipping (the norm is not needed)."""
-    def step(x, y):
-        return single_baseline.train_step(model, optimizer, x, y, 0, lambda params: None)[0]
-    return step
-
-
 def worker(argv):
     p = base_parser(__doc__)
     p.add_argument("--out", required=True)
@@ -111,7 +103,7 @@ def worker(argv):
             result[name] = {"saved_bytes_block": saved_bytes_of_block(model, batches[0][0]), "elements": elements,
                             "calls": calls, "wire_bytes_per_rank": wire_bytes(elements, degree)}
             optimizer = make_optimizer(model.parameters(), args)
-            engines[name] = engine(model, optimizer)
+            engines[name] = one_step(model, optimizer)
         raced = race(engines, batches, args.warmup, args.repeat, env.device, reference="tp")
         for name in engines:
             result[name]["median_step_s"] = raced[name][0]
