@@ -73,25 +73,30 @@ class KeyedDropout(nn.Module):
     """nn.Dropout's contract (zero each element with probability p, scale the rest by 1/(1-p)),
     with keyed masks. x is [samples, ...]; the element index is the flat index of the rest in the
     full layer. shard = (start, full): this rank holds features start.. of `full` along the last
-    dimension (tensor parallelism sets it after a column-parallel layer)."""
+    dimension (tensor parallelism sets it after a column-parallel layer). first_token: this rank
+    holds tokens first_token.. along dimension 1 (sequence parallelism sets it on a token shard)."""
 
     def __init__(self, p, layer, keys):
         super().__init__()
-        self.p, self.layer, self.keys, self.shard = p, layer, keys, None
+        self.p, self.layer, self.keys, self.shard, self.first_token = p, layer, keys, None, 0
 
     def forward(self, x):
         if self.p == 0 or self.keys is None or self.keys.step is None:
             return x
         n, rest = x.shape[0], x.shape[1:]
         samples = self.keys.first_sample + torch.arange(n, device=x.device)
-        if self.shard is None:
+        if self.shard is None and self.first_token == 0:
             elements = torch.arange(math.prod(rest), device=x.device)
         else:
-            start, full = self.shard
-            lead = torch.arange(math.prod(rest[:-1]), device=x.device)[:, None] * full
+            start, full = self.shard or (0, rest[-1])
+            # the rows (all but the last dimension) of the full layer that mine are: a token shard
+            # starts first_token rows of dimension 1 in, each of prod(rest[1:-1]) rows
+            first_row = self.first_token * math.prod(rest[1:-1])
+            lead = (first_row + torch.arange(math.prod(rest[:-1]), device=x.device))[:, None] * full
             elements = (lead + start + torch.arange(rest[-1], device=x.device)[None, :]).reshape(-1)
         keep = keep_mask(self.keys.seed, self.keys.step, self.layer, samples, elements, self.p)
         return x * keep.view_as(x).to(x.dtype) * (1.0 / (1.0 - self.p))
 
     def extra_repr(self):
-        return f"p={self.p}, layer={self.layer}" + (f", shard={self.shard}" if self.shard else "")
+        return (f"p={self.p}, layer={self.layer}" + (f", shard={self.shard}" if self.shard else "")
+                + (f", first_token={self.first_token}" if self.first_token else ""))

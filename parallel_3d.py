@@ -35,8 +35,8 @@ from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
 from pipeline_microbatch import (Messenger, StageRunner, add_pipeline_flags, build_stage_model, check_and_exit,
                                  near_multiples, schedule_actions, train, validate_pipeline)
-from tensor_parallel import (average_replicated_grads, counted_once, full_slice, parallelize_block, report_replicas,
-                             validate_degree)
+from tensor_parallel import average_replicated_grads, counted_once, full_slice, parallelize_block
+from tp_check import report_replicas, validate_degree
 
 PROGRAM = "parallel_3d"
 

@@ -1,6 +1,6 @@
 """Tensor parallelism: every rank holds a slice of every weight and computes a subset of the neurons.
 
-The lesson (Krizhevsky 2012, "One weird trick"; Shoeybi et al. 2019, Megatron-LM): split a Linear
+The lesson (Krizhevsky et al. 2012, AlexNet on two GPUs; Shoeybi et al. 2019, Megatron-LM): split a Linear
 by output features (column-parallel), feed its split output straight into a Linear split by input
 features (row-parallel), and the pair needs one all-reduce in forward and one in backward. The
 degree is the world size; every rank sees the whole global batch and logs the baseline's losses.
@@ -33,17 +33,19 @@ GELU is elementwise, so it runs on each shard with no communication. A layer tha
 without a row-parallel partner is column-parallel with gather_from_tp_region (forward all-gather,
 backward split), so that the logits are whole on every rank.
 
---hybrid (Krizhevsky 2014, "One weird trick", arXiv:1404.5997), the cnn only: convolutions hold most
-of the compute and few of the weights, so they run data-parallel; the fc layers hold most of the
-weights and little of the compute, so they stay tensor-parallel. One all-gather switches between the two:
+--sequence-parallel, the vit only (Korthikanti et al. 2022, "Reducing activation recomputation in
+large transformer models"): g's all-reduce = reduce-scatter + all-gather, so do the reduce-scatter
+after the row-parallel layer, keep 1/t of the tokens through LayerNorm, dropout and the residual add,
+and all-gather before the next column-parallel layer. The same bytes; those activations shrink by t.
 
-    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --hybrid
+    rank 0:  [B, S/2, H] --LN--> all-gather --> [B, S, H] --A1--GELU--B1--> reduce-scatter --> [B, S/2, H] +x
+    rank 1:  [B, S/2, H] --LN--> (backward:      [B, S, H] --A2--GELU--B2--> (backward:        [B, S/2, H] +x
+                                 reduce-scatter)                             all-gather)
 
-    rank 0:  X[0:B/2] --conv blocks (replicated)--+                                    +-- logits
-                                                  all-gather along the batch --> fc1 | fc2, fc3
-    rank 1:  X[B/2:B] --conv blocks (replicated)--+  (backward: keep my slice)         +-- logits
+    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
 
-The conv weights' gradients are summed over the ranks in one all-reduce after backward.
+--hybrid (data-parallel convolutions, a tensor-parallel classifier) is in hybrid.py; --check and the
+end-of-run report on the replicated parameters in tp_check.py.
 """
 import time
 from functools import partial
@@ -53,16 +55,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
-                    distributed, exit_now, fail, make_optimizer, memory_fields, note_one_rank, num_blocks, replicas_identical,
-                    start_memory_count, to_device, torchrun_env, validate_common)
 import checkpoint
+from common import (Attention, MetricsLog, PatchEmbed, Progress, awaiting, base_parser, build_model,
+                    check_finite, clock, distributed, exit_now, make_optimizer, memory_fields, note_one_rank,
+                    num_blocks, start_memory_count, to_device, torchrun_env, validate_common)
 from clipping import clip_global
 from data import agree_on_data, load_data
 from keyed_dropout import KeyedDropout
 from single_baseline import evaluate, train_step
 
 PROGRAM = "tensor_parallel"
+VIT_TOKENS = (32 // 4) ** 2   # common.PatchEmbed: 4x4 patches of a 32x32 image
 
 
 def parse_args(argv=None):
@@ -71,52 +74,18 @@ def parse_args(argv=None):
                    help="one step on the first batch against the full model in this process; exit 0 on match")
     p.add_argument("--hybrid", action="store_true",
                    help="cnn: convolutions data-parallel on slices of the batch, fc layers tensor-parallel")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="vit: LayerNorms, dropouts and residual adds on 1/degree of the tokens per rank")
     args = p.parse_args(argv)
+    from hybrid import validate_hybrid   # hybrid.py and tp_check.py import this module: imported here, when needed
+    from tp_check import validate_degree, validate_sequence_parallel
     validate_common(args, PROGRAM)
+    degree = torchrun_env("gloo").world_size  # env vars only: no collective yet
+    if args.sequence_parallel:
+        validate_sequence_parallel(args, degree)
     validate = validate_hybrid if args.hybrid else validate_degree
-    validate(args, torchrun_env("gloo").world_size)  # env vars only: no collective yet
+    validate(args, degree)
     return args
-
-
-def ranks_for(degree):
-    return f"{degree} ranks (torchrun --nproc-per-node {degree})"
-
-
-def validate_degree(args, degree, use_degree=ranks_for):
-    """Every rank needs whole heads and at least one neuron of the narrowest split layer.
-    use_degree(d): how to ask for degree d (here the world size; parallel_3d.py: --tp d)."""
-    if args.model == "vit" and args.heads % degree:   # fixes that also keep --hidden divisible by --heads
-        heads = [h for h in range(degree, args.hidden + 1, degree) if args.hidden % h == 0][:2]
-        ranks = [d for d in range(2, args.heads + 1) if args.heads % d == 0][:1]
-        fixes = [f"--heads {h}" for h in heads] + [use_degree(d) for d in ranks]
-        fixes = fixes or [f"--hidden {args.hidden * degree} --heads {degree}"]
-        fail(f"--heads {args.heads} is not divisible by the tensor-parallel degree {degree}; each rank "
-             f"needs whole heads: use {' or '.join(fixes)}")
-    if args.model == "cnn":
-        width, what = 6, "output channels of cnn conv1"
-    elif args.model == "mlp" and args.layers % 2:  # the classifier is split too: 10 outputs
-        width, what = min(args.hidden, 10), "neurons of the mlp's narrowest split layer"
-    else:
-        width, what = args.hidden, f"--hidden neurons of the {args.model}"
-    if degree > width:
-        fail(f"the tensor-parallel degree {degree} exceeds the {width} {what}; every rank needs at least one: "
-             f"use at most {use_degree(width)}")
-
-
-def validate_hybrid(args, degree):
-    """--hybrid: the cnn's batch splits evenly over the ranks, and fc3 has a neuron for every rank."""
-    if args.model != "cnn":
-        has = "no convolutions" if args.model == "mlp" else "only its patch embedding as a convolution"
-        fail(f"--hybrid runs the cnn's convolutions data-parallel, and --model {args.model} has {has}: "
-             f"use --model cnn, or drop --hybrid")
-    if args.batch_size % degree:
-        low = args.batch_size // degree * degree
-        fail(f"--batch-size {args.batch_size} is not divisible by the tensor-parallel degree {degree}; under "
-             f"--hybrid every rank runs the convolutions on an equal slice of the batch: use a multiple of "
-             f"{degree}, e.g. {low + degree}" + (f" or {low}" if low else ""))
-    if degree > 10:
-        fail(f"the tensor-parallel degree {degree} exceeds the 10 outputs of cnn fc3; every rank needs at "
-             f"least one: use at most 10 ranks")
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
@@ -141,6 +110,17 @@ def _all_reduce(x, group):
     x = x.clone(memory_format=torch.contiguous_format)  # in place below; autograd may hold x (a gradient can be shared)
     dist.all_reduce(x, group=group)
     return x
+
+
+def _reduce_scatter(x, group, dim):
+    """Sum x over the group and keep my equal slice along dim: half an all-reduce (its other half is an
+    all-gather). gloo implements reduce_scatter (checked on torch 2.15), so no all-reduce stands in."""
+    if tp_size(group) == 1:
+        return x
+    parts = [part.contiguous() for part in x.chunk(tp_size(group), dim)]
+    out = torch.empty_like(parts[tp_rank(group)])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
 
 
 def _all_gather(x, group, sizes, dim):
@@ -200,6 +180,33 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.narrow(ctx.dim, ctx.start, ctx.size).contiguous(), None, None, None
 
 
+class _GatherFromSequence(torch.autograd.Function):
+    """Sequence parallel, before a column-parallel layer: forward all-gather of the token shards; backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, [x.shape[1]] * tp_size(group), 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # each rank's column shard gives a partial gradient of every token: sum them, keep my tokens'
+        return _reduce_scatter(grad, ctx.group, 1), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Sequence parallel, after a row-parallel layer: forward reduce-scatter (sum, keep my tokens); backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
+
+
 def copy_to_tp_region(x, group):
     return _CopyToTP.apply(x, group)
 
@@ -212,12 +219,12 @@ def gather_from_tp_region(x, group, sizes, dim=-1):
     return _GatherFromTP.apply(x, group, sizes, dim)
 
 
-def gather_from_dp_region(x, group, sizes):
-    """--hybrid's switch from data- to tensor-parallel: forward all-gather along the batch (each rank
-    has its samples' features; the fc layers need every sample); backward keep my slice of the
-    gradient. The backward needs no communication because the f in front of fc1 has already
-    all-reduced the feature gradient: it is whole, and the same, on every rank."""
-    return _GatherFromTP.apply(x, group, sizes, 0)
+def gather_from_sequence_parallel_region(x, group):
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    return _ReduceScatterToSequence.apply(x, group)
 
 
 # ----------------------------------------------------------------------------- parallel layers
@@ -249,23 +256,29 @@ class _Sharded(nn.Module):
 
 
 class _ColumnParallel(_Sharded):
-    def __init__(self, full, group, sizes=None, copy_input=True, gather_output=False):
+    def __init__(self, full, group, sizes=None, copy_input=True, gather_output=False, sequence_parallel=False):
         super().__init__(full, group, 0, sizes)
-        self.copy_input, self.gather_output = copy_input, gather_output
+        self.copy_input, self.gather_output, self.sequence_parallel = copy_input, gather_output, sequence_parallel
 
     def forward(self, x):
-        if self.copy_input:
+        if self.sequence_parallel:   # the input is my tokens: gather them all (in place of f)
+            x = gather_from_sequence_parallel_region(x, self.group)
+        elif self.copy_input:
             x = copy_to_tp_region(x, self.group)
         y = self.op(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.group, self.sizes, self.feature_dim) if self.gather_output else y
 
 
 class _RowParallel(_Sharded):
-    def __init__(self, full, group, sizes=None):
+    def __init__(self, full, group, sizes=None, sequence_parallel=False):
         super().__init__(full, group, 1, sizes)
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel and self.bias is not None:   # added to my tokens only: a partial gradient
+            self.bias.sequence_parallel = True
 
     def forward(self, x):
-        y = reduce_from_tp_region(self.op(x, self.weight), self.group)
+        reduce = reduce_scatter_to_sequence_parallel_region if self.sequence_parallel else reduce_from_tp_region
+        y = reduce(self.op(x, self.weight), self.group)
         if self.bias is None:
             return y
         # replicated bias, added once after the sum (added on every rank before it, it would count degree times)
@@ -292,19 +305,21 @@ class ParallelAttention(Attention):
     """common.Attention on this rank's whole heads: q, k, v column-parallel, proj row-parallel.
     Attention reads the head count off its weights, so its forward runs unchanged on the local heads."""
 
-    def __init__(self, full, group, sizes):
+    def __init__(self, full, group, sizes, sequence_parallel=False):
         nn.Module.__init__(self)  # not Attention.__init__: the layers are slices of `full`
-        self.group, self.head_dim = group, full.head_dim
+        self.group, self.head_dim, self.sequence_parallel = group, full.head_dim, sequence_parallel
         self.q, self.k, self.v = (ColumnParallelLinear(f, group, sizes, copy_input=False)
                                   for f in (full.q, full.k, full.v))
-        self.proj = RowParallelLinear(full.proj, group, sizes)
+        self.proj = RowParallelLinear(full.proj, group, sizes, sequence_parallel=sequence_parallel)
 
     def forward(self, x):
-        # enter the region once for q, k and v: backward all-reduces their summed input gradient once, not 3x
-        return super().forward(copy_to_tp_region(x, self.group))
+        # enter the region once for q, k and v: backward all-reduces (or reduce-scatters) their summed
+        # input gradient once, not 3x
+        enter = gather_from_sequence_parallel_region if self.sequence_parallel else copy_to_tp_region
+        return super().forward(enter(x, self.group))
 
 
-# ----------------------------------------------------------------------------- the models
+# ----------------------------------------------------------------------------- parallelize: the models made parallel
 
 
 def parallel_cnn_block(i, block, group):
@@ -328,11 +343,101 @@ def parallel_cnn_classifier_block(i, block, group):
     return block
 
 
+def parallel_mlp_block(i, block, group, n_blocks):
+    """Linear layers (one a block) paired from the front as column | row; with an odd count the
+    classifier is left over and becomes column-parallel with a gather, so every weight matrix stays sharded."""
+    j = next(j for j, m in enumerate(block) if isinstance(m, nn.Linear))
+    block[j] = RowParallelLinear(block[j], group) if i % 2 else \
+        shard_dropout(block, ColumnParallelLinear(block[j], group, gather_output=i == n_blocks - 1))
+    return block
+
+
+def shard_dropout(block, column):
+    """A dropout after a column-parallel layer sees only this rank's output features, start.. of
+    the full layer's: it must draw those elements' masks, not the first ones' (keyed_dropout.py)."""
+    _, start, _ = column.shards["weight"]
+    for m in block:
+        if isinstance(m, KeyedDropout) and not column.gather_output:
+            m.shard = (start, sum(column.sizes))
+    return column
+
+
+def parallel_vit_block(i, block, group, n_blocks, sequence_parallel=False):
+    """Attention split by heads, the block MLP column | row; LayerNorms, the patch embedding and the
+    head are replicated (small, and the residual stream must be whole for LayerNorm anyway).
+    sequence_parallel: the residual stream, and so the LayerNorms and dropouts, on my tokens only."""
+    if 0 < i < n_blocks - 1:
+        heads = block.attn.q.out_features // block.attn.head_dim
+        head_sizes = [n * block.attn.head_dim for n in split_sizes(heads, tp_size(group))]
+        block.attn = ParallelAttention(block.attn, group, head_sizes, sequence_parallel)
+        block.mlp[0] = ColumnParallelLinear(block.mlp[0], group, sequence_parallel=sequence_parallel)
+        block.mlp[2] = RowParallelLinear(block.mlp[2], group, sequence_parallel=sequence_parallel)
+        if sequence_parallel:
+            shard_sequence(block, group)
+    elif sequence_parallel:
+        return (SequenceParallelEmbed if i == 0 else SequenceParallelHead)(block, group)
+    return block
+
+
+def my_tokens(group):
+    """(first, count): the run of the vit's 64 tokens this rank holds under sequence parallelism."""
+    count = VIT_TOKENS // tp_size(group)
+    return count * tp_rank(group), count
+
+
+def partial_gradients(*modules):
+    """Mark replicated parameters that this rank applies to its own tokens only: each rank holds a
+    partial gradient, and the whole one is their sum over the group (sum_sequence_parallel_grads)."""
+    for p in (p for m in modules for p in m.parameters()):
+        p.sequence_parallel = True
+
+
+def shard_sequence(block, group):
+    """A block under sequence parallelism: ln1, ln2 and both dropouts see my tokens only."""
+    partial_gradients(block.ln1, block.ln2)   # each rank normalises other tokens
+    for drop in (block.drop1, block.drop2):
+        if isinstance(drop, KeyedDropout):
+            drop.first_token = my_tokens(group)[0]   # my tokens' masks are those of these tokens in the full layer
+
+
+class SequenceParallelEmbed(nn.Module):
+    """The patch embedding, then my run of tokens. The sequence is split here, after the only layer
+    whose input is not tokens, with no communication: every rank embeds the whole image (replicated
+    work, about 1% of a step) and keeps its tokens. Its backward pads the other tokens' gradient with
+    zeros, so conv and pos get partial gradients, summed with the norms' (not a B x 64 x H all-gather)."""
+
+    def __init__(self, full, group):
+        super().__init__()
+        self.conv, self.pos, self.group = full.conv, full.pos, group   # PatchEmbed's names
+        partial_gradients(self)
+
+    def forward(self, x):
+        # a copy of my tokens, not a view: a view would keep the whole embedding alive for backward
+        return PatchEmbed.forward(self, x).narrow(1, *my_tokens(self.group)).clone(memory_format=torch.contiguous_format)
+
+
+class SequenceParallelHead(nn.Module):
+    """The head on my tokens: LayerNorm, my tokens' share of the mean over all 64, then g (all-reduce)
+    sums the shares into the whole [B, H] mean on every rank, and the classifier is replicated. The
+    mean is the head's only mix of tokens, so it is where the sequence ends; reducing the pooled
+    B x H moves 64 times fewer elements than gathering the B x 64 x H tokens first."""
+
+    def __init__(self, full, group):
+        super().__init__()
+        self.ln, self.fc, self.group = full.ln, full.fc, group   # Head's names
+        partial_gradients(self.ln)
+
+    def forward(self, x):
+        share = self.ln(x).sum(dim=1) / VIT_TOKENS
+        return self.fc(reduce_from_tp_region(share, self.group))
+
+
 class SummedGradients:
-    """The data-parallel half's one collective: once backward has accumulated the gradient of every
-    replicated parameter, one all-reduce of them all, flattened into one bucket (DDP's bucket, without
-    its overlap). Summed, not averaged: the loss is already the mean over the global batch, so each
-    rank's gradient is its slice's share of the full gradient. One backward per step (a second
+    """Replicated parameters that each rank applied to part of the data (--hybrid's convolutions to a
+    slice of the batch, a norm under --sequence-parallel to a slice of the tokens): once backward has
+    accumulated all their gradients, one all-reduce of them, flattened into one bucket (DDP's bucket,
+    without its overlap). Summed, not averaged: the loss is already the mean over the global batch,
+    so each rank's gradient is its part's share of the full one. One backward per step (a second
     backward before the step would sum the summed gradients again)."""
 
     def __init__(self, params, group):
@@ -353,91 +458,46 @@ class SummedGradients:
             g.copy_(summed.view_as(g))
 
 
-class HybridCNN(nn.Sequential):
-    """Krizhevsky's one weird trick on the cnn: blocks 0-1 (the convolutions, 2,904 weights, ~90% of the
-    multiply-adds) replicated and data-parallel; blocks 2-4 (the fc layers, 59,134 weights) tensor-parallel.
-    The same blocks under the same names as the full model; the whole global batch in, whole logits out."""
-
-    CONV_BLOCKS = 2
-
-    def __init__(self, model, group):
-        super().__init__(*model)   # blocks 2-4 already made tensor-parallel (parallelize_block)
-        self.group, self.full_param_mb, self.dropout_keys = group, model.full_param_mb, model.dropout_keys
-        self.conv_gradients = SummedGradients(
-            [p for block in list(self)[:self.CONV_BLOCKS] for p in block.parameters()], group)
-
-    def forward(self, x):
-        # training batches split evenly (validate_hybrid); a test chunk may not (500 over 3 ranks), so
-        # tensor_split's sizes, which the padded all-gather accepts
-        sizes = split_sizes(x.shape[0], tp_size(self.group))
-        x = x.tensor_split(len(sizes))[tp_rank(self.group)]  # my contiguous slice: no communication
-        blocks, keys = list(self), self.dropout_keys
-        whole_batch, keys.first_sample = keys.first_sample, keys.first_sample + sum(sizes[:tp_rank(self.group)])
-        for block in blocks[:self.CONV_BLOCKS]:  # GroupNorm's statistics are per sample: exact on a slice
-            x = block(x)                          # (and the dropout ending block 1 keys my samples' masks)
-        keys.first_sample = whole_batch
-        x = gather_from_dp_region(x, self.group, sizes)
-        for block in blocks[self.CONV_BLOCKS:]:
-            x = block(x)
-        return x
+def sum_sequence_parallel_grads(model, group):
+    """The LayerNorms, row-parallel biases and patch embedding that act on my tokens only get partial
+    gradients: one all-reduce per step sums them (then they are whole, and the same, on every rank)."""
+    params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    if params:
+        model.sequence_grads = SummedGradients(params, group)
+    return model
 
 
-def parallel_mlp_block(i, block, group, n_blocks):
-    """Linear layers (one a block) paired from the front as column | row; with an odd count the
-    classifier is left over and becomes column-parallel with a gather, so every weight matrix stays sharded."""
-    j = next(j for j, m in enumerate(block) if isinstance(m, nn.Linear))
-    block[j] = RowParallelLinear(block[j], group) if i % 2 else \
-        shard_dropout(block, ColumnParallelLinear(block[j], group, gather_output=i == n_blocks - 1))
-    return block
-
-
-def shard_dropout(block, column):
-    """A dropout after a column-parallel layer sees only this rank's output features, start.. of
-    the full layer's: it must draw those elements' masks, not the first ones' (keyed_dropout.py)."""
-    _, start, _ = column.shards["weight"]
-    for m in block:
-        if isinstance(m, KeyedDropout) and not column.gather_output:
-            m.shard = (start, sum(column.sizes))
-    return column
-
-
-def parallel_vit_block(i, block, group, n_blocks):
-    """Attention split by heads, the block MLP column | row; LayerNorms, the patch embedding and the
-    head are replicated (small, and the residual stream must be whole for LayerNorm anyway)."""
-    if 0 < i < n_blocks - 1:
-        heads = block.attn.q.out_features // block.attn.head_dim
-        head_sizes = [n * block.attn.head_dim for n in split_sizes(heads, tp_size(group))]
-        block.attn = ParallelAttention(block.attn, group, head_sizes)
-        block.mlp[0] = ColumnParallelLinear(block.mlp[0], group)
-        block.mlp[2] = RowParallelLinear(block.mlp[2], group)
-    return block
-
-
-def parallelize_block(i, block, model_name, group, n_blocks, hybrid=False):
+def parallelize_block(i, block, model_name, group, n_blocks, hybrid=False, sequence_parallel=False):
     """Block i of the full model with its layers replaced, in place, by this rank's parallel layers
     (same names); the full weights go as soon as the caller drops the full block."""
     if hybrid:   # the convolutions stay whole (data-parallel), the classifier is split
         return parallel_cnn_classifier_block(i, block, group)
     if model_name == "cnn":
         return parallel_cnn_block(i, block, group)
-    return {"mlp": parallel_mlp_block, "vit": parallel_vit_block}[model_name](i, block, group, n_blocks)
+    if model_name == "vit":
+        return parallel_vit_block(i, block, group, n_blocks, sequence_parallel)
+    return parallel_mlp_block(i, block, group, n_blocks)
 
 
 def build_parallel_model(args, group, device, hybrid=False):
     """This rank's model and nothing more (the memory contract): block by block from --seed, each
     full block sliced into my shards as soon as it is built, the full one dropped before the next."""
-    shard = partial(parallelize_block, model_name=args.model, group=group, n_blocks=num_blocks(args), hybrid=hybrid)
+    sequence_parallel = getattr(args, "sequence_parallel", False)
+    shard = partial(parallelize_block, model_name=args.model, group=group, n_blocks=num_blocks(args), hybrid=hybrid,
+                    sequence_parallel=sequence_parallel)
     model = build_model(args, shard, device)
     if hybrid:
+        from hybrid import HybridCNN
         model = HybridCNN(model, group)
-    return model
+    return sum_sequence_parallel_grads(model, group)
 
 
-def parallelize(model, model_name, group, hybrid=False):
+def parallelize(model, model_name, group, hybrid=False, sequence_parallel=False):
     """A whole model (tests and benchmarks build one) made parallel block by block, in place."""
+    from hybrid import HybridCNN
     for i, block in enumerate(model):
-        parallelize_block(i, block, model_name, group, len(model), hybrid)
-    return HybridCNN(model, group) if hybrid else model
+        model[i] = parallelize_block(i, block, model_name, group, len(model), hybrid, sequence_parallel)
+    return HybridCNN(model, group) if hybrid else sum_sequence_parallel_grads(model, group)
 
 
 def shard_of(model, name):
@@ -470,80 +530,16 @@ def average_replicated_grads(model, group):
         p.grad /= size
 
     for p in replicated_parameters(model):
-        p.register_post_accumulate_grad_hook(average)
+        if not getattr(p, "sequence_parallel", False):   # those are summed into one whole gradient already
+            p.register_post_accumulate_grad_hook(average)
 
 
 def counted_once(model, group):
     """For the gradient norm (clipping.py): a shard counts on the rank that holds it, a replicated
-    tensor on tp rank 0 only (every tp rank holds the same one)."""
+    tensor on tp rank 0 only (every tp rank holds the same one; under sequence parallelism the
+    LayerNorms' partial gradients are summed during backward, before the norm: whole again)."""
     replicated, first = {id(p) for p in replicated_parameters(model)}, tp_rank(group) == 0
     return lambda p: first or id(p) not in replicated
-
-
-def report_replicas(model, group, env, timeout_s):
-    """End of a run: the replicated parameters must be bit-identical on every tp rank. 0 if so, else 1."""
-    with awaiting(f"rank {env.rank} waited to compare the replicated parameters", timeout_s):
-        same = replicas_identical(replicated_parameters(model), group, env.device)
-    if env.rank == 0:
-        print(f"replicated parameters bit-identical across the {tp_size(group)} tensor-parallel ranks: "
-              f"{'yes' if same else 'NO'}", flush=True)
-    return 0 if same else 1
-
-
-# ----------------------------------------------------------------------------- --check
-
-
-def compare(what, got, want, results):
-    """Record (what, largest difference, error message or None) for one tensor."""
-    diff = (got.detach() - want.detach()).abs().max().item() if got.numel() else 0.0
-    try:
-        torch.testing.assert_close(got, want)
-        results.append((what, diff, None))
-    except AssertionError as e:
-        results.append((what, diff, " ".join(str(e).split())[:200]))
-
-
-def check_one_step(model, reference, x, y, args, group=None):
-    """One SGD step of the parallel model and of the full reference on (x, y), compared tensor by
-    tensor: step 0's dropout masks, the gradients after clipping to the full model's norm."""
-    results = []
-    opt, ref_opt = make_optimizer(model.parameters(), args), make_optimizer(reference.parameters(), args)
-    with model.dropout_keys.training(0), reference.dropout_keys.training(0):
-        out, ref_out = model(x), reference(x)
-    compare("output", out, ref_out, results)
-    loss, ref_loss = F.cross_entropy(out, y), F.cross_entropy(ref_out, y)
-    compare("loss", loss, ref_loss, results)
-    loss.backward()
-    ref_loss.backward()
-    clip_global(model.parameters(), args.clip_grad_norm, [group], counted_once(model, group))
-    torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
-    for name, p in model.named_parameters():
-        compare(f"gradient of {name}", p.grad, full_slice(model, name, reference.get_parameter(name).grad), results)
-    opt.step()
-    ref_opt.step()
-    for name, p in model.named_parameters():
-        compare(f"{name} after one step", p, full_slice(model, name, reference.get_parameter(name)), results)
-    return results
-
-
-def run_check(model, args, data, env, group):
-    """--check: every rank compares its shards; all ranks agree on the exit status (0 match, 1 mismatch)."""
-    x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-    results = check_one_step(model, build_model(args).to(env.device), x, y, args, group)
-    for what, diff, error in results:
-        if error:
-            print(f"mismatch on rank {env.rank}: {what}: largest difference {diff:.3g}; {error}", flush=True)
-    mine = torch.tensor([sum(e is not None for _, _, e in results), max(d for _, d, _ in results)],
-                        dtype=torch.float64, device=env.device)
-    if env.world_size > 1:
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-    failed, worst = int(mine[0].item()), mine[1].item()
-    if env.rank == 0:
-        grads = sum(what.startswith("gradient") for what, _, _ in results)
-        print(f"--check at degree {env.world_size}, model {args.model}: compared the output, the loss, {grads} "
-              f"local gradients and {grads} weights after one step with the matching slices of the full model; "
-              f"largest difference {worst:.3g}: {'MISMATCH' if failed else 'match'}", flush=True)
-    return 1 if failed else 0
 
 
 # ----------------------------------------------------------------------------- training
@@ -579,6 +575,7 @@ def train(model, args, data, env, log, group):
 
 
 def main(argv=None):
+    from tp_check import report_replicas, run_check
     args = parse_args(argv)
     note_one_rank("tensor parallelism of degree 1, every weight whole")
     data = load_data(args)
@@ -603,4 +600,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_now(main())  # everything is written and torn down: skip gloo's destructors (common.exit_now)
+    # hybrid.py and tp_check.py import this file as the module tensor_parallel: run that module's main,
+    # so that one copy of the layers and operators serves all three (not this __main__ copy as well)
+    from tensor_parallel import main as module_main
+    exit_now(module_main())  # everything is written and torn down: skip gloo's destructors (common.exit_now)

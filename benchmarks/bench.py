@@ -141,11 +141,17 @@ def torch_pipeline(margs, env, pos):
     return step
 
 
+def one_step(model, opt):
+    """step(x, y) -> the loss of single_baseline.train_step: step 0's dropout keys (the benchmarks
+    run without dropout) and no gradient norm (nothing clips, nothing logs it)."""
+    return lambda x, y: single_baseline.train_step(model, opt, x, y, 0, lambda params: None)[0]
+
+
 def baseline_engine(margs, env):
     """The single-process baseline on rank 0, the other ranks waiting in the barrier."""
     model = build_model(margs).to(env.device)
-    opt = make_optimizer(model.parameters(), margs)
-    return lambda x, y: single_baseline.train_step(model, opt, x, y)[0] if env.rank == 0 else None
+    step = one_step(model, make_optimizer(model.parameters(), margs))
+    return lambda x, y: step(x, y) if env.rank == 0 else None
 
 
 def bubble_of(runner, actions, pos, margs, step_fn, batches, warmup, repeat):
@@ -220,7 +226,7 @@ def summarise(config, result):
 def ours_tp(margs, env):
     model = tp.parallelize(build_model(margs), "mlp", dist.group.WORLD).to(env.device)
     opt = make_optimizer(model.parameters(), margs)
-    return lambda x, y: single_baseline.train_step(model, opt, x, y)[0]
+    return one_step(model, opt)
 
 
 def torch_tp(margs, env):
@@ -233,7 +239,7 @@ def torch_tp(margs, env):
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     model = parallelize_module(model, mesh, plan)
     opt = make_optimizer(model.parameters(), margs)
-    return lambda x, y: single_baseline.train_step(model, opt, x, y)[0]
+    return one_step(model, opt)
 
 
 def run_tp(args, env):

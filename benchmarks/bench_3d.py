@@ -92,9 +92,8 @@ def cnn_formula(b, t):
     params = {0: 6 // t * (75 + 1) + 16 * 6 // t * 25 + 16 + 32 + 120 // t * 401,   # conv1, conv2, norm, fc1
               1: 84 * 120 // t + 84 + 10 // t * 85}                             # fc2, fc3
     dp = {s: params[s] + (2 if s == 1 else 0) for s in (0, 1)}   # + the loss average (one float64) on stage 1
-    for axis in (tp, pp):                          # + the gradient norm's sum of squares (one float64, clipping.py)
-        for s in (0, 1):
-            axis[s] += 2
+    norm = 2   # the gradient norm's sum of squares, one float64 summed over the tp and the pp group every step
+    tp, pp = ({s: n + norm for s, n in d.items()} for d in (tp, pp))
     return {axis: {s: n * FLOAT for s, n in d.items()} for axis, d in (("tp", tp), ("pp", pp), ("dp", dp))}
 
 

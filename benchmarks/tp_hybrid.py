@@ -21,9 +21,8 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository root, and bench.py beside this file
 
-import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
-from bench import baseline_engine, loss_diff, model_args, race  # noqa: E402
+from bench import baseline_engine, loss_diff, model_args, one_step, race  # noqa: E402
 from common import base_parser, build_model, distributed, exit_now, make_optimizer  # noqa: E402
 from data import SyntheticData  # noqa: E402
 
@@ -74,7 +73,7 @@ def bytes_per_rank(calls, degree):
 def engine(margs, group, hybrid):
     model = tp.parallelize(build_model(margs), "cnn", group, hybrid)
     optimizer = make_optimizer(model.parameters(), margs)
-    return model, lambda x, y: single_baseline.train_step(model, optimizer, x, y)[0]
+    return model, one_step(model, optimizer)
 
 
 def main(argv=None):

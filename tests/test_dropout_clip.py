@@ -66,7 +66,7 @@ def test_dropout_and_clipping_each_change_the_loss(tmp_path, baseline):
 
 def test_keyed_masks_are_the_same_on_every_layout_of_one_tensor():
     """The masks of a [6, 4, 12] activation drawn whole, by sample slices (microbatches, replicas),
-    and by feature shards of 5, 4 and 3 (uneven tensor-parallel slices) are the same bits."""
+    by feature shards of 5, 4 and 3 (uneven tensor-parallel slices) and by token shards are the same bits."""
     keys, x = DropoutKeys(seed=3), torch.ones(6, 4, 12)
     whole = KeyedDropout(0.5, layer=7, keys=keys)
     with keys.training(step=11):
@@ -79,6 +79,11 @@ def test_keyed_masks_are_the_same_on_every_layout_of_one_tensor():
         shard.shard = (start, 12)
         with keys.training(step=11):
             assert torch.equal(shard(x[..., start:start + width]), full[..., start:start + width])
+    for first, n in [(0, 2), (2, 1), (3, 1)]:   # token shards (sequence parallelism): dimension 1 split
+        shard = KeyedDropout(0.5, layer=7, keys=keys)
+        shard.first_token = first
+        with keys.training(step=11):
+            assert torch.equal(shard(x[:, first:first + n]), full[:, first:first + n])
     assert 0.4 < (full == 0).float().mean() < 0.6
     with keys.training(step=12):
         assert not torch.equal(whole(x), full)                  # another step, other masks

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import tensor_parallel as tp
+import tp_check
 from common import build_model
 from helpers import FAST, assert_same_losses, launch, run_ranks
 
@@ -87,13 +88,20 @@ def test_matches_torch_distributed_tensor_parallel(tmp_path):
     run_ranks(case_dtensor, 2, tmp_path)
 
 
-def count_collectives(model, x, y):
-    """{(phase, collective): calls} of one forward and backward, by wrapping torch.distributed's functions."""
-    counts, phase, originals = {}, ["forward"], {n: getattr(dist, n) for n in ("all_reduce", "all_gather")}
+def count_collectives(model, x, y, elements=None):
+    """{(phase, collective): calls} of one forward and backward, by wrapping torch.distributed's functions;
+    elements, if given, collects {(phase, collective): elements} of the whole tensor each one stands for
+    (an all-reduce's tensor, an all-gather's output list, a reduce-scatter's input list)."""
+    counts, phase = {}, ["forward"]
+    originals = {n: getattr(dist, n) for n in ("all_reduce", "all_gather", "reduce_scatter")}
 
     def counting(name):
         def wrapper(*args, **kwargs):
-            counts[(phase[0], name)] = counts.get((phase[0], name), 0) + 1
+            key = (phase[0], name)
+            counts[key] = counts.get(key, 0) + 1
+            if elements is not None:
+                whole = args[0] if name == "all_reduce" else args[0 if name == "all_gather" else 1]
+                elements[key] = elements.get(key, 0) + sum(t.numel() for t in ([whole] if name == "all_reduce" else whole))
             return originals[name](*args, **kwargs)
         return wrapper
 
@@ -134,6 +142,34 @@ def test_collectives_of_one_step_one_forward_all_reduce_per_pair(tmp_path):
     run_ranks(case_counts, 2, tmp_path)
 
 
+def case_sequence_counts(rank, world, group):
+    """--sequence-parallel: each all-reduce of the plain vit becomes a reduce-scatter plus an all-gather of
+    the same whole tensor (the bytes stay the same); the head's all-reduce of the pooled B x H and one
+    all-reduce of the partial gradients (norms, row-parallel biases, patch embedding) are what it adds."""
+    flags = ["--data", "synthetic", "--model", "vit", "--layers", "2", "--hidden", "32"]
+    args, b, layers, hidden = tp.parse_args(flags + ["--sequence-parallel"]), 8, 2, 32
+    torch.manual_seed(0)
+    x, y = torch.randn(b, 3, 32, 32), torch.randint(10, (b,))
+    plain, sequence = {}, {}
+    count_collectives(tp.parallelize(build_model(args), "vit", group), x, y, plain)
+    model = tp.parallelize(build_model(args), "vit", group, sequence_parallel=True)
+    counts = count_collectives(model, x, y, sequence)
+    tokens = b * 64 * hidden        # one activation of the residual stream, whole
+    pairs = 2 * layers              # column | row pairs: attention and MLP of each block
+    # ln1, ln2 (weight, bias), the proj and mlp.2 biases; the head's ln; the patch conv and position embedding
+    partial = layers * (4 * hidden + 2 * hidden) + 2 * hidden + (3 * 4 * 4 + 1) * hidden + 64 * hidden
+    assert plain == {("forward", "all_reduce"): pairs * tokens, ("backward", "all_reduce"): pairs * tokens}, plain
+    assert sequence == {("forward", "all_gather"): pairs * tokens, ("forward", "reduce_scatter"): pairs * tokens,
+                        ("forward", "all_reduce"): b * hidden, ("backward", "reduce_scatter"): pairs * tokens,
+                        ("backward", "all_gather"): pairs * tokens, ("backward", "all_reduce"): partial}, sequence
+    assert counts[("forward", "reduce_scatter")] == counts[("backward", "reduce_scatter")] == pairs, counts
+    assert counts[("backward", "all_reduce")] == 1, "the partial gradients are summed in one bucket"
+
+
+def test_sequence_parallel_swaps_each_all_reduce_for_a_reduce_scatter_and_an_all_gather(tmp_path):
+    run_ranks(case_sequence_counts, 2, tmp_path)
+
+
 def case_replicated(rank, world, group):
     """Replicated parameters (norms, row-parallel biases, patch embedding, head) get bit-identical
     gradients and so stay identical on every rank without any all-reduce of their own."""
@@ -169,7 +205,7 @@ def case_check_catches(rank, world, group):
     if rank == 1:
         with torch.no_grad():
             model[3][0].weight[0, 0] += 0.05  # one wrong number in fc2's shard on rank 1
-    failed = [what for what, _, error in tp.check_one_step(model, build_model(args), x, y, args) if error]
+    failed = [what for what, _, error in tp_check.check_one_step(model, build_model(args), x, y, args) if error]
     assert "output" in failed, failed
     assert ("3.0.weight after one step" in failed) == (rank == 1), failed
 
@@ -223,6 +259,13 @@ def test_check_flag_matches(tmp_path, model, nproc):
     (["--model", "vit", "--heads", "3", "--hidden", "48"], 2,
      "error: --heads 3 is not divisible by the tensor-parallel degree 2; "),
     (["--model", "cnn"], 8, "error: the tensor-parallel degree 8 exceeds the 6 output channels of cnn conv1"),
+    (["--model", "vit", "--heads", "6", "--hidden", "48", "--sequence-parallel"], 6,
+     "error: the vit's 64 tokens are not divisible by the tensor-parallel degree 6; under --sequence-parallel every "
+     "rank holds an equal run of tokens: use 4 ranks (torchrun --nproc-per-node 4) or 8 ranks"),
+    (["--model", "mlp", "--sequence-parallel"], 2, "error: --sequence-parallel shards the vit's sequence of 64 "
+                                                   "tokens, and --model mlp has no sequence: use --model vit"),
+    (["--model", "cnn", "--sequence-parallel"], 2, "error: --sequence-parallel shards the vit's sequence"),
+    (["--hybrid", "--sequence-parallel"], 2, "error: --sequence-parallel shards the vit's tokens and --hybrid "),
 ])
 def test_bad_degree_is_one_error_line_and_exit_2_on_each_rank(tmp_path, monkeypatch, argv, world, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun tells each rank; no collective is reached
@@ -237,3 +280,47 @@ def test_bad_degree_under_torchrun_fails_on_every_rank(tmp_path):
     assert run.returncode != 0
     assert run.stderr.count("error: --heads 3 is not divisible by the tensor-parallel degree 2") == 1, run.stderr
     assert "exitcode  : 2" in run.stderr and 'tensor_parallel.py", line' not in run.stderr
+
+
+# ----------------------------------------------------------------------------- --sequence-parallel
+
+# dropout and a clipping norm the gradient exceeds: the token shards' masks and the summed norm gradients
+SEQUENCE = FAST + ["--model", "vit", "--hidden", "16", "--heads", "4", "--layers", "2", "--batch-size", "8",
+                   "--steps", "6", "--dropout", "0.1", "--clip-grad-norm", "0.1"]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_sequence_parallel_logs_the_baseline_losses_and_norms(tmp_path, baseline, nproc):
+    run = launch("tensor_parallel.py", SEQUENCE + ["--sequence-parallel"], tmp_path, nproc=nproc)
+    reference = baseline(SEQUENCE)
+    worst = assert_same_losses(run, reference)
+    norms = [(r["grad_norm"], w["grad_norm"]) for r, w in zip(run.events("train"), reference.events("train"))]
+    assert max(abs(a - b) for a, b in norms) <= 1e-4, norms
+    assert sum(b > 0.1 for _, b in norms) >= len(norms) // 2, f"clipping was not active: {norms}"
+    assert run.events("config")[0]["args"]["sequence_parallel"] is True
+    print(f"sequence parallel at degree {nproc}: largest |loss difference| {worst:.2g}")
+
+
+def test_sequence_parallel_check_matches(tmp_path):
+    run = launch("tensor_parallel.py", SEQUENCE + ["--sequence-parallel", "--check"], tmp_path, nproc=2)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert ": match" in run.stdout, run.stdout
+
+
+def case_sequence_shards(rank, world, group):
+    """Under --sequence-parallel the residual stream holds my 64/world tokens, the parameters applied to my
+    tokens only are marked for the gradient sum, and the dropouts key their masks with my first token."""
+    args = tp.parse_args(FAST + ["--model", "vit", "--layers", "2", "--hidden", "32", "--dropout", "0.1"])
+    model = tp.parallelize(build_model(args), "vit", group, sequence_parallel=True)
+    tokens = 64 // world
+    assert model[0](torch.zeros(2, 3, 32, 32)).shape == (2, tokens, 32)
+    assert [m.first_token for m in model.modules() if hasattr(m, "first_token")] == [rank * tokens] * 4
+    marked = {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
+    assert marked == {f"{i}.{m}" for i in (1, 2) for m in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias",
+                                                          "attn.proj.bias", "mlp.2.bias")} | {
+        "0.conv.weight", "0.conv.bias", "0.pos", "3.ln.weight", "3.ln.bias"}, marked
+    assert set(model.sequence_grads.params) == {p for n, p in model.named_parameters() if n in marked}
+
+
+def test_sequence_parallel_shards_the_tokens_and_marks_the_norms(tmp_path):
+    run_ranks(case_sequence_shards, 2, tmp_path)

@@ -1,0 +1,173 @@
+"""tensor_parallel.py on the vit with and without --sequence-parallel, per rank: what one block saves
+for backward, the peak memory, the collectives of one step by kind and bytes, and the step time.
+
+    python benchmarks/sequence_parallel.py --out logs/bench/sequence_parallel.json   # prints docs' tables
+
+The driver runs, for each degree t, one torchrun of this file as a worker and two of
+tensor_parallel.py (plain and --sequence-parallel, for their peak memory and their losses, which
+must equal single_baseline.py's). The worker builds both models on every rank and measures:
+
+* saved bytes: every tensor autograd saves during the forward of block 1 (a transformer block),
+  counted once per storage, parameters left out (torch.autograd.graph.saved_tensors_hooks);
+* collectives: torch.distributed's all_reduce, all_gather and reduce_scatter wrapped for one forward
+  and backward; elements of the whole tensor each stands for (an all-reduce's tensor, an
+  all-gather's output, a reduce-scatter's input), and the bytes a ring puts on the wire per rank:
+  2(p-1)/p x 4 bytes per element for an all-reduce, (p-1)/p x 4 for the other two;
+* step time: bench.race, the two engines taking turns, the order flipping every step.
+"""
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]  # the repository root, and bench.py beside this file
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import tensor_parallel as tp  # noqa: E402
+from bench import one_step, race  # noqa: E402
+from common import base_parser, build_model, distributed, exit_now, make_optimizer  # noqa: E402
+from data import SyntheticData  # noqa: E402
+
+SIZE = ["--model", "vit", "--hidden", "256", "--heads", "8", "--layers", "4", "--batch-size", "64"]
+WIRE = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}   # ring: elements sent per (p-1)/p element
+
+
+def saved_bytes_of_block(model, x, index=1):
+    """Bytes of the activations block `index` saves for backward (parameters left out), for input x."""
+    with torch.no_grad():
+        h = model[:index](x)
+    h.requires_grad_()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model[index](h)
+    return sum(storages.values())
+
+
+def collectives_of_one_step(model, x, y):
+    """{"phase kind": elements} and {"phase kind": calls} of one forward and backward."""
+    elements, calls, phase = Counter(), Counter(), ["forward"]
+    originals = {n: getattr(dist, n) for n in WIRE}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            whole = [args[0]] if name == "all_reduce" else args[0 if name == "all_gather" else 1]
+            elements[f"{phase[0]} {name}"] += sum(t.numel() for t in whole)
+            calls[f"{phase[0]} {name}"] += 1
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    for name in WIRE:
+        setattr(dist, name, counting(name))
+    try:
+        loss = F.cross_entropy(model(x), y)
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    model.zero_grad(set_to_none=True)
+    return dict(elements), dict(calls)
+
+
+def wire_bytes(elements, degree):
+    return sum(4 * WIRE[key.split()[1]] * (degree - 1) / degree * n for key, n in elements.items())
+
+
+def worker(argv):
+    p = base_parser(__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=20)
+    args = p.parse_args(argv)
+    args.data, args.eval_every = "synthetic", 0
+    with distributed(args) as env:
+        group, degree = dist.group.WORLD, env.world_size
+        batches = [SyntheticData(args.seed).batch(s, args.batch_size) for s in range(4)]
+        result, engines = {"degree": degree}, {}
+        for name, sequence in (("tp", False), ("sp", True)):
+            model = tp.parallelize(build_model(args), "vit", group, sequence_parallel=sequence)
+            elements, calls = collectives_of_one_step(model, *batches[0])
+            result[name] = {"saved_bytes_block": saved_bytes_of_block(model, batches[0][0]), "elements": elements,
+                            "calls": calls, "wire_bytes_per_rank": wire_bytes(elements, degree)}
+            optimizer = make_optimizer(model.parameters(), args)
+            engines[name] = one_step(model, optimizer)
+        raced = race(engines, batches, args.warmup, args.repeat, env.device, reference="tp")
+        for name in engines:
+            result[name]["median_step_s"] = raced[name][0]
+        result["paired_sp_over_tp"] = race.paired["sp"]
+        every = [None] * degree
+        dist.all_gather_object(every, {n: result[n]["saved_bytes_block"] for n in ("tp", "sp")})
+        result["saved_bytes_block_per_rank"] = every
+        if env.rank == 0:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    return 0
+
+
+def torchrun(nproc, argv):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--", *argv]
+    run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    if run.returncode:
+        sys.exit(f"failed: {' '.join(cmd)}\n{run.stderr[-3000:]}")
+
+
+def losses_and_summary(path):
+    records = [json.loads(line) for line in open(path)]
+    return [r["loss"] for r in records if r["event"] == "train"], next(r for r in records if r["event"] == "summary")
+
+
+def driver(out, degrees=(2, 4), steps=10):
+    os.makedirs(out + ".d", exist_ok=True)
+    flags = SIZE + ["--data", "synthetic", "--eval-every", "0", "--steps", str(steps)]
+    base_log = os.path.join(out + ".d", "baseline.jsonl")
+    subprocess.run([sys.executable, "single_baseline.py", *flags, "--log-file", base_log], cwd=ROOT, check=True,
+                   capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    baseline, _ = losses_and_summary(base_log)
+    result = {"size": SIZE, "steps": steps}
+    for t in degrees:
+        w = os.path.join(out + ".d", f"worker{t}.json")
+        torchrun(t, [os.path.join("benchmarks", "sequence_parallel.py"), "--worker", *SIZE, "--out", w])
+        result[t] = json.load(open(w))
+        for name, extra in (("tp", []), ("sp", ["--sequence-parallel"])):
+            log = os.path.join(out + ".d", f"{name}{t}.jsonl")
+            torchrun(t, ["tensor_parallel.py", *flags, *extra, "--log-file", log])
+            losses, summary = losses_and_summary(log)
+            result[t][name]["peak_memory_mb"] = summary["peak_memory_mb"]
+            result[t][name]["max_loss_diff_vs_baseline"] = max(abs(a - b) for a, b in zip(losses, baseline))
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    report(result, degrees)
+
+
+def report(result, degrees):
+    for t in degrees:
+        r = result[t]
+        print(f"degree {t}:")
+        for name in ("tp", "sp"):
+            s = r[name]
+            print(f"  {name}: block saves {s['saved_bytes_block'] / 2**20:.2f} MiB per rank; peak RSS "
+                  f"{s['peak_memory_mb']} MB; {s['wire_bytes_per_rank'] / 2**20:.2f} MiB on the wire per rank; "
+                  f"step {s['median_step_s'] * 1e3:.0f} ms; |loss - baseline| <= {s['max_loss_diff_vs_baseline']:.2g}")
+            print(f"      calls {s['calls']}\n      elements {s['elements']}")
+        print(f"  sp / tp step time (median of per-step ratios): {r['paired_sp_over_tp']:.2f}")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        sys.argv.remove("--worker")
+        exit_now(worker(sys.argv[1:]))
+    out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "logs/bench/sequence_parallel.json"
+    driver(os.path.abspath(out))

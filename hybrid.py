@@ -1,0 +1,74 @@
+"""tensor_parallel.py --hybrid: Krizhevsky's "One weird trick" (2014, arXiv:1404.5997) on the cnn.
+
+Convolutions hold most
+of the compute and few of the weights, so they run data-parallel; the fc layers hold most of the
+weights and little of the compute, so they stay tensor-parallel. One all-gather switches between the two:
+
+    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --hybrid
+
+    rank 0:  X[0:B/2] --conv blocks (replicated)--+                                    +-- logits
+                                                  all-gather along the batch --> fc1 | fc2, fc3
+    rank 1:  X[B/2:B] --conv blocks (replicated)--+  (backward: keep my slice)         +-- logits
+
+The conv weights' gradients are summed over the ranks in one all-reduce after backward.
+
+The tensor-parallel layers and operators are tensor_parallel.py's; this module adds the switch
+(gather_from_dp_region), the model that runs it (HybridCNN) and its flag check.
+"""
+import torch.nn as nn
+
+from common import fail
+from tensor_parallel import SummedGradients, gather_from_tp_region, split_sizes, tp_rank, tp_size
+
+
+def validate_hybrid(args, degree):
+    """--hybrid: the cnn's batch splits evenly over the ranks, and fc3 has a neuron for every rank."""
+    if args.model != "cnn":
+        has = "no convolutions" if args.model == "mlp" else "only its patch embedding as a convolution"
+        fail(f"--hybrid runs the cnn's convolutions data-parallel, and --model {args.model} has {has}: "
+             f"use --model cnn, or drop --hybrid")
+    if args.batch_size % degree:
+        low = args.batch_size // degree * degree
+        fail(f"--batch-size {args.batch_size} is not divisible by the tensor-parallel degree {degree}; under "
+             f"--hybrid every rank runs the convolutions on an equal slice of the batch: use a multiple of "
+             f"{degree}, e.g. {low + degree}" + (f" or {low}" if low else ""))
+    if degree > 10:
+        fail(f"the tensor-parallel degree {degree} exceeds the 10 outputs of cnn fc3; every rank needs at "
+             f"least one: use at most 10 ranks")
+
+
+def gather_from_dp_region(x, group, sizes):
+    """--hybrid's switch from data- to tensor-parallel: forward all-gather along the batch (each rank
+    has its samples' features; the fc layers need every sample); backward keep my slice of the
+    gradient. The backward needs no communication because the f in front of fc1 has already
+    all-reduced the feature gradient: it is whole, and the same, on every rank."""
+    return gather_from_tp_region(x, group, sizes, dim=0)
+
+
+class HybridCNN(nn.Sequential):
+    """Krizhevsky's one weird trick on the cnn: blocks 0-1 (the convolutions, 2,904 weights, ~90% of the
+    multiply-adds) replicated and data-parallel; blocks 2-4 (the fc layers, 59,134 weights) tensor-parallel.
+    The same blocks under the same names as the full model; the whole global batch in, whole logits out."""
+
+    CONV_BLOCKS = 2
+
+    def __init__(self, model, group):
+        super().__init__(*model)   # blocks 2-4 already made tensor-parallel (parallelize_block)
+        self.group, self.full_param_mb, self.dropout_keys = group, model.full_param_mb, model.dropout_keys
+        self.conv_gradients = SummedGradients(
+            [p for block in list(self)[:self.CONV_BLOCKS] for p in block.parameters()], group)
+
+    def forward(self, x):
+        # training batches split evenly (validate_hybrid); a test chunk may not (500 over 3 ranks), so
+        # tensor_split's sizes, which the padded all-gather accepts
+        sizes = split_sizes(x.shape[0], tp_size(self.group))
+        x = x.tensor_split(len(sizes))[tp_rank(self.group)]  # my contiguous slice: no communication
+        blocks, keys = list(self), self.dropout_keys
+        whole_batch, keys.first_sample = keys.first_sample, keys.first_sample + sum(sizes[:tp_rank(self.group)])
+        for block in blocks[:self.CONV_BLOCKS]:  # GroupNorm's statistics are per sample: exact on a slice
+            x = block(x)                          # (and the dropout ending block 1 keys my samples' masks)
+        keys.first_sample = whole_batch
+        x = gather_from_dp_region(x, self.group, sizes)
+        for block in blocks[self.CONV_BLOCKS:]:
+            x = block(x)
+        return x
