@@ -444,6 +444,7 @@ class SummedGradients:
         self.params, self.group, self.ready = list(params), group, 0
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.accumulated)
+            p.summed_over_ranks = True        # whole and identical after the sum: average_replicated_grads skips it
 
     def accumulated(self, _param):
         self.ready += 1
@@ -530,7 +531,9 @@ def average_replicated_grads(model, group):
         p.grad /= size
 
     for p in replicated_parameters(model):
-        if not getattr(p, "sequence_parallel", False):   # those are summed into one whole gradient already
+        # --hybrid's convolutions and sequence-parallel norms are summed into one whole gradient
+        # already (SummedGradients): a second all-reduce would only repeat the traffic
+        if not getattr(p, "summed_over_ranks", False):
             p.register_post_accumulate_grad_hook(average)
 
 

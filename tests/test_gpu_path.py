@@ -195,6 +195,31 @@ def test_replicated_gradients_are_averaged_over_the_tp_group(tmp_path):
     run_ranks(_average_case, 2, tmp_path)
 
 
+def _hybrid_average_case(rank, world, group):
+    """--hybrid on a GPU: the convolutions' gradients are all-reduced once (their bucket), not again
+    by the averaging hook; the other replicated tensors (row-parallel biases) are averaged."""
+    args = tp.parse_args(FAST + ["--model", "cnn", "--hybrid"])
+    model = tp.parallelize(build_model(args), "cnn", group, hybrid=True)
+    tp.average_replicated_grads(model, group)
+    calls, real = [], dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k)
+    try:
+        x, y = SyntheticData(0).batch(0, 4)
+        F.cross_entropy(model(x), y).backward()
+    finally:
+        dist.all_reduce = real
+    conv = sum(p.numel() for block in list(model)[:2] for p in block.parameters())
+    averaged = [p.numel() for p in tp.replicated_parameters(model) if not getattr(p, "summed_over_ranks", False)]
+    # forward: g after fc2 (4 x 84); backward: f before fc3 (4 x 84) and before fc1 (4 x 400), the conv
+    # bucket once, and the averaged replicated tensors (fc2's bias)
+    assert sorted(calls) == sorted([4 * 84, 4 * 84, 4 * 400, conv] + averaged), calls
+    assert averaged == [84]
+
+
+def test_hybrid_convolution_gradients_are_all_reduced_once(tmp_path):
+    run_ranks(_hybrid_average_case, 2, tmp_path)
+
+
 def test_memory_is_labelled_and_batches_stay_put_on_the_cpu():
     env = common.torchrun_env("gloo")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
