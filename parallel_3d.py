@@ -48,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--timeline", default=None, help="replica 0, tp rank 0's measured schedule of the last step")
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
+    if args.schedule == "zb":   # zero_bubble.py splits plain Linear/Conv2d; sharded layers take dA in B
+        fail("--schedule zb needs the backward split into B and W, which parallel_3d.py's tensor-parallel "
+             "layers do not do (its W actions would be empty and the bubble no smaller than 1F1B's); use "
+             "--schedule 1f1b here, or zb with pipeline_microbatch.py or pipeline_dp_joint.py")
     world = torchrun_env("gloo").world_size     # env vars only: every check below runs before any collective
     validate_grid(args, world)
     validate_degree(args, args.tp, use_degree=partial(tp_fix, args, world))

@@ -21,7 +21,7 @@ DP=${DP:-2}                            # data-parallel replicas
 TP=${TP:-2}                            # tensor-parallel ranks per stage
 NPROC=${NPROC:-8}                      # ranks; stages = NPROC / (DP x TP)
 MICROBATCHES=${MICROBATCHES:-4}        # per replica, per step
-SCHEDULE=${SCHEDULE:-1f1b}             # any --schedule of pipeline_microbatch.py
+SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved (zb needs plain layers: not here)
 RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}

@@ -117,6 +117,8 @@ def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
      "(one chunk needs at least one); use 4 ranks (torchrun --nproc-per-node 4) or --layers 3"),
     (["--dp", "2", "--tp", "2", "--microbatches", "3"], 8,
      "error: --batch-size 16 is not divisible by 2 replica(s) x --microbatches 3"),
+    (["--dp", "1", "--tp", "2", "--schedule", "zb"], 4,   # it would run ZB-H1's order with empty W actions
+     "error: --schedule zb needs the backward split into B and W, which parallel_3d.py's tensor-parallel layers"),
 ])
 def test_a_bad_grid_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world, message):
     assert_one_error_line(parallel_3d.parse_args, MLP + argv, world, message, monkeypatch, capsys)
