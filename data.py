@@ -3,6 +3,7 @@ identically: CIFAR-10 through torchvision (downloaded once per machine, under a 
 synthetic, learnable, CIFAR-shaped stand-in made from the seed; plus the slices and the test split."""
 import fcntl
 import functools
+import itertools
 import os
 import shutil
 import tempfile
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import NUM_CLASSES, awaiting, fail
+from common import NUM_CLASSES, awaiting, fail, to_device
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -270,3 +271,41 @@ def dp_slice(tensor, dp_rank, dp_size):
     """Data-parallel replica dp_rank's contiguous, equal share of a global batch."""
     n = tensor.shape[0] // dp_size
     return tensor[dp_rank * n:(dp_rank + 1) * n]
+
+
+# ----------------------------------------------------------------------------- a pipeline's inputs
+
+
+def next_batch(data, step, args, pos, replicas, device, stream=False):
+    """(inputs, labels) of this step, each only where it is read: the middle stages load nothing.
+    stream: the first stage's inputs as StreamedInputs, drawn one microbatch at a time."""
+    if pos.is_first_stage and stream:
+        x = StreamedInputs(data, step, args.batch_size, args.microbatches, replicas, device)
+        labels = data.labels(step, args.batch_size) if pos.is_last_stage else None
+        return x, (to_device(replicas.slice(labels), device) if labels is not None else None)
+    if pos.is_first_stage:
+        x, y = (to_device(replicas.slice(t), device) for t in data.batch(step, args.batch_size))
+        return x, (y if pos.is_last_stage else None)
+    if pos.is_last_stage:                 # the same samples' labels, without drawing their images
+        return None, to_device(replicas.slice(data.labels(step, args.batch_size)), device)
+    return None, None
+
+
+class StreamedInputs:
+    """The first stage's microbatches of one step, each drawn from the data set when its forward
+    reads it (in order), and held from then on only by the runner, until its backward: the first
+    stage never holds the global batch's images, so 1F1B's memory is flat in M there too. Replica d
+    of D reads parts d*m .. d*m+m-1 of the global batch cut into D*m: dp_slice's samples."""
+
+    def __init__(self, data, step, batch_size, m, replicas, device):
+        parts = data.image_parts(step, batch_size, m * replicas.dp_size)
+        self.parts = itertools.islice(parts, replicas.dp_rank * m, None)   # earlier replicas' parts: made, dropped
+        self.next_mb, self.samples, self.device = 0, batch_size // replicas.dp_size, device
+
+    def __len__(self):
+        return self.samples
+
+    def __getitem__(self, mb):
+        assert mb == self.next_mb, f"microbatch {mb} read out of order (expected {self.next_mb})"
+        self.next_mb += 1
+        return to_device(next(self.parts), self.device)

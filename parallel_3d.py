@@ -33,8 +33,9 @@ from common import (base_parser, build_model, distributed, exit_now, fail, note_
                     validate_common)
 from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
-from pipeline_microbatch import (Messenger, StageRunner, add_pipeline_flags, build_stage_model, check_and_exit,
-                                 near_multiples, schedule_actions, train, validate_pipeline)
+from pipeline_check import check_and_exit
+from pipeline_flags import add_pipeline_flags, near_multiples, validate_pipeline
+from pipeline_microbatch import Messenger, StageRunner, build_stage_model, schedule_actions, train
 from tensor_parallel import average_replicated_grads, counted_once, full_slice, parallelize_block
 from tp_check import report_replicas, validate_degree
 

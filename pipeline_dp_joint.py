@@ -35,8 +35,9 @@ import torch.distributed as dist
 from common import (awaiting, base_parser, distributed, exit_now, fail, note_one_rank, replicas_identical, torchrun_env,
                     validate_common)
 from data import agree_on_data, dp_slice, load_data
-from pipeline_microbatch import (PipelineRank, add_pipeline_flags, check_and_exit,
-                                 schedule_actions, setup_stage, train, validate_pipeline)
+from pipeline_check import check_and_exit
+from pipeline_flags import add_pipeline_flags, validate_pipeline
+from pipeline_microbatch import PipelineRank, schedule_actions, setup_stage, train
 
 PROGRAM = "pipeline_dp_joint"
 

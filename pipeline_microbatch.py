@@ -19,9 +19,11 @@ gradients back by isend/irecv (Messenger), a schedule orders each rank's forward
 The schedules themselves (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1: who runs which
 forward and backward when, and where the messages go) are data, in schedules.py, drawn there tick
 by tick; zb's backward split into B and W is zero_bubble.py. This file is the stage, its messages,
-the executor that plays a schedule, and the training loop. --recompute (GPipe's re-materialisation)
-keeps only each microbatch's stage input from F to B and re-runs the forward just before B; the
-first stage draws each microbatch's images when its forward needs them (StreamedInputs).
+the executor that plays a schedule, and the training loop; the flags' arithmetic is
+pipeline_flags.py, --check pipeline_check.py, --timeline timeline.py. --recompute (GPipe's
+re-materialisation) keeps only each microbatch's stage input from F to B and re-runs the forward
+just before B; the first stage draws each microbatch's images when its forward needs them
+(data.StreamedInputs).
 
     torchrun --standalone --nproc-per-node 2 -- pipeline_microbatch.py --data synthetic --schedule zb --recompute
 
@@ -42,10 +44,6 @@ one-message-at-a-time order does deadlock.
 """
 import contextlib
 import datetime
-import itertools
-import json
-import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -57,28 +55,17 @@ import torch.nn.functional as F
 import checkpoint
 from clipping import clip_global
 from common import (CommError, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
-                    distributed, exit_now, fail, make_optimizer, memory_fields, note_one_rank, num_blocks,
-                    start_memory_count, to_device, torchrun_env, validate_common)
-from data import agree_on_data, dp_slice, load_data, test_batches
+                    distributed, exit_now, make_optimizer, memory_fields, note_one_rank, num_blocks,
+                    start_memory_count, torchrun_env, validate_common)
+from data import StreamedInputs, agree_on_data, load_data, next_batch, test_batches
 from keyed_dropout import DropoutKeys
-from schedules import SCHEDULES, bubble_theory, schedule_actions, with_communication
+from pipeline_check import check_and_exit
+from pipeline_flags import add_pipeline_flags, validate_pipeline
+from schedules import schedule_actions, with_communication
+from timeline import gather_timeline, write_timeline
 from zero_bubble import WeightGradStash
 
 PROGRAM = "pipeline_microbatch"
-
-
-def add_pipeline_flags(p):
-    p.add_argument("--microbatches", type=int, default=4, help="microbatches per global batch (per replica)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    p.add_argument("--virtual-stages", type=int, default=None,
-                   help="interleaved only: model chunks per rank (default: 2; always 1 for the other schedules)")
-    p.add_argument("--balance", default=None, help="blocks per stage, e.g. 2,1,1,1 (default: even)")
-    p.add_argument("--recompute", action="store_true",
-                   help="keep only each microbatch's stage input between its forward and its backward, and "
-                        "re-run the forward just before the backward (GPipe's re-materialisation)")
-    p.add_argument("--check", action="store_true",
-                   help="one step on the first batch against the full model in this process; exit 0 on match")
-    return p
 
 
 def parse_args(argv=None):
@@ -88,62 +75,6 @@ def parse_args(argv=None):
     validate_common(args, PROGRAM)
     validate_pipeline(args, stages=torchrun_env("gloo").world_size, replicas=1)
     return args
-
-
-def validate_pipeline(args, stages, replicas, tp=1):
-    """Arithmetic of the split, checked from flags and WORLD_SIZE alone: no collective yet.
-    tp: ranks per stage (parallel_3d.py), only for the rank counts the messages suggest."""
-    if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
-    elif args.schedule != "interleaved" and args.virtual_stages != 1:
-        fail(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not "
-             f"{args.schedule}; drop it or use --schedule interleaved")
-    m, chunks = args.microbatches, stages * args.virtual_stages
-    if m <= 0:
-        fail(f"--microbatches {m} must be a positive integer")
-    if args.batch_size % (replicas * m):
-        fail(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x --microbatches {m}; "
-             f"use --batch-size {' or --batch-size '.join(map(str, near_multiples(args.batch_size, replicas * m)))}")
-    if args.schedule == "interleaved":
-        if stages == 1:   # chunk a would send to chunk b on the same rank: a message to itself
-            fail("--schedule interleaved needs at least 2 stages (processes); with one, use --schedule "
-                 "1f1b or gpipe (the same computation, no messages)")
-        if args.virtual_stages < 1:
-            fail(f"--virtual-stages {args.virtual_stages} must be a positive integer")
-        if m % stages:
-            near = [f"--microbatches {k}" for k in near_multiples(m, stages)]
-            fail(f"--schedule interleaved needs --microbatches a multiple of the {stages} stages, got {m}; "
-                 f"use {' or '.join(near)}, or --schedule 1f1b (without --virtual-stages)")
-    if args.balance is not None:
-        try:
-            balance = [int(b) for b in args.balance.split(",")]
-        except ValueError:
-            fail(f"--balance {args.balance!r} must be comma-separated integers, e.g. 2,1,1,1")
-        if len(balance) != chunks or min(balance) < 1 or sum(balance) != num_blocks(args):
-            fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
-                 f"{num_blocks(args)} blocks of the {args.model}")
-    elif chunks > num_blocks(args):
-        fail(too_few_blocks(args, stages, replicas * tp))
-
-
-def near_multiples(n, k):
-    """The multiples of k just below and just above n (the one below only if positive)."""
-    return sorted({max(k, n // k * k), (n // k + 1) * k})
-
-
-def too_few_blocks(args, stages, replicas):
-    """The message for more model chunks than blocks, with fixes that each work on their own."""
-    v, n = args.virtual_stages, num_blocks(args)
-    what = f"{stages} pipeline stages" if v == 1 else f"{stages} stages x {v} virtual stages = {stages * v} chunks"
-    if v == 1:
-        fixes = [f"{n * replicas} ranks (torchrun --nproc-per-node {n * replicas})"]
-    else:   # fewer ranks would break the interleaved microbatch rule: change the chunks instead
-        fixes = [f"--virtual-stages {n // stages}" if n // stages >= 2
-                 else "--schedule 1f1b (without --virtual-stages)"]
-    depth = {"cnn": "--model vit --layers", "mlp": "--layers", "vit": "--layers"}[args.model]
-    fixes.append(f"{depth} {stages * v - (0 if args.model == 'mlp' else 2)}")   # the vit adds 2 blocks
-    return (f"{what} but the {args.model} has only {n} blocks (one chunk needs at least one); "
-            f"use {' or '.join(fixes)}")
 
 
 # ----------------------------------------------------------------------------- stages
@@ -463,96 +394,6 @@ def eval_actions(pos, n):
     return with_communication([[("F", mb, c)] for mb in range(n) for c in range(pos.virtual)], pos)
 
 
-# ----------------------------------------------------------------------------- timeline and check
-
-
-def gather_timeline(runner, pos, args):
-    """Every rank's events of one step, on one clock: each rank counts from its own time after a
-    barrier (skew well under a millisecond on one machine), then all are gathered."""
-    origin = runner.origin
-    mine = [(cat, name, mb, ch, (t0 - origin) * 1e6, (t1 - t0) * 1e6) for cat, name, mb, ch, t0, t1 in runner.events]
-    every = [None] * pos.pp_size
-    dist.all_gather_object(every, (pos.pp_rank, mine), group=pos.group)
-    events = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": r, "tid": 0,
-               "args": {"microbatch": mb, "chunk": ch}} for r, evs in every for cat, name, mb, ch, ts, dur in evs]
-    compute = [e for e in events if e["cat"] != "wait"]
-    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-    busy = sum(e["dur"] for e in compute) / (pos.pp_size * span)
-    return {"traceEvents": events, "otherData": {
-        "schedule": args.schedule, "stages": pos.pp_size, "microbatches": args.microbatches,
-        "virtual_stages": pos.virtual, "bubble_measured": 1 - busy,
-        "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual, args.schedule),
-        "recompute": runner.recompute,
-        "device": runner.messenger.device.type, "cpu_cores": os.cpu_count()}}   # ranks > cores: waits for a core
-
-
-def run_check(runner, actions, model, args, x, y, replica=(0, 1), sync_grads=None, reference=None, full_slice=None):
-    """One step on the first batch against the full model in this process: the output and loss
-    (last stage), every local gradient, and the weights after one optimizer step. With data
-    parallelism, replica = (dp_rank, dp) runs this replica's slice and sync_grads averages the
-    gradients over replicas before they are compared. With tensor parallelism (parallel_3d.py),
-    reference is the full model and full_slice(name, tensor) the part of it this rank holds.
-    Returns (tensors compared, largest difference); raises AssertionError naming the first mismatch."""
-    reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
-    full_slice = full_slice or (lambda name, full: full)
-    with reference.dropout_keys.training(0):              # step 0's masks, as in training
-        ref_logits = reference(x)
-    F.cross_entropy(ref_logits, y).backward()
-    torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
-    make_optimizer(reference.parameters(), args).step()
-    x, y, ref_logits = (dp_slice(t, *replica) for t in (x, y, ref_logits.detach()))
-    m, outputs, losses, y_mb = args.microbatches, {}, [], y.chunk(args.microbatches)
-
-    def head(mb, logits):                                 # as train_step's, keeping the logits
-        outputs[mb] = logits.detach()
-        losses.append(F.cross_entropy(logits, y_mb[mb]) / m)
-        return losses[-1]
-
-    with runner.keys.training(0):
-        runner.run(actions, x.chunk(m) if runner.pos.is_first_stage else None, head, x.shape[0] // m,
-                   replica[0] * x.shape[0])
-    ours = {id(p) for chunk in runner.chunks for p in chunk.parameters()}
-    local = [(name, p) for name, p in model.named_parameters() if id(p) in ours]
-    if sync_grads:
-        sync_grads([p for _, p in local])
-    clip_global([p for _, p in local], args.clip_grad_norm, runner.norm_groups, runner.counted)
-    ref = dict(reference.named_parameters())
-    pairs = [(f"gradient of {n}", p.grad, full_slice(n, ref[n].grad)) for n, p in local]
-    if outputs:
-        logits = torch.cat([outputs[i] for i in range(m)])
-        pairs += [("output", logits, ref_logits),
-                  ("loss (sum of the scaled microbatch losses)", torch.stack(losses).sum().detach(),
-                   F.cross_entropy(ref_logits, y))]
-    make_optimizer([p for _, p in local], args).step()
-    pairs += [(f"weight of {n} after one step", p.detach(), full_slice(n, ref[n].detach())) for n, p in local]
-    for name, got, want in pairs:
-        torch.testing.assert_close(got, want, msg=lambda msg, name=name: f"{name} differs: {msg}")
-    return len(pairs), max((got - want).abs().max().item() for _, got, want in pairs)
-
-
-def check_and_exit(env, runner, actions, model, args, x, y, **replicas):
-    """--check on every rank; rank 0 prints one summary line (and each mismatch, naming its rank),
-    and all ranks agree on the exit status (0 match, 1 mismatch)."""
-    try:
-        count, worst = run_check(runner, actions, model, args, x, y, **replicas)
-        mine = (count, worst, None)
-    except AssertionError as e:
-        mine = (0, float("nan"), str(e).splitlines()[0])
-    every = [None] * env.world_size
-    dist.all_gather_object(every, mine)                  # one line from rank 0, not one per rank in random order
-    if env.rank == 0:
-        for rank, (_, _, error) in enumerate(every):
-            if error:
-                print(f"check: rank {rank}: MISMATCH: {error}", file=sys.stderr, flush=True)
-        bad = sum(error is not None for _, _, error in every)
-        worst = max((w for _, w, error in every if error is None), default=float("nan"))
-        print(f"--check, {args.schedule} on {env.world_size} ranks, model {args.model}: "
-              f"{sum(c for c, _, _ in every)} tensors compared with the full model (output and loss on the last "
-              f"stage, every rank's local gradients and weights after one step); largest difference {worst:.2e}: "
-              f"{f'MISMATCH on {bad} rank(s)' if bad else 'all tensors match the full model'}", flush=True)
-    return 1 if any(error for _, _, error in every) else 0
-
-
 # ----------------------------------------------------------------------------- training
 
 
@@ -649,50 +490,6 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
               microbatches=args.microbatches)
     log.close()
     return 0
-
-
-def next_batch(data, step, args, pos, replicas, device, stream=False):
-    """(inputs, labels) of this step, each only where it is read: the middle stages load nothing.
-    stream: the first stage's inputs as StreamedInputs, drawn one microbatch at a time."""
-    if pos.is_first_stage and stream:
-        x = StreamedInputs(data, step, args.batch_size, args.microbatches, replicas, device)
-        labels = data.labels(step, args.batch_size) if pos.is_last_stage else None
-        return x, (to_device(replicas.slice(labels), device) if labels is not None else None)
-    if pos.is_first_stage:
-        x, y = (to_device(replicas.slice(t), device) for t in data.batch(step, args.batch_size))
-        return x, (y if pos.is_last_stage else None)
-    if pos.is_last_stage:                 # the same samples' labels, without drawing their images
-        return None, to_device(replicas.slice(data.labels(step, args.batch_size)), device)
-    return None, None
-
-
-class StreamedInputs:
-    """The first stage's microbatches of one step, each drawn from the data set when its forward
-    reads it (in order), and held from then on only by the runner, until its backward: the first
-    stage never holds the global batch's images, so 1F1B's memory is flat in M there too. Replica d
-    of D reads parts d*m .. d*m+m-1 of the global batch cut into D*m: dp_slice's samples."""
-
-    def __init__(self, data, step, batch_size, m, replicas, device):
-        parts = data.image_parts(step, batch_size, m * replicas.dp_size)
-        self.parts = itertools.islice(parts, replicas.dp_rank * m, None)   # earlier replicas' parts: made, dropped
-        self.next_mb, self.samples, self.device = 0, batch_size // replicas.dp_size, device
-
-    def __len__(self):
-        return self.samples
-
-    def __getitem__(self, mb):
-        assert mb == self.next_mb, f"microbatch {mb} read out of order (expected {self.next_mb})"
-        self.next_mb += 1
-        return to_device(next(self.parts), self.device)
-
-
-def write_timeline(trace, path, enabled):
-    if enabled:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(trace, f)
-        other = trace["otherData"]
-        print(f"wrote {path}: bubble measured {other['bubble_measured']:.1%}, theory {other['bubble_theory']:.1%}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 import pipeline_microbatch as pm  # noqa: E402
+from timeline import gather_timeline  # noqa: E402
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
 from common import base_parser, build_model, clock, distributed, fail, make_optimizer  # noqa: E402
@@ -162,7 +163,7 @@ def bubble_of(runner, actions, pos, margs, step_fn, batches, warmup, repeat):
         dist.barrier()
         runner.events, runner.origin = [], time.perf_counter()
         step_fn(x, y)
-        trace = pm.gather_timeline(runner, pos, margs)
+        trace = gather_timeline(runner, pos, margs)
         runner.events = None
         if k >= warmup:
             measured.append(trace["otherData"]["bubble_measured"])

@@ -16,6 +16,7 @@ import tensor_parallel as tp
 from common import build_model
 from data import load_data
 from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
+from pipeline_check import run_check
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_3d  # noqa: E402
@@ -143,7 +144,7 @@ def test_check_compares_each_tensor_with_the_slice_it_is_given(monkeypatch):
         shard = partial(tp.parallelize_block, model_name="mlp", group=None, n_blocks=3)
         model, chunks, shapes = pm.build_stage_model(args, pos, torch.device("cpu"), shard)
         runner = pm.StageRunner(chunks, pos, pm.Messenger(pos, shapes, torch.device("cpu"), 10))
-        return pm.run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y,
+        return run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y,
                             reference=build_model(args), full_slice=slicer(model))
 
     count, worst = check(lambda model: partial(tp.full_slice, model))

@@ -19,6 +19,7 @@ import tensor_parallel as tp
 from common import Env, build_model
 from data import SyntheticData
 from helpers import FAST, ROOT, run_ranks
+from schedules import SCHEDULES
 
 MLP = FAST + ["--model", "mlp", "--hidden", "16", "--layers", "4", "--batch-size", "8"]
 
@@ -46,7 +47,7 @@ def _one_work_case(rank, world, group):
     """Training steps of every schedule through the nccl branch give the same loss as the gloo branch."""
     env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
     x, y = SyntheticData(0).batch(0, 8)
-    for schedule in pm.SCHEDULES:
+    for schedule in SCHEDULES:
         args = pm.parse_args(MLP + ["--schedule", schedule, "--microbatches", "4"])
         pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
         losses = []

@@ -6,8 +6,10 @@ import torch
 
 import pipeline_microbatch as pm
 from common import Env, build_model, torchrun_env
-from data import Cifar10Data, SyntheticData, load_data
+from data import Cifar10Data, SyntheticData, load_data, next_batch
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks
+from pipeline_check import run_check
+from schedules import SCHEDULES
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
 
@@ -90,7 +92,7 @@ def test_sends_in_flight_are_only_the_last_exchanges(tmp_path):
 def _sends_in_flight_case(rank, world, group):
     env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
     x, y = SyntheticData(0).batch(0, 24)
-    for schedule in pm.SCHEDULES:
+    for schedule in SCHEDULES:
         args = pm.parse_args(MLP + ["--schedule", schedule, "--microbatches", "4"])
         pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
         _, runner = pm.setup_stage(args, env, pos)
@@ -134,12 +136,12 @@ def test_check_fails_naming_a_tensor_that_differs():
     env, pos = torchrun_env("gloo"), pm.PipelineRank(0, 1, [0])
     x, y = load_data(args).batch(0, args.batch_size)
     model, runner = pm.setup_stage(args, env, pos)
-    count, worst = pm.run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y)
+    count, worst = run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y)
     assert count == 2 + 2 * len(list(model.parameters())) and worst < 1e-5
     model, runner = pm.setup_stage(args, env, pos)
     runner.chunks[0] = torch.nn.Sequential(runner.chunks[0], Scale(1.001))   # not in the reference copy
     with pytest.raises(AssertionError, match="differs"):
-        pm.run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y)
+        run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y)
 
 
 class Scale(torch.nn.Module):
@@ -206,7 +208,7 @@ def test_streamed_microbatches_are_the_batch_cut_in_order(data):
     args = pm.parse_args(MLP + ["--batch-size", "12", "--microbatches", "3"])
     for step, replicas in [(0, pm.OneReplica()), (4, pm.OneReplica()), (2, Replica(1, 2)), (2, Replica(0, 4))]:
         x, _ = source.batch(step, 12)
-        streamed, _ = pm.next_batch(source, step, args, pm.PipelineRank(0, 2, [0, 1]), replicas, torch.device("cpu"),
+        streamed, _ = next_batch(source, step, args, pm.PipelineRank(0, 2, [0, 1]), replicas, torch.device("cpu"),
                                     stream=True)
         mine = x.chunk(replicas.dp_size)[replicas.dp_rank].chunk(3)
         assert len(streamed) == 12 // replicas.dp_size

@@ -1,0 +1,75 @@
+"""The pipeline programs' own flags and their arithmetic, checked from the flags and WORLD_SIZE alone,
+before any collective: every mistake is one `error:` line that states the numbers and a fix that
+works (pipeline_microbatch.py, pipeline_dp_joint.py and parallel_3d.py share them)."""
+from common import fail, num_blocks
+from schedules import SCHEDULES
+
+
+def add_pipeline_flags(p):
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per global batch (per replica)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="interleaved only: model chunks per rank (default: 2; always 1 for the other schedules)")
+    p.add_argument("--balance", default=None, help="blocks per stage, e.g. 2,1,1,1 (default: even)")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each microbatch's stage input between its forward and its backward, and "
+                        "re-run the forward just before the backward (GPipe's re-materialisation)")
+    p.add_argument("--check", action="store_true",
+                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    return p
+
+
+def validate_pipeline(args, stages, replicas, tp=1):
+    """Arithmetic of the split, checked from flags and WORLD_SIZE alone: no collective yet.
+    tp: ranks per stage (parallel_3d.py), only for the rank counts the messages suggest."""
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
+    elif args.schedule != "interleaved" and args.virtual_stages != 1:
+        fail(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not "
+             f"{args.schedule}; drop it or use --schedule interleaved")
+    m, chunks = args.microbatches, stages * args.virtual_stages
+    if m <= 0:
+        fail(f"--microbatches {m} must be a positive integer")
+    if args.batch_size % (replicas * m):
+        fail(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x --microbatches {m}; "
+             f"use --batch-size {' or --batch-size '.join(map(str, near_multiples(args.batch_size, replicas * m)))}")
+    if args.schedule == "interleaved":
+        if stages == 1:   # chunk a would send to chunk b on the same rank: a message to itself
+            fail("--schedule interleaved needs at least 2 stages (processes); with one, use --schedule "
+                 "1f1b or gpipe (the same computation, no messages)")
+        if args.virtual_stages < 1:
+            fail(f"--virtual-stages {args.virtual_stages} must be a positive integer")
+        if m % stages:
+            near = [f"--microbatches {k}" for k in near_multiples(m, stages)]
+            fail(f"--schedule interleaved needs --microbatches a multiple of the {stages} stages, got {m}; "
+                 f"use {' or '.join(near)}, or --schedule 1f1b (without --virtual-stages)")
+    if args.balance is not None:
+        try:
+            balance = [int(b) for b in args.balance.split(",")]
+        except ValueError:
+            fail(f"--balance {args.balance!r} must be comma-separated integers, e.g. 2,1,1,1")
+        if len(balance) != chunks or min(balance) < 1 or sum(balance) != num_blocks(args):
+            fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
+                 f"{num_blocks(args)} blocks of the {args.model}")
+    elif chunks > num_blocks(args):
+        fail(too_few_blocks(args, stages, replicas * tp))
+
+
+def near_multiples(n, k):
+    """The multiples of k just below and just above n (the one below only if positive)."""
+    return sorted({max(k, n // k * k), (n // k + 1) * k})
+
+
+def too_few_blocks(args, stages, replicas):
+    """The message for more model chunks than blocks, with fixes that each work on their own."""
+    v, n = args.virtual_stages, num_blocks(args)
+    what = f"{stages} pipeline stages" if v == 1 else f"{stages} stages x {v} virtual stages = {stages * v} chunks"
+    if v == 1:
+        fixes = [f"{n * replicas} ranks (torchrun --nproc-per-node {n * replicas})"]
+    else:   # fewer ranks would break the interleaved microbatch rule: change the chunks instead
+        fixes = [f"--virtual-stages {n // stages}" if n // stages >= 2
+                 else "--schedule 1f1b (without --virtual-stages)"]
+    depth = {"cnn": "--model vit --layers", "mlp": "--layers", "vit": "--layers"}[args.model]
+    fixes.append(f"{depth} {stages * v - (0 if args.model == 'mlp' else 2)}")   # the vit adds 2 blocks
+    return (f"{what} but the {args.model} has only {n} blocks (one chunk needs at least one); "
+            f"use {' or '.join(fixes)}")

@@ -1,0 +1,38 @@
+"""--timeline: every rank's forwards, backwards and waits of one step on one clock, written as a
+Chrome trace (Perfetto opens it; plot_curves.py --timeline draws it) with the measured and the
+theoretical bubble."""
+import json
+import os
+
+import torch.distributed as dist
+
+from schedules import bubble_theory
+
+
+def gather_timeline(runner, pos, args):
+    """Every rank's events of one step, on one clock: each rank counts from its own time after a
+    barrier (skew well under a millisecond on one machine), then all are gathered."""
+    origin = runner.origin
+    mine = [(cat, name, mb, ch, (t0 - origin) * 1e6, (t1 - t0) * 1e6) for cat, name, mb, ch, t0, t1 in runner.events]
+    every = [None] * pos.pp_size
+    dist.all_gather_object(every, (pos.pp_rank, mine), group=pos.group)
+    events = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": r, "tid": 0,
+               "args": {"microbatch": mb, "chunk": ch}} for r, evs in every for cat, name, mb, ch, ts, dur in evs]
+    compute = [e for e in events if e["cat"] != "wait"]
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    busy = sum(e["dur"] for e in compute) / (pos.pp_size * span)
+    return {"traceEvents": events, "otherData": {
+        "schedule": args.schedule, "stages": pos.pp_size, "microbatches": args.microbatches,
+        "virtual_stages": pos.virtual, "bubble_measured": 1 - busy,
+        "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual, args.schedule),
+        "recompute": runner.recompute,
+        "device": runner.messenger.device.type, "cpu_cores": os.cpu_count()}}   # ranks > cores: waits for a core
+
+
+def write_timeline(trace, path, enabled):
+    if enabled:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(trace, f)
+        other = trace["otherData"]
+        print(f"wrote {path}: bubble measured {other['bubble_measured']:.1%}, theory {other['bubble_theory']:.1%}")
