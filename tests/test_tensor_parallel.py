@@ -1,6 +1,8 @@
 """Tensor parallelism: each parallel layer against its full layer, against torch's own tensor parallelism,
 the collectives of one step counted, and the program against the baseline step by step."""
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,10 @@ from torch.testing import assert_close
 import tensor_parallel as tp
 import tp_check
 from common import build_model
-from helpers import FAST, assert_same_losses, launch, run_ranks
+from helpers import FAST, ROOT, assert_same_losses, launch, run_ranks
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from sequence_parallel import collectives_of_one_step  # noqa: E402
 
 
 def full_and_parallel(make_full, make_parallel, group):
@@ -89,32 +94,14 @@ def test_matches_torch_distributed_tensor_parallel(tmp_path):
 
 
 def count_collectives(model, x, y, elements=None):
-    """{(phase, collective): calls} of one forward and backward, by wrapping torch.distributed's functions;
-    elements, if given, collects {(phase, collective): elements} of the whole tensor each one stands for
-    (an all-reduce's tensor, an all-gather's output list, a reduce-scatter's input list)."""
-    counts, phase = {}, ["forward"]
-    originals = {n: getattr(dist, n) for n in ("all_reduce", "all_gather", "reduce_scatter")}
-
-    def counting(name):
-        def wrapper(*args, **kwargs):
-            key = (phase[0], name)
-            counts[key] = counts.get(key, 0) + 1
-            if elements is not None:
-                whole = args[0] if name == "all_reduce" else args[0 if name == "all_gather" else 1]
-                elements[key] = elements.get(key, 0) + sum(t.numel() for t in ([whole] if name == "all_reduce" else whole))
-            return originals[name](*args, **kwargs)
-        return wrapper
-
-    for name in originals:
-        setattr(dist, name, counting(name))
-    try:
-        loss = F.cross_entropy(model(x), y)
-        phase[0] = "backward"
-        loss.backward()
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-    return counts
+    """{(phase, collective): calls} of one forward and backward (benchmarks/sequence_parallel.py wraps
+    torch.distributed's functions); elements, if given, collects {(phase, collective): elements} of the
+    whole tensor each one stands for (an all-reduce's tensor, an all-gather's output list, a
+    reduce-scatter's input list)."""
+    counted, calls = collectives_of_one_step(model, x, y)
+    if elements is not None:
+        elements.update({tuple(key.split(" ")): n for key, n in counted.items()})
+    return {tuple(key.split(" ")): n for key, n in calls.items()}
 
 
 COUNTS = [  # model flags, expected (phase, collective) -> calls per training step
