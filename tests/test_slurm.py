@@ -236,6 +236,7 @@ def sbatch(cluster, tmp_path, args=(), timeout=300, **knobs):
     return proc.returncode, job.group(1), output, wall
 
 
+@pytest.mark.slow
 def test_sbatch_trains_a_pipeline_across_two_nodes_with_the_baselines_losses(slurm_cluster, tmp_path):
     rc, job, output, wall = sbatch(slurm_cluster, tmp_path, PROGRAM="pipeline_microbatch.py", NPROC="2", STEPS="20")
     assert rc == 0, f"job {job} failed ({rc}):\n{output[-3000:]}\n{slurm_cluster.logs()}"
@@ -280,6 +281,7 @@ def wait_for(condition, what, timeout, poll=0.5):
         time.sleep(poll)
 
 
+@pytest.mark.slow
 def test_a_requeued_job_resumes_and_finishes_with_the_uninterrupted_losses(slurm_cluster, tmp_path):
     """`scontrol requeue` mid-run (as preemption does): Slurm stops the job and starts the script again;
     the parallel program resumes from its last checkpoint, and its losses are still the baseline's."""
