@@ -102,7 +102,8 @@ def base_parser(description):
     p.add_argument("--checkpoint-dir", default=None,
                    help="save checkpoints here (torch.distributed.checkpoint, in the baseline model's coordinates); "
                         "a run whose directory holds one resumes from the latest, in any layout")
-    p.add_argument("--save-every", type=int, default=50, help="with --checkpoint-dir: save every K steps and after the last")
+    p.add_argument("--save-every", type=int, default=50,
+                   help="with --checkpoint-dir: save every K steps and after the last")
     return p
 
 
@@ -220,8 +221,8 @@ def distributed(args):
         # without it, nccl's synchronous collectives neither block the CPU nor raise: a dead peer
         # is left to the watchdog, which aborts the process. Read at init, so set before it.
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-    dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, store=process_group_store(env, args),
-                            timeout=datetime.timedelta(seconds=args.timeout_s),
+    dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size,
+                            store=process_group_store(env, args), timeout=datetime.timedelta(seconds=args.timeout_s),
                             device_id=env.device if env.device.type == "cuda" else None)
     try:
         # every rank is up; and on nccl, batch_isend_irecv must not be the first collective
