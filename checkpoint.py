@@ -79,7 +79,8 @@ def read_meta(path):
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        meta["step"], meta["settings"], meta["layout"]   # noqa: B018 (the fields a resume needs)
+        if not all(key in meta for key in ("step", "settings", "layout")):   # the fields a resume needs
+            raise KeyError("step, settings or layout")
         return meta
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"the checkpoint {path} is damaged: its meta.json cannot be read ({e}); move that directory away "
@@ -203,20 +204,17 @@ def resume(args, model, optimizer, rank):
     return meta["step"], meta["layout"]
 
 
-def extent(spec, shape):
-    """(dim, start, stop) of a piece in the full tensor; a whole tensor along dim 0."""
-    return (spec[0], spec[1], spec[1] + spec[2]) if spec else (0, 0, shape[0] if shape else 1)
+def overlaps(piece_spec, spec):
+    """Does a saved piece hold any of my slice? A whole tensor on either side, or slices along
+    different dims, always do; slices along one dim when their ranges meet."""
+    if spec is None or piece_spec is None or piece_spec[0] != spec[0]:
+        return True
+    return piece_spec[1] < spec[1] + spec[2] and piece_spec[1] + piece_spec[2] > spec[1]
 
 
 def overlapping(pieces, spec, p, name, path):
     """The saved pieces of one tensor that overlap the slice this rank holds."""
-    dim, start, stop = extent(spec, tuple(p.shape)) if spec else (None, None, None)
-    found = []
-    for piece_spec, k, shape in pieces:
-        if spec is None or piece_spec is None or piece_spec[0] != dim:
-            found.append((piece_spec, k, shape))
-        elif piece_spec[1] < stop and piece_spec[1] + piece_spec[2] > start:
-            found.append((piece_spec, k, shape))
+    found = [(piece_spec, k, shape) for piece_spec, k, shape in pieces if overlaps(piece_spec, spec)]
     if not found:
         fail(f"the checkpoint {path} has no piece of {name} that this rank needs; it is damaged or of another "
              f"model", seen_by="this rank")
