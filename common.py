@@ -207,6 +207,13 @@ def awaiting(what, timeout_s):
         raise CommError(f"{what}, and gave up (timeout {timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
 
 
+def group_timeout(env, timeout_s):
+    """The process group's timeout. On nccl it arms the watchdog, which aborts the process (no
+    `error:` line) once a collective has run that long; a hang inside a step should reach the step's
+    own bounded wait (clock) first, which starts at the step's end: hence twice the time, and a margin."""
+    return datetime.timedelta(seconds=timeout_s if env.device.type != "cuda" else 2 * timeout_s + 30)
+
+
 @contextmanager
 def distributed(args):
     """Threads, process group with a timeout (a bug becomes an error, not a hang), teardown. A
@@ -217,12 +224,11 @@ def distributed(args):
     env = torchrun_env(args.backend)
     agree_on_backend(env, args.backend, args.timeout_s)
     if env.device.type == "cuda":
+        # no TORCH_NCCL_BLOCKING_WAIT: it would turn every wait into a CPU spin, so the host could
+        # never queue work ahead of the GPU. A hang ends at the step's one bounded wait (clock).
         torch.cuda.set_device(env.device)
-        # without it, nccl's synchronous collectives neither block the CPU nor raise: a dead peer
-        # is left to the watchdog, which aborts the process. Read at init, so set before it.
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size,
-                            store=process_group_store(env, args), timeout=datetime.timedelta(seconds=args.timeout_s),
+                            store=process_group_store(env, args), timeout=group_timeout(env, args.timeout_s),
                             device_id=env.device if env.device.type == "cuda" else None)
     try:
         # every rank is up; and on nccl, batch_isend_irecv must not be the first collective
@@ -492,12 +498,26 @@ def to_device(tensor, device):
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def clock(device):
+def clock(device, timeout_s=None, awaited=lambda: "the step's queued work"):
     """perf_counter for step times; on a GPU after the queued work (the optimizer step's kernels
-    included) has run, or the clock would stop while the device is still busy."""
+    included) has run, or the clock would stop while the device is still busy. That is the step's
+    one CPU wait on a GPU (nccl's waits only order the streams), so it is bounded: a step that never
+    finishes ends in one CommError naming awaited() (the last exchange) after timeout_s."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        done = torch.cuda.Event()
+        done.record()
+        bounded_wait(done.query, timeout_s, awaited)
     return time.perf_counter()
+
+
+def bounded_wait(finished, timeout_s, awaited):
+    """Poll finished() until it is true; after timeout_s (None: for ever) raise a CommError."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not finished():
+        if deadline is not None and time.monotonic() > deadline:
+            raise CommError(f"waited {timeout_s:g} s for {awaited()} to finish on the device and gave up "
+                            f"(a peer is gone or a message was never matched)")
+        time.sleep(20e-6)
 
 
 def start_memory_count(device):

@@ -63,7 +63,7 @@ from pipeline_check import check_and_exit
 from pipeline_flags import add_pipeline_flags, validate_pipeline
 from schedules import schedule_actions, with_communication
 from timeline import gather_timeline, write_timeline
-from zero_bubble import WeightGradStash
+from zero_bubble import split_weight_grads
 
 PROGRAM = "pipeline_microbatch"
 
@@ -150,36 +150,56 @@ def build_stage_model(args, pos, device, shard=None):
 
 
 class Messenger:
-    """The point-to-point helpers. One exchange is Megatron's send_forward, recv_forward,
-    send_backward, recv_backward, or a fused pair (send_forward_recv_backward, ...: flow_name),
-    posted as one batch. Every message has a tag (microbatch, virtual stage, direction), so on gloo
-    none can match the wrong receive; nccl ignores tags but matches in order, and both sides post
-    each direction's messages in the same order. Every wait has a timeout that names what it awaited."""
+    """The point-to-point helpers. The course's four cases, one message each, are the methods
+    named after the data flow (Megatron's names): send_forward, recv_forward, send_backward,
+    recv_backward. exchange posts any number of such messages as one batch: a fused pair such as
+    send_forward_recv_backward (flow_name) is the schedules' usual exchange. Every message has a tag
+    (microbatch, virtual stage, direction), so on gloo none can match the wrong receive; nccl ignores
+    tags but matches in posting order, and both sides post each direction's messages in the same
+    order (tests/test_nccl_order.py). A gloo wait has a timeout that names what it awaited."""
 
     def __init__(self, pos, shapes, device, timeout_s):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
         self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
+        self.last = "no exchange yet"         # the last exchange's name: a hung step's error names it
+
+    # the four cases, for one pipeline of single-chunk stages (plain_gpipe_step below)
+    def send_forward(self, y, mb):            # my output, to the next stage's input
+        self.exchange([("send", self.pos.next_rank, ("act", mb, self.pos.pp_rank + 1))],
+                      {("act", mb, self.pos.pp_rank + 1): y}, len(y))
+
+    def recv_forward(self, mb, mb_size):      # my input, from the previous stage's output
+        msg = ("act", mb, self.pos.pp_rank)
+        return self.exchange([("recv", self.pos.prev_rank, msg)], {}, mb_size)[msg]
+
+    def send_backward(self, dx, mb):          # my input's gradient, to the previous stage
+        self.exchange([("send", self.pos.prev_rank, ("grad", mb, self.pos.pp_rank - 1))],
+                      {("grad", mb, self.pos.pp_rank - 1): dx}, len(dx))
+
+    def recv_backward(self, mb, mb_size):     # my output's gradient, from the next stage
+        msg = ("grad", mb, self.pos.pp_rank)
+        return self.exchange([("recv", self.pos.next_rank, msg)], {}, mb_size)[msg]
 
     def tag(self, msg):
         what, mb, vstage = msg
         return (mb * self.pos.pp_size * self.pos.virtual + vstage) * 2 + (what == "grad")
 
     def exchange(self, parts, outbox, mb_size, record=None):
-        """Post every part of one communication action at once, then wait for its receives only.
+        """Post every part (send or recv, peer, message) at once, then wait for the receives only.
         A gloo send completes only once the peer has posted the matching receive; waiting for it
         here would hold this stage's next compute until the next stage is ready, in lock step. So
-        the sends (with their tensors, which gloo reads until then) are waited just before the next
-        exchange that sends, as torch.distributed.pipelining's 1F1B does: a stage runs at most one
-        action ahead of its neighbour, and at most one exchange's sent tensors are alive. Delaying
-        a wait cannot create a deadlock: every rank still posts the same messages in the same order,
-        and posting never blocks."""
+        the sends (with their tensors, which the backend reads until then) are waited just before
+        the next exchange that sends, as torch.distributed.pipelining's 1F1B does: a stage runs at
+        most one action ahead of its neighbour, and at most one exchange's sent tensors are alive.
+        Delaying a wait cannot create a deadlock: every rank still posts the same messages in the
+        same order, and posting never blocks."""
         start = time.perf_counter()           # the timeline's wait includes the posting
         if any(kind == "send" for kind, _, _ in parts):
             self.finish()                     # the previous exchange's sends
         ops, inbox = [], {}
         for kind, peer, msg in parts:
             if kind == "send":
-                tensor = outbox.pop(msg)
+                tensor = outbox.pop(msg).contiguous()   # the backends send flat memory
             else:
                 tensor = inbox[msg] = torch.empty((mb_size, *self.shapes[msg[2] + (msg[0] == "grad")]),
                                                   device=self.device)
@@ -187,15 +207,17 @@ class Messenger:
                                   self.tag(msg)))
         # one batch: on nccl a send and a receive that cross must share one group call, or both block
         works = dist.batch_isend_irecv(ops) if ops else []
-        if len(works) == len(ops):            # gloo: one work per op
-            for part, op, work in zip(parts, ops, works):
-                if part[0] == "send":
-                    self.sending.append((work, op.tensor, part))
-                else:
-                    self.wait(work, [part])
-        else:                                 # nccl: one work for the whole group
-            for work in works:
-                self.wait(work, parts)
+        # gloo gives one Work per op; nccl one for the whole batch, which then stands for each part
+        works = works if len(works) == len(ops) else works * len(ops)
+        received = []
+        for part, work in zip(parts, works):
+            if part[0] == "recv" and work not in received:
+                self.wait(work, [part])
+                received.append(work)
+        # a send whose Work was waited with a receive (nccl) is done with it: a Work is waited once
+        self.sending += [(None if work in received else work, op.tensor, part)
+                         for part, op, work in zip(parts, ops, works) if part[0] == "send"]
+        self.last = f"{flow_name(parts)} " + " ".join(f"mb{m[1]}" for _, _, m in parts)
         if record:
             mbs = [m[1] for k, _, m in sorted(parts, key=lambda part: part[0] != "send")]  # in the name's order
             record("wait", f"wait {flow_name(parts)} " + " ".join(f"mb{mb}" for mb in mbs), mbs[-1], start)
@@ -204,11 +226,18 @@ class Messenger:
     def finish(self):
         """Wait for the sends still in flight (before the next sends, and at the end of a step)."""
         for work, _, part in self.sending:
-            self.wait(work, [part])
-        self.sending = []
+            if work is not None:
+                self.wait(work, [part])
+        self.sending = []                     # the sent tensors may go now
 
     def wait(self, work, parts):
-        try:   # with a timeout, nccl's wait blocks the CPU and raises too (without, it only orders streams)
+        """gloo: block the CPU, at most --timeout-s. nccl: order my stream after the message and
+        let the CPU queue on (no timeout: with one, nccl's wait spins the CPU); a hang is caught by
+        the one bounded wait at the end of each step (common.clock), which names self.last."""
+        if self.device.type == "cuda":
+            work.wait()
+            return
+        try:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             wanted = ", ".join(f"{k} the {'activation' if m[0] == 'act' else 'gradient'} of microbatch "
@@ -232,13 +261,47 @@ class PipelineError(CommError):
     pass
 
 
+# ----------------------------------------------------------------------------- GPipe, written out
+
+
+def plain_gpipe_step(chunk, pos, messenger, x_mb, head, m, mb_size):
+    """GPipe as a loop (picotron's all-forward-all-backward): every microbatch forward (receive,
+    compute, send), then every microbatch backward in the same order (receive the gradient,
+    differentiate, send the input's gradient). No cycle can form: in each phase messages flow one
+    way only. The executor below plays the same schedule from data (schedules.py's gpipe), and
+    everything this loop leaves out: 1F1B, interleaving, zb, --recompute, timelines. Its gradients
+    equal this loop's, bit for bit (tests/test_pipeline.py)."""
+    saved = []
+    for mb in range(m):
+        x = x_mb[mb] if pos.is_first_stage else messenger.recv_forward(mb, mb_size).requires_grad_()
+        y = chunk(x)
+        if pos.is_last_stage:
+            y = head(mb, y)                   # the scaled loss: the last stage's backward starts there
+        else:
+            messenger.send_forward(y.detach(), mb)
+        saved.append((x, y))
+    for mb, (x, y) in enumerate(saved):
+        torch.autograd.backward(y, None if pos.is_last_stage else messenger.recv_backward(mb, mb_size))
+        if not pos.is_first_stage:
+            messenger.send_backward(x.grad, mb)
+    messenger.finish()
+
+
 # ----------------------------------------------------------------------------- the executor
+
+
+@dataclass
+class Saved:
+    """What a microbatch's forward leaves for its backward on one chunk, until B (W, when split)."""
+    input: torch.Tensor           # the chunk's input; B sends its .grad upstream
+    output: torch.Tensor = None   # what B differentiates on a middle chunk (None under --recompute)
+    logits: torch.Tensor = None   # the last chunk's output, under --recompute (the loss's graph starts there)
+    loss: torch.Tensor = None     # the last chunk's scaled loss: B differentiates it
 
 
 class StageRunner:
     """Runs one rank's action list for one global batch. Saved activations live only between a
-    microbatch's forward and its backward (W, when the backward is split), and sent tensors only
-    until their send completes.
+    microbatch's forward and its backward, and sent tensors only until their send completes.
 
     split (--schedule zb): the chunks' Linear and Conv2d layers defer their weight gradients from
     B to W (zero_bubble.py). recompute (--recompute, GPipe's re-materialisation): F runs without
@@ -246,7 +309,7 @@ class StageRunner:
 
     def __init__(self, chunks, pos, messenger, split=False, recompute=False):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
-        self.stashes = [WeightGradStash(chunk) for chunk in chunks] if split else None
+        self.stashes = [split_weight_grads(chunk) for chunk in chunks] if split else None
         self.events = None                    # a list while the timeline is recorded
         self.model_param_mb = 0.0             # the whole model's parameters (the summary record): setup_stage
         self.model = None                     # my blocks, named as in the full model (setup_stage): checkpoints
@@ -271,26 +334,20 @@ class StageRunner:
         microbatch 0's first sample (a data-parallel replica's offset), for the dropout masks."""
         saved, outbox, inbox = {}, {}, {}
         self.mb_size, self.first_sample = mb_size, first_sample
-        for stash in self.stashes or []:
-            stash.active = True
-        try:
-            for action in actions:
-                if action[0] == "comm":
-                    recording = self.record if self.events is not None else None
-                    inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording))
-                    continue
-                kind, mb, chunk = action
-                start = self.clock()
-                if kind == "F":
-                    self.forward(mb, chunk, inputs, head, saved, outbox, inbox)
-                elif kind == "B":
-                    start = self.backward(mb, chunk, saved.pop((mb, chunk)), outbox, inbox, start)
-                elif self.stashes:                # W (unsplit layers took their weight gradients in B)
-                    self.stashes[chunk].weight_grads(mb)
-                self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
-        finally:
-            for stash in self.stashes or []:
-                stash.active = False
+        recording = self.record if self.events is not None else None
+        for action in actions:
+            if action[0] == "comm":
+                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording))
+                continue
+            kind, mb, chunk = action
+            start = self.clock()
+            if kind == "F":
+                self.forward(mb, chunk, inputs, head, saved, outbox, inbox)
+            elif kind == "B":
+                start = self.backward(mb, chunk, saved.pop((mb, chunk)), outbox, inbox, start)
+            elif self.stashes:                # W (unsplit layers took their weight gradients in B)
+                self.stashes[chunk].weight_grads(mb)
+            self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
         self.messenger.finish()
         assert not saved and not outbox and not inbox, "the schedule left work behind"
         assert not any(stash.pending for stash in self.stashes or []), "a weight gradient was never taken"
@@ -314,33 +371,34 @@ class StageRunner:
         with torch.no_grad() if self.recompute else contextlib.nullcontext():
             y = self.chunks[chunk](x)
         if not self.is_last(chunk):
-            outbox[("act", mb, vstage + 1)] = y.detach().contiguous()   # gloo sends flat memory
+            outbox[("act", mb, vstage + 1)] = y.detach()
             if training:                      # kept for the backward, dropped right after it
-                saved[(mb, chunk)] = (x, None if self.recompute else y, None)
+                saved[(mb, chunk)] = Saved(x, output=None if self.recompute else y)
             return
         if self.recompute and training:       # the loss's own graph is kept: it holds only the logits
             y.requires_grad_()
         loss = head(mb, y)
         if loss is not None and training:
-            saved[(mb, chunk)] = (x, y, loss)
+            saved[(mb, chunk)] = Saved(x, logits=y if self.recompute else None, loss=loss)
 
     def backward(self, mb, chunk, kept, outbox, inbox, start):
         """B: the input gradient, which the next exchange sends upstream. Returns B's start time."""
-        x, y, loss = kept
         vstage, last = self.vstage(chunk), self.is_last(chunk)
-        grad = None if last else inbox.pop(("grad", mb, vstage))
+        output, grad = kept.output, None if last else inbox.pop(("grad", mb, vstage))
         if self.recompute:                    # re-materialise the chunk's activations from its input
             self.key_masks_to(mb)
-            logits, y = y, self.chunks[chunk](x)
+            output = self.chunks[chunk](kept.input)
             self.record("recompute", f"R{mb}", mb, start, chunk)
             start = self.clock()
             if last:                          # dloss/dlogits through the kept loss graph, then the chunk
-                torch.autograd.backward(loss)
-                loss, grad = None, logits.grad
+                torch.autograd.backward(kept.loss)
+                grad = kept.logits.grad
+        elif last:
+            output = kept.loss
         with self.stashes[chunk].backward_of(mb) if self.stashes else contextlib.nullcontext():
-            torch.autograd.backward(y if loss is None else loss, grad)
+            torch.autograd.backward(output, grad)
         if vstage > 0:
-            outbox[("grad", mb, vstage - 1)] = x.grad.contiguous()
+            outbox[("grad", mb, vstage - 1)] = kept.input.grad
         return start
 
 
@@ -468,7 +526,8 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
             norm = clip_global(params, args.clip_grad_norm, runner.norm_groups, runner.counted)
         optimizer.step()
         loss = loss.item() if loss is not None else None   # read after the update, as the baseline does
-        step_time = clock(env.device) - start   # the optimizer step's kernels included
+        # the optimizer step's kernels included; on a GPU the step's one (bounded) CPU wait
+        step_time = clock(env.device, args.timeout_s, lambda: f"step {step} (last exchange: {runner.messenger.last})") - start
         if runner.events is not None:
             write_timeline(gather_timeline(runner, pos, args), args.timeline, owner)
             runner.events = None

@@ -78,7 +78,7 @@ def main(argv=None):
             start = time.perf_counter()   # every program times its step from the batch's drawing on
             x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))
             loss, norm = train_step(model, optimizer, x, y, step, clip_grad_norm(args.clip_grad_norm))
-            step_time = clock(env.device) - start
+            step_time = clock(env.device, args.timeout_s) - start
             check_finite(loss, step)
             log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,
                       samples_per_s=args.batch_size / step_time)

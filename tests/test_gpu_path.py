@@ -232,3 +232,32 @@ def test_memory_is_labelled_and_batches_stay_put_on_the_cpu():
     assert fields["param_mb"] == {0: 1.0} and fields["model_param_mb"] == 2.0
     x = torch.ones(2)
     assert common.to_device(x, env.device) is x
+
+
+def test_the_steps_bounded_wait_names_what_it_awaited():
+    """On a GPU the step's one CPU wait polls an event (common.clock); one that never completes
+    ends in a CommError naming the last exchange, after the timeout."""
+    start = time.perf_counter()
+    with pytest.raises(common.CommError, match=r"^waited 0.2 s for step 3 \(last exchange: recv_forward mb1\)"):
+        common.bounded_wait(lambda: False, 0.2, lambda: "step 3 (last exchange: recv_forward mb1)")
+    assert 0.2 <= time.perf_counter() - start < 5
+    common.bounded_wait(iter([False, True]).__next__, 0.2, lambda: "nothing")   # finishes: no error
+
+
+def test_nccl_waits_order_streams_and_the_watchdog_waits_longer(monkeypatch):
+    """No TORCH_NCCL_BLOCKING_WAIT (every wait would spin the CPU), and the nccl watchdog, which
+    aborts without an error line, is armed later than the step's own bounded wait."""
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    gpu, cpu = (Env(0, 2, 0, 2, b, torch.device(d)) for b, d in (("nccl", "cuda:0"), ("gloo", "cpu")))
+    assert common.group_timeout(gpu, 60).total_seconds() > 2 * 60
+    assert common.group_timeout(cpu, 60).total_seconds() == 60
+    waited = []
+
+    class Work:
+        def wait(self, *timeout):
+            waited.append(timeout)
+    pos = pm.PipelineRank(0, 2, [0, 1])
+    pm.Messenger(pos, [], torch.device("cuda:0"), 1.0).wait(Work(), [])
+    assert waited == [()]                     # no timeout: nccl only orders the stream
+    pm.Messenger(pos, [], torch.device("cpu"), 1.0).wait(Work(), [])
+    assert waited[1][0].total_seconds() == 1.0

@@ -6,14 +6,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zero_bubble import SplitConv2d, SplitLinear, WeightGradStash
+from zero_bubble import SplitConv2d, SplitLinear, split_weight_grads
 
 
 def split_and_plain(layer):
     plain = copy.deepcopy(layer)
     chunk = nn.Sequential(layer)
-    stash = WeightGradStash(chunk)
-    stash.active = True
+    stash = split_weight_grads(chunk)
     return chunk, stash, plain
 
 
@@ -56,16 +55,33 @@ def test_b_leaves_the_weight_gradient_to_w_and_keeps_no_graph():
     assert not kept_x.requires_grad and kept_x.grad_fn is None and kept_dy.grad_fn is None
 
 
-def test_an_inactive_stash_leaves_the_layers_plain():
-    """--check's reference is a deep copy made outside a step, and evaluation runs under no_grad."""
-    layer = nn.Linear(4, 3)
-    chunk, stash, _ = split_and_plain(layer)
-    stash.active = False
-    chunk(torch.randn(2, 4)).sum().backward()
-    assert layer.weight.grad is not None and not stash.pending
-    stash.active = True
+def test_the_split_twin_keeps_the_parameters_and_evaluates_plainly():
+    """The replacement holds the same parameter objects under the same names (the optimizer, the
+    checkpoints and the full model's names see no change), and runs the plain op under no_grad."""
+    block = nn.Sequential(nn.Linear(4, 3), nn.GELU(), nn.Sequential(nn.Conv2d(3, 2, 1)))
+    before = dict(block.named_parameters())
+    stash = split_weight_grads(block)
+    assert [type(m) for m in (block[0], block[2][0])] == [SplitLinear, SplitConv2d]
+    assert dict(block.named_parameters()) == before
     with torch.no_grad():
-        chunk(torch.randn(2, 4))
+        block[0](torch.randn(2, 4))
+    assert not stash.pending
+
+
+def test_w_accumulates_through_autograd_so_gradient_hooks_fire():
+    """Data parallelism's hooks see dA when W adds it, as they would in an unsplit backward."""
+    layer = nn.Linear(4, 3)
+    seen = []
+    chunk, stash, plain = split_and_plain(layer)
+    layer.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    x = torch.randn(2, 4)
+    with stash.backward_of(0):
+        chunk(x).sum().backward()
+    assert seen == []                         # B: no weight gradient yet
+    stash.weight_grads(0)
+    plain(x).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], layer.weight.grad)
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad)
 
 
 def test_a_split_backward_outside_a_b_action_is_refused():
