@@ -34,7 +34,7 @@ from common import (base_parser, build_model, distributed, exit_now, fail, note_
 from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
 from pipeline_check import check_and_exit
-from pipeline_flags import add_pipeline_flags, near_multiples, validate_pipeline
+from pipeline_flags import add_pipeline_flags, refuse_pipedream, near_multiples, validate_pipeline
 from pipeline_microbatch import Messenger, StageRunner, build_stage_model, schedule_actions, train
 from tensor_parallel import average_replicated_grads, counted_once, full_slice, parallelize_block
 from tp_check import report_replicas, validate_degree
@@ -49,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--timeline", default=None, help="replica 0, tp rank 0's measured schedule of the last step")
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
+    refuse_pipedream(args, PROGRAM)
     if args.schedule == "zb":   # zero_bubble.py splits plain Linear/Conv2d; sharded layers take dA in B
         fail("--schedule zb needs the backward split into B and W, which parallel_3d.py's tensor-parallel "
              "layers do not do (its W actions would be empty and the bubble no smaller than 1F1B's); use "

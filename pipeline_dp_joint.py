@@ -36,7 +36,7 @@ from common import (awaiting, base_parser, distributed, exit_now, fail, note_one
                     validate_common)
 from data import agree_on_data, dp_slice, load_data
 from pipeline_check import check_and_exit
-from pipeline_flags import add_pipeline_flags, validate_pipeline
+from pipeline_flags import add_pipeline_flags, refuse_pipedream, validate_pipeline
 from pipeline_microbatch import PipelineRank, schedule_actions, setup_stage, train
 
 PROGRAM = "pipeline_dp_joint"
@@ -51,6 +51,7 @@ def parse_args(argv=None):
                 "--batch-size 72 (not 64), so that 2 pipelines x 3 microbatches divide the batch.")
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
+    refuse_pipedream(args, PROGRAM)
     world = torchrun_env("gloo").world_size
     if args.dp <= 0 or world % args.dp:
         fixes = [f"--dp {d}" for d in range(2, world + 1) if world % d == 0][:2]

@@ -43,6 +43,8 @@ def validate_pipeline(args, stages, replicas, tp=1):
             near = [f"--microbatches {k}" for k in near_multiples(m, stages)]
             fail(f"--schedule interleaved needs --microbatches a multiple of the {stages} stages, got {m}; "
                  f"use {' or '.join(near)}, or --schedule 1f1b (without --virtual-stages)")
+    if args.schedule == "2bw":
+        validate_pipedream(args, stages)
     if args.balance is not None:
         try:
             balance = [int(b) for b in args.balance.split(",")]
@@ -53,6 +55,30 @@ def validate_pipeline(args, stages, replicas, tp=1):
                  f"{num_blocks(args)} blocks of the {args.model}")
     elif chunks > num_blocks(args):
         fail(too_few_blocks(args, stages, replicas * tp))
+
+
+def validate_pipedream(args, stages):
+    """2bw keeps two weight versions: enough only when every microbatch in flight on a stage
+    belongs to this batch or the next, which needs m >= p (schedules.pipedream_units)."""
+    m = args.microbatches
+    if m < stages:
+        fail(f"--schedule 2bw needs --microbatches at least the {stages} stages (two weight versions "
+             f"cover a batch and the next only then), got {m}; use --microbatches {stages}")
+    if args.check:
+        fail("--schedule 2bw does not take --check: its steps overlap (the next batch starts before this "
+             "one's update), so no step stands alone to compare with the full model; compare its losses with "
+             "single_baseline.py --delay 1 instead (bash run_pipeline.sh with SCHEDULES=2bw draws both)")
+    if args.checkpoint_dir:
+        fail("--schedule 2bw does not take --checkpoint-dir: a checkpoint between its overlapping steps "
+             "would need both weight versions and the next batch's forwards in flight; drop it, or use "
+             "--schedule 1f1b")
+
+
+def refuse_pipedream(args, program):
+    """Only pipeline_microbatch.py runs 2bw (its StageRunner holds the two versions)."""
+    if args.schedule == "2bw":
+        fail(f"--schedule 2bw runs in pipeline_microbatch.py only, not {program}.py; use --schedule 1f1b "
+             f"here, or 2bw with pipeline_microbatch.py")
 
 
 def near_multiples(n, k):

@@ -18,9 +18,10 @@ gradients back by isend/irecv (Messenger), a schedule orders each rank's forward
 
 The schedules themselves (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1: who runs which
 forward and backward when, and where the messages go) are data, in schedules.py, drawn there tick
-by tick; zb's backward split into B and W is zero_bubble.py. This file is the stage, its messages,
-the executor that plays a schedule, and the training loop; the flags' arithmetic is
-pipeline_flags.py, --check pipeline_check.py, --timeline timeline.py. --recompute (GPipe's
+by tick; zb's backward split into B and W is zero_bubble.py. This file is, in order: the stage, its
+messages (the four point-to-point cases), GPipe written out as a plain loop, the executor that plays
+any schedule, the training step and the loop; the flags' arithmetic is pipeline_flags.py, --check
+pipeline_check.py, --timeline timeline.py, evaluation pipeline_eval.py. --recompute (GPipe's
 re-materialisation) keeps only each microbatch's stage input from F to B and re-runs the forward
 just before B; the first stage draws each microbatch's images when its forward needs them
 (data.StreamedInputs).
@@ -46,6 +47,7 @@ import contextlib
 import datetime
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -57,12 +59,14 @@ from clipping import clip_global
 from common import (CommError, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
                     distributed, exit_now, make_optimizer, memory_fields, note_one_rank, num_blocks,
                     start_memory_count, torchrun_env, validate_common)
-from data import StreamedInputs, agree_on_data, load_data, next_batch, test_batches
+from data import StreamedInputs, agree_on_data, load_data, next_batch
 from keyed_dropout import DropoutKeys
 from pipeline_check import check_and_exit
 from pipeline_flags import add_pipeline_flags, validate_pipeline
-from schedules import schedule_actions, with_communication
-from timeline import gather_timeline, write_timeline
+from pipeline_eval import evaluate
+from schedules import schedule_actions
+from timeline import TimelineRecorder, gather_timeline, write_timeline
+from pipedream import TwoVersions
 from zero_bubble import split_weight_grads
 
 PROGRAM = "pipeline_microbatch"
@@ -299,7 +303,7 @@ class Saved:
     loss: torch.Tensor = None     # the last chunk's scaled loss: B differentiates it
 
 
-class StageRunner:
+class StageRunner(TimelineRecorder):
     """Runs one rank's action list for one global batch. Saved activations live only between a
     microbatch's forward and its backward, and sent tensors only until their send completes.
 
@@ -307,33 +311,28 @@ class StageRunner:
     B to W (zero_bubble.py). recompute (--recompute, GPipe's re-materialisation): F runs without
     autograd and keeps only the chunk's input; B first re-runs the forward under autograd."""
 
-    def __init__(self, chunks, pos, messenger, split=False, recompute=False):
+    def __init__(self, chunks, pos, messenger, split=False, recompute=False, two_versions_every=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
         self.stashes = [split_weight_grads(chunk) for chunk in chunks] if split else None
-        self.events = None                    # a list while the timeline is recorded
+        # 2bw: microbatches numbered from m belong to the next batch, which runs on the newer weights
+        self.per_batch = two_versions_every
+        self.versions = TwoVersions(chunks) if two_versions_every else None
+        self.carried = {}, {}                 # 2bw: (saved, inbox) of the next batch's microbatches
         self.model_param_mb = 0.0             # the whole model's parameters (the summary record): setup_stage
         self.model = None                     # my blocks, named as in the full model (setup_stage): checkpoints
         self.keys = DropoutKeys(seed=0)       # replaced by the model's own (setup_stage): its dropout reads them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (clipping.py)
-
-    def clock(self):
-        """perf_counter; while the timeline records on a GPU, after the queued kernels have run (a
-        kernel launch returns at once, so the time would be the CPU's, not the device's)."""
-        if self.events is not None and self.messenger.device.type == "cuda":
-            torch.cuda.synchronize(self.messenger.device)
-        return time.perf_counter()
-
-    def record(self, cat, name, mb, start, chunk=0):
-        if self.events is not None:
-            self.events.append((cat, name, mb, chunk, start, self.clock()))
 
     def run(self, actions, inputs, head, mb_size, first_sample=0):
         """inputs: microbatches for virtual stage 0 (first stage only), indexed by microbatch and
         read when their forward runs. head(mb, output) -> the scaled loss to differentiate (or None
         when not training), on the last virtual stage. first_sample: the global batch index of
         microbatch 0's first sample (a data-parallel replica's offset), for the dropout masks."""
-        saved, outbox, inbox = {}, {}, {}
-        self.mb_size, self.first_sample = mb_size, first_sample
+        training, outbox = torch.is_grad_enabled(), {}
+        saved, inbox = {}, {}
+        if training:                          # 2bw: what the step before started (an evaluation leaves it be)
+            (saved, inbox), self.carried = self.carried, ({}, {})
+        self.mb_size, self.first_sample, self.step = mb_size, first_sample, getattr(self.keys, "step", None)
         recording = self.record if self.events is not None else None
         for action in actions:
             if action[0] == "comm":
@@ -349,6 +348,10 @@ class StageRunner:
                 self.stashes[chunk].weight_grads(mb)
             self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
         self.messenger.finish()
+        if self.per_batch and training:       # 2bw: the next batch's first microbatches, renumbered
+            self.carried = tuple({key[:-2] + (key[-2] - self.per_batch, key[-1]): value
+                                  for key, value in kept.items()} for kept in (saved, inbox))
+            saved, inbox = {}, {}
         assert not saved and not outbox and not inbox, "the schedule left work behind"
         assert not any(stash.pending for stash in self.stashes or []), "a weight gradient was never taken"
 
@@ -360,16 +363,32 @@ class StageRunner:
 
     def key_masks_to(self, mb):
         """Dropout draws microbatch mb's masks: its samples' indices in the global batch key them
-        (keyed_dropout.py), so a forward and its recomputation draw the same, and the baseline's."""
+        (keyed_dropout.py), so a forward and its recomputation draw the same, and the baseline's.
+        (2bw: microbatch m + i is the next step's microbatch i.)"""
         if self.keys is not None:
-            self.keys.first_sample = self.first_sample + mb * self.mb_size
+            ahead = self.per_batch is not None and mb >= self.per_batch
+            self.keys.step = self.step + 1 if ahead and self.step is not None else self.step
+            self.keys.first_sample = self.first_sample + (mb - self.per_batch if ahead else mb) * self.mb_size
+
+    def call(self, chunk, mb, x, training):
+        """The chunk's forward; 2bw picks the weight version of mb's batch (evaluation: the newest)."""
+        if self.versions is None:
+            return self.chunks[chunk](x)
+        return self.versions.run(chunk, x, newer=mb >= self.per_batch or not training)
+
+    def parameters(self):
+        """What this step's backwards differentiate and the optimizer steps (2bw: the older version)."""
+        return self.versions.trained() if self.versions else [p for c in self.chunks for p in c.parameters()]
+
+    def update(self, optimizer):
+        self.versions.step(optimizer) if self.versions else optimizer.step()
 
     def forward(self, mb, chunk, inputs, head, saved, outbox, inbox):
         vstage, training = self.vstage(chunk), torch.is_grad_enabled()
         x = inputs[mb] if vstage == 0 else inbox.pop(("act", mb, vstage)).requires_grad_()
         self.key_masks_to(mb)
         with torch.no_grad() if self.recompute else contextlib.nullcontext():
-            y = self.chunks[chunk](x)
+            y = self.call(chunk, mb, x, training)
         if not self.is_last(chunk):
             outbox[("act", mb, vstage + 1)] = y.detach()
             if training:                      # kept for the backward, dropped right after it
@@ -387,7 +406,7 @@ class StageRunner:
         output, grad = kept.output, None if last else inbox.pop(("grad", mb, vstage))
         if self.recompute:                    # re-materialise the chunk's activations from its input
             self.key_masks_to(mb)
-            output = self.chunks[chunk](kept.input)
+            output = self.call(chunk, mb, kept.input, True)
             self.record("recompute", f"R{mb}", mb, start, chunk)
             start = self.clock()
             if last:                          # dloss/dlogits through the kept loss graph, then the chunk
@@ -416,40 +435,11 @@ def train_step(runner, actions, x, y, m, samples=None, first_sample=0):
 
     x_mb = None
     if runner.pos.is_first_stage:                                # only the first stage reads inputs,
-        x_mb = x if isinstance(x, StreamedInputs) else x.chunk(m)
+        x_mb = x if isinstance(x, (StreamedInputs, list)) else x.chunk(m)
     y_mb = y.chunk(m) if runner.pos.is_last_stage else None      # only the last stage reads labels
     samples = samples or len(x if x is not None else y)
     runner.run(actions, x_mb, head, samples // m, first_sample)
     return torch.stack(losses).sum() if losses else None
-
-
-@torch.no_grad()
-def evaluate(runner, pos, data, device, batch=500):
-    """A forward-only pipeline over the whole test split; the last stage returns (loss, accuracy).
-    Every message has the shape both sides expect: the full batches go through in one pass, a
-    smaller last batch in a second pass of its own size."""
-    batches, totals = test_batches(data, batch), [0.0, 0]
-    full = [b for b in batches if len(b[1]) == len(batches[0][1])]
-    for part in (full, batches[len(full):]):
-        if not part:
-            continue
-
-        def head(mb, logits, part=part):
-            labels = part[mb][1].to(device)
-            totals[0] += F.cross_entropy(logits, labels, reduction="sum").item()
-            totals[1] += (logits.argmax(1) == labels).sum().item()
-
-        inputs = [bx.to(device) for bx, _ in part] if pos.is_first_stage else None
-        runner.run(eval_actions(pos, len(part)), inputs, head, len(part[0][1]))
-    n = sum(len(y) for _, y in batches)
-    return totals[0] / n, totals[1] / n
-
-
-def eval_actions(pos, n):
-    """Forwards only, batch by batch through my chunks. Not chunk by chunk: with interleaving, rank
-    p-1 would block sending batch 0 into rank 0's chunk 1 while rank 0 blocks sending batch 2 into
-    rank 1's chunk 0 (dry_run finds the cycle)."""
-    return with_communication([[("F", mb, c)] for mb in range(n) for c in range(pos.virtual)], pos)
 
 
 # ----------------------------------------------------------------------------- training
@@ -461,7 +451,8 @@ def setup_stage(args, env, pos):
     model, chunks, shapes = build_stage_model(args, pos, env.device)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
     runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
-                         recompute=getattr(args, "recompute", False))   # a parser without the flag: off
+                         recompute=getattr(args, "recompute", False),   # a parser without the flag: off
+                         two_versions_every=args.microbatches if args.schedule == "2bw" else None)
     runner.model, runner.model_param_mb, runner.keys = model, model.full_param_mb, model.dropout_keys
     return model, runner
 
@@ -475,12 +466,18 @@ def main(argv=None):
         pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
+        if args.schedule == "2bw":            # its first step warms up, its last drains, the others neither
+            actions = partial(pipedream_step_actions, pos, args.microbatches, args.steps)
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             status = check_and_exit(env, runner, actions, model, args, x, y)
         else:
             status = train(args, env, pos, runner, actions, data)   # a PipelineError: distributed() reports it
     exit_now(status)
+
+
+def pipedream_step_actions(pos, m, steps, step):
+    return schedule_actions("2bw", pos, m, first=step == 0, last=step == steps - 1)
 
 
 class OneReplica:
@@ -499,8 +496,8 @@ class OneReplica:
 
 
 def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=PROGRAM):
-    params = [p for chunk in runner.chunks for p in chunk.parameters()]
-    optimizer = make_optimizer(params, args)
+    """The training loop. actions: one step's action list, or step -> its list (2bw)."""
+    optimizer = make_optimizer(runner.parameters(), args)
     layout = checkpoint.layout_of(program, env, dp=replicas.dp_size, pp=pos.pp_size,
                                   tp=env.world_size // (replicas.dp_size * pos.pp_size), schedule=args.schedule,
                                   virtual_stages=pos.virtual)
@@ -511,24 +508,28 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     log.begin(program, args, env, first, written_by)
     progress = Progress(args.steps, enabled=owner)
     start_memory_count(env.device)
+    recorded = timeline_steps(args)
     for step in range(first, args.steps):
-        if args.timeline and step == args.steps - 1:
+        if args.timeline and step == recorded[0]:
             dist.barrier()                    # one clock for the timeline: everyone starts together
             runner.events, runner.origin = [], time.perf_counter()
         start = time.perf_counter()           # as in every program: from the batch's drawing on
-        x, y = next_batch(data, step, args, pos, replicas, env.device, stream=True)
+        x, y = next_batch(data, step, args, pos, replicas, env.device, stream=not runner.versions)
+        if runner.versions and pos.is_first_stage:   # 2bw's first stage also starts the next batch
+            x = pipedream_inputs(x, data, step, args, pos, replicas, env.device)
         optimizer.zero_grad(set_to_none=True)
-        samples = args.batch_size // replicas.dp_size
+        samples, params = args.batch_size // replicas.dp_size, runner.parameters()
         with runner.keys.training(step):
-            loss = train_step(runner, actions, x, y, args.microbatches, samples, replicas.dp_rank * samples)
+            loss = train_step(runner, actions(step) if callable(actions) else actions, x, y, args.microbatches,
+                              samples, replicas.dp_rank * samples)
         replicas.sync_grads(params)           # after the last backward, before the update
         with awaiting(f"rank {env.rank} waited for the gradient norm's sums of step {step}", args.timeout_s):
             norm = clip_global(params, args.clip_grad_norm, runner.norm_groups, runner.counted)
-        optimizer.step()
+        runner.update(optimizer)
         loss = loss.item() if loss is not None else None   # read after the update, as the baseline does
         # the optimizer step's kernels included; on a GPU the step's one (bounded) CPU wait
         step_time = clock(env.device, args.timeout_s, lambda: f"step {step} (last exchange: {runner.messenger.last})") - start
-        if runner.events is not None:
+        if runner.events is not None and step == recorded[-1]:
             write_timeline(gather_timeline(runner, pos, args), args.timeline, owner)
             runner.events = None
         if pos.is_last_stage:
@@ -545,10 +546,26 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
         checkpoint.maybe_save(args, step, runner.model, optimizer, layout, env.rank)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-              **memory_fields(env, params, runner.model_param_mb), schedule=args.schedule,
+              **memory_fields(env, runner.versions.held() if runner.versions else runner.parameters(),
+                              runner.model_param_mb), schedule=args.schedule,
               microbatches=args.microbatches)
     log.close()
     return 0
+
+
+def timeline_steps(args):
+    """The steps --timeline records: the last; for 2bw two steady ones (the last step drains)."""
+    if args.schedule != "2bw" or args.steps < 2:
+        return [args.steps - 1]
+    return [max(0, args.steps - 3), args.steps - 2] if args.steps >= 3 else [0, 1]
+
+
+def pipedream_inputs(x, data, step, args, pos, replicas, device):
+    """2bw's first stage: this batch's microbatches, then the next batch's, whose first forwards
+    run in this step (each batch is drawn twice there: as the next one, then as this one)."""
+    m, ahead = args.microbatches, step + 1 < args.steps
+    upcoming = next_batch(data, step + 1, args, pos, replicas, device)[0].chunk(m) if ahead else []
+    return list(x.chunk(m)) + list(upcoming)
 
 
 if __name__ == "__main__":

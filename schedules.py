@@ -42,7 +42,7 @@ messages. ZB-H1 (Qi et al. 2024) takes 3m+p-1 ticks of F, B or W, a bubble of (p
 a third of 1F1B's for m >> p, with at most p microbatches in flight (F done, W not yet) on any stage.
 """
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "2bw")
 
 
 # A compute action is ("F", "B" or "W", microbatch, chunk). A communication action is ("comm", parts),
@@ -70,6 +70,9 @@ def compute_units(schedule, p, m, rank, v=1):
     bwd = [(mb, v - 1 - c) for mb, c in fwd]
     if schedule == "zb":
         return zero_bubble_units(p, m, rank)
+    if schedule == "2bw":                  # two steps, the second's microbatches numbered m .. 2m-1
+        return pipedream_units(p, m, rank, last=False) + \
+            [[(k, mb + m, c) for k, mb, c in unit] for unit in pipedream_units(p, m, rank, first=False)]
     if schedule == "gpipe":
         return [[("F", *a)] for a in fwd] + [[("B", *a)] for a in bwd]
     warm = p - rank - 1 if schedule == "1f1b" else 2 * (p - rank - 1) + (v - 1) * p
@@ -94,6 +97,36 @@ def zero_bubble_units(p, m, rank):
             unit.append(("W", late.pop(0), 0))
         units.append(unit)
     return units + [[("W", i, 0)] for i in late]
+
+
+def pipedream_units(p, m, rank, first=True, last=True):
+    """PipeDream-2BW (Narayanan et al. 2021): 1F1B never flushed. One optimizer step of stage r is
+    m (forward, backward) pairs: F(j + w), B(j) for j < m, with w = p-r-1 as in 1F1B's warm-up, so
+    its last w forwards, numbered m .. m+w-1, are the next batch's first microbatches. Only the
+    first step warms up (F0 .. F(w-1)) and only the last drains (its last w backwards alone).
+    Needs m >= p: then every microbatch in flight on a stage belongs to this batch or the next,
+    so two weight versions suffice (pipedream.py)."""
+    w = p - rank - 1
+    pairs = m - w if last else m
+    units = [[("F", i, 0)] for i in range(w)] if first else []
+    units += [[("F", j + w, 0), ("B", j, 0)] for j in range(pairs)]
+    return units + ([[("B", j, 0)] for j in range(pairs, m)] if last else [])
+
+
+def pipedream_actions(pos, m, first=True, last=True):
+    """One step of 2bw with its messages. The step ends with the exchange that also receives the
+    next step's first input (posted here, so every message sent in a step is received in it: no
+    send is left waiting across the optimizer step, the gradient-norm collective or an evaluation),
+    and a later step does not post that receive again. The microbatches m .. 2m-1 of this step are
+    0 .. m-1 of the next one (StageRunner renumbers what it carries over)."""
+    units = [[a] for unit in pipedream_units(pos.pp_size, m, pos.pp_rank, first, last) for a in unit]
+    ahead = None if last else ("F", m + pos.pp_size - pos.pp_rank - 1, 0)   # the next step's first action
+    actions = with_communication(units + ([[ahead]] if ahead else []), pos)
+    if ahead:
+        actions = actions[:actions.index(ahead)]
+    if not first and actions[0][0] == "comm":            # received at the end of the step before
+        actions = actions[1:]
+    return actions
 
 
 def compute_order(schedule, p, m, rank, v=1):
@@ -174,11 +207,22 @@ def with_communication(units, pos, fused=True):
     return actions + ([("comm", pending)] if pending else [])
 
 
-def schedule_actions(schedule, pos, m, fused=True):
+def schedule_actions(schedule, pos, m, fused=True, first=True, last=True):
+    """One step's actions of this rank, messages included. first/last: 2bw's first and last steps,
+    which warm up and drain; its other steps do neither."""
+    if schedule == "2bw":
+        return pipedream_actions(pos, m, first, last)
     units = compute_units(schedule, pos.pp_size, m, pos.pp_rank, pos.virtual)
     if schedule != "interleaved":  # exchange between every two actions: F runs as soon as its input is in
         units = [[action] for unit in units for action in unit]
     return with_communication(units, pos, fused)
+
+
+def eval_actions(pos, n):
+    """Forwards only, batch by batch through my chunks. Not chunk by chunk: with interleaving, rank
+    p-1 would block sending batch 0 into rank 0's chunk 1 while rank 0 blocks sending batch 2 into
+    rank 1's chunk 0 (dry_run finds the cycle)."""
+    return with_communication([[("F", mb, c)] for mb in range(n) for c in range(pos.virtual)], pos)
 
 
 def dry_run(all_actions):
@@ -221,9 +265,12 @@ def waiting_cycle(all_actions, at, done):
             f"with rank {waits[q][1]}" + ("" if waits[q][1] in waits else ", which has finished") for q in cycle]
 
 
-def bubble_theory(p, m, v=1, schedule=None):
+def bubble_theory(p, m, v=1, schedule=None, steps=None):
     """Idle fraction of the clock table: (p-1)/(vm+p-1); for zb (F, B and W one tick each, m >= p)
-    (p-1)/(3m+p-1), about a third of 1F1B's."""
+    (p-1)/(3m+p-1), about a third of 1F1B's. 2bw fills once and drains once over all its steps:
+    (p-1)/(steps*m+p-1), and a step in the steady state (steps=None) has no bubble at all."""
+    if schedule == "2bw":
+        return 0.0 if steps is None else (p - 1) / (steps * m + p - 1)
     if schedule == "zb":
         return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (v * m + p - 1)
@@ -275,8 +322,11 @@ def describe(schedule, p, m, v):
     ticks = max(len(row) for row in rows)
     idle = sum(row.count(".") + ticks - len(row) for row in rows) / (p * ticks)
     chunks = f", v={v} chunks per rank (a tick is 1/{v} of a stage's F or B)" if v > 1 else ""
+    if schedule == "2bw":
+        chunks = " per step, two steps drawn (the second's microbatches numbered from m; no flush between)"
+    steps = 2 if schedule == "2bw" else None
     return (f"{schedule}: {p} stages, {m} microbatches{chunks}; {ticks} ticks, "
-            f"idle {idle:.1%} of the table = bubble_theory {bubble_theory(p, m, v, schedule):.1%}")
+            f"idle {idle:.1%} of the table = bubble_theory {bubble_theory(p, m, v, schedule, steps):.1%}")
 
 
 def main(argv=None):

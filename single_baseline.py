@@ -7,6 +7,7 @@ contract, docs/equivalence.md); each one's docstring lists what it adds to this 
     python single_baseline.py --data synthetic --steps 300
     python plot_curves.py logs/single_baseline.jsonl -o plots/baseline.png
 """
+import copy
 import time
 
 import torch
@@ -21,10 +22,17 @@ PROGRAM = "single_baseline"
 
 
 def parse_args(argv=None):
-    args = base_parser(__doc__).parse_args(argv)
+    p = base_parser(__doc__)
+    p.add_argument("--delay", type=int, choices=(0, 1), default=0,
+                   help="1: PipeDream-2BW's rule, the reference of pipeline_microbatch.py --schedule 2bw: "
+                        "step t's gradient is taken at the weights before the previous update")
+    args = p.parse_args(argv)
     validate_common(args, PROGRAM)
     if torchrun_env("gloo").world_size != 1:
         fail("single_baseline.py runs in one process; launch it with python, or torchrun --nproc-per-node 1")
+    if args.delay and args.checkpoint_dir:
+        fail("--delay 1 does not take --checkpoint-dir (a checkpoint would need the previous weights too); "
+             "drop one of them")
     return args
 
 
@@ -40,6 +48,24 @@ def train_step(model, optimizer, x, y, step=0, grad_norm=None):
         loss = F.cross_entropy(model(x), y)
     loss.backward()
     norm = grad_norm(list(model.parameters())) if grad_norm else None
+    optimizer.step()
+    return loss.item(), norm
+
+
+def delayed_train_step(model, stale, optimizer, x, y, step=0, grad_norm=None):
+    """--delay 1, PipeDream-2BW's update in one process: W(t+1) = W(t) - lr * grad f_t(W(t-1)).
+    stale holds W(t-1) (at step 0 the initial weights). The gradient of batch t is taken there and
+    applied to the current weights, momentum as usual; then stale becomes W(t). Returns (batch t's
+    loss at W(t-1), the norm of that gradient)."""
+    stale.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
+    with stale.dropout_keys.training(step):
+        loss = F.cross_entropy(stale(x), y)
+    loss.backward()
+    for p, old in zip(model.parameters(), stale.parameters()):
+        p.grad = old.grad
+    norm = grad_norm(list(model.parameters())) if grad_norm else None
+    stale.load_state_dict(model.state_dict())   # W(t), before the update makes W(t+1)
     optimizer.step()
     return loss.item(), norm
 
@@ -69,6 +95,7 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         model = build_model(args).to(env.device)
         optimizer = make_optimizer(model.parameters(), args)
+        stale = copy.deepcopy(model) if args.delay else None   # --delay 1: W(t-1), W(0) at first
         first, written_by = checkpoint.resume(args, model, optimizer, env.rank)   # 0: a fresh run
         log = MetricsLog(args.log_file, enabled=True, resuming=first > 0)
         log.begin(PROGRAM, args, env, first, written_by)
@@ -77,7 +104,10 @@ def main(argv=None):
         for step in range(first, args.steps):
             start = time.perf_counter()   # every program times its step from the batch's drawing on
             x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))
-            loss, norm = train_step(model, optimizer, x, y, step, clip_grad_norm(args.clip_grad_norm))
+            if stale is None:
+                loss, norm = train_step(model, optimizer, x, y, step, clip_grad_norm(args.clip_grad_norm))
+            else:
+                loss, norm = delayed_train_step(model, stale, optimizer, x, y, step, clip_grad_norm(args.clip_grad_norm))
             step_time = clock(env.device, args.timeout_s) - start
             check_finite(loss, step)
             log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,

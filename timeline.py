@@ -3,10 +3,28 @@ Chrome trace (Perfetto opens it; plot_curves.py --timeline draws it) with the me
 theoretical bubble."""
 import json
 import os
+import time
 
+import torch
 import torch.distributed as dist
 
 from schedules import bubble_theory
+
+
+class TimelineRecorder:
+    """The pipeline executor's clock and event log: events is a list while a step is recorded."""
+    events = None
+
+    def clock(self):
+        """perf_counter; while the timeline records on a GPU, after the queued kernels have run (a
+        kernel launch returns at once, so the time would be the CPU's, not the device's)."""
+        if self.events is not None and self.messenger.device.type == "cuda":
+            torch.cuda.synchronize(self.messenger.device)
+        return time.perf_counter()
+
+    def record(self, cat, name, mb, start, chunk=0):
+        if self.events is not None:
+            self.events.append((cat, name, mb, chunk, start, self.clock()))
 
 
 def gather_timeline(runner, pos, args):

@@ -7,7 +7,7 @@ Messenger.exchange posts each action's parts in their listed order, which is wha
 import pytest
 
 import pipeline_microbatch as pm
-from schedules import SCHEDULES
+from schedules import SCHEDULES, eval_actions
 
 
 def posting_orders(all_actions):
@@ -51,7 +51,7 @@ def test_every_schedule_posts_sends_in_the_order_the_peer_posts_receives(schedul
 
 @pytest.mark.parametrize("p,v,n", [(2, 1, 3), (4, 1, 5), (3, 2, 4), (4, 2, 1)])
 def test_evaluation_posts_sends_in_the_order_the_peer_posts_receives(p, v, n):
-    assert_same_order([pm.eval_actions(pos, n) for pos in ranks(p, v)], f"evaluation, p={p}, v={v}, {n} batches")
+    assert_same_order([eval_actions(pos, n) for pos in ranks(p, v)], f"evaluation, p={p}, v={v}, {n} batches")
 
 
 def test_the_check_can_fail():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import pipeline_microbatch as pm
+from pipeline_eval import evaluate as evaluate_pipeline
 from common import Env, build_model, torchrun_env
 from data import Cifar10Data, SyntheticData, load_data, next_batch
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks
@@ -124,7 +125,7 @@ def _uneven_test_split_case(rank, world, group):
     for size in (700, 300):
         data = SyntheticData(0, test_size=size)
         _, runner = pm.setup_stage(args, env, pos)
-        got = pm.evaluate(runner, pos, data, env.device)
+        got = evaluate_pipeline(runner, pos, data, env.device)
         if pos.is_last_stage:
             assert got == pytest.approx(evaluate(build_model(args), data, env.device), abs=1e-5), size
 

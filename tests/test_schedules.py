@@ -4,7 +4,7 @@ import pytest
 import pipeline_microbatch as pm
 import schedules
 from pipeline_microbatch import PipelineRank, partition
-from schedules import compute_order, dry_run, schedule_actions
+from schedules import compute_order, dry_run, eval_actions, schedule_actions
 
 
 def table(schedule, p, m, v=1):
@@ -150,7 +150,7 @@ def test_1f1b_exchanges_are_megatrons_fused_pairs():
 
 def test_the_forward_only_evaluation_order_never_deadlocks():
     for p, n, v in [(2, 4, 2), (3, 5, 2), (4, 20, 3), (4, 4, 1), (3, 1, 2)]:
-        assert dry_run([pm.eval_actions(PipelineRank(r, p, list(range(p)), v), n) for r in range(p)]) is None
+        assert dry_run([eval_actions(PipelineRank(r, p, list(range(p)), v), n) for r in range(p)]) is None
     chunk_by_chunk = [schedules.with_communication([[("F", mb, c)] for c in range(2) for mb in range(4)],
                                             PipelineRank(r, 2, [0, 1], 2)) for r in range(2)]
     assert dry_run(chunk_by_chunk) == ["rank 0 blocked in send act of microbatch 2 with rank 1",

@@ -1,0 +1,63 @@
+"""PipeDream-2BW's two weight versions (Narayanan et al. 2021, "Memory-efficient pipeline-parallel
+DNN training"): the pipeline is never flushed, so the next batch's first forwards run before this
+batch's gradient exists. 2BW gives every microbatch of batch t the same 1-stale weights, on every
+stage, and applies its gradient to the newest ones:
+
+    W(t+1) = W(t) - lr * grad f_t(W(t-1))          (momentum as usual; W(-1) = W(0))
+
+Stage r, during step t (schedules.py's 2bw), runs batch t's remaining forwards and all its
+backwards with W(t-1), and the first p-r-1 forwards of batch t+1 with W(t). So it holds two
+versions, and both are needed until batch t's last backward:
+
+    older  W(t-1): batch t's forwards and backwards (weight stashing: a backward uses the weights
+                   of its own forward); its tensors collect batch t's gradient
+    newer  W(t):   batch t+1's early forwards
+
+Once batch t's backwards are done W(t-1) is free, and its buffer takes the new version: copy W(t)
+into it, then let the optimizer step it to W(t+1) with batch t's gradient. The buffers then swap
+roles (W(t) is batch t+1's older), and the optimizer's momentum moves to the buffer it will step
+next. Two copies of the weights, never three; single_baseline.py --delay 1 is the same rule in
+one process.
+"""
+import torch
+from torch.func import functional_call
+
+
+class TwoVersions:
+    """One stage's two weight versions, per chunk: the modules' own parameters start as one, a
+    copy as the other."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.names = [[name for name, _ in chunk.named_parameters()] for chunk in chunks]
+        self.older = [[p for _, p in chunk.named_parameters()] for chunk in chunks]
+        self.newer = [[p.detach().clone().requires_grad_() for p in ps] for ps in self.older]
+
+    def run(self, chunk, x, newer):
+        """The chunk's forward with one version's tensors in place of its parameters."""
+        tensors = (self.newer if newer else self.older)[chunk]
+        return functional_call(self.chunks[chunk], dict(zip(self.names[chunk], tensors)), (x,))
+
+    def trained(self):
+        """The tensors this step's backwards differentiate (W(t-1)): the optimizer steps these."""
+        return [p for ps in self.older for p in ps]
+
+    def held(self):
+        """Both versions: what this stage holds of the model's weights."""
+        return [p for ps in self.older + self.newer for p in ps]
+
+    def step(self, optimizer):
+        """After batch t's last backward: W(t+1) into W(t-1)'s buffer, then swap the roles."""
+        older, newer = self.trained(), [p for ps in self.newer for p in ps]
+        with torch.no_grad():
+            for o, n in zip(older, newer):
+                o.copy_(n)                    # W(t); o.grad is still batch t's gradient at W(t-1)
+        optimizer.step()                      # W(t+1) = W(t) - lr * (momentum of) that gradient
+        for o in older:
+            o.grad = None
+        self.older, self.newer = self.newer, self.older
+        state = optimizer.state               # the momentum follows the buffer stepped next time
+        for now, nxt in zip(older, newer):
+            if now in state:
+                state[nxt] = state.pop(now)
+        optimizer.param_groups[0]["params"] = newer
