@@ -514,6 +514,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
             dist.barrier()                    # one clock for the timeline: everyone starts together
             runner.events, runner.origin = [], time.perf_counter()
         start = time.perf_counter()           # as in every program: from the batch's drawing on
+        runner.record("step", f"step {step}", None, start)   # a mark, while the timeline records
         x, y = next_batch(data, step, args, pos, replicas, env.device, stream=not runner.versions)
         if runner.versions and pos.is_first_stage:   # 2bw's first stage also starts the next batch
             x = pipedream_inputs(x, data, step, args, pos, replicas, env.device)

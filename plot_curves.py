@@ -28,6 +28,7 @@ import os
 import sys
 
 import matplotlib
+import matplotlib.lines
 import matplotlib.ticker
 
 matplotlib.use("Agg")  # no screen on the machines that draw these
@@ -92,6 +93,8 @@ def label_of(records, path):
     if (args.get("virtual_stages") or 1) > 1:
         parts.append(f"v={args['virtual_stages']}")
     parts += [flag for flag in ("recompute", "hybrid") if args.get(flag)]   # what changes how the run computes
+    if args.get("delay"):
+        parts.append(f"--delay {args['delay']}: 2BW's rule")
     if args.get("balance"):
         parts.append(f"balance {args['balance']}")
     if config["world_size"] > 1:
@@ -157,8 +160,11 @@ def title_of(runs, mismatches):
     return title
 
 
-def plot_curves(paths, out):
+def plot_curves(paths, out, beside=()):
+    """beside: logs drawn next to the others (dotted) but not held to the contract: the synchronous
+    baseline beside 2bw and its --delay 1 reference, where the gap is what staleness costs."""
     runs = [(label_of(recs, p), recs) for p, recs in ((p, read_json_lines(p)) for p in paths)]
+    others = [(label_of(recs, p) + " [beside: not compared]", recs) for p, recs in ((p, read_json_lines(p)) for p in beside)]
     if not series(runs[0][1], "train", "loss")[0]:
         fail(f"{paths[0]} has no training steps; was the run finished?")
     mismatches = setting_differences(runs)
@@ -176,6 +182,12 @@ def plot_curves(paths, out):
             ax["acc"].plot(*series(records, "eval", "test_acc"), marker="o", label=label, **style)
         if i > 0:
             draw_differences(ax["diff"], differences(runs[0][1], records), label)
+    for label, records in others:
+        ax["loss"].plot(*series(records, "train", "loss"), label=label, lw=1.2, ls=":", color="tab:grey")
+        if "acc" in ax:
+            ax["acc"].plot(*series(records, "eval", "test_acc"), marker="x", ls=":", color="tab:grey", label=label)
+        gap = max((d for _, d in differences(runs[0][1], records)), default=float("nan"))
+        print(f"beside, not compared: {label}: largest |loss - first log's| {gap:.3g}")
     ax["loss"].set(xlabel="step (from 0)", ylabel="training loss", title="training loss")
     if "acc" in ax:
         ax["acc"].axhline(0.1, color="grey", lw=1, ls=":", label="chance")
@@ -237,7 +249,7 @@ def plot_timelines(paths, out):
             fail(f"the timeline {path} has no events")
     # one time axis for all: a slower schedule is a longer row of boxes
     fig, axes = plt.subplots(len(paths), 1, figsize=(13, 1.2 + 0.9 * 4 * len(paths)), squeeze=False, sharex=True)
-    present = {e.get("cat", "wait") for t in traces for e in t["traceEvents"] if e.get("ph") == "X"}
+    present = {e.get("cat", "wait") for t in traces for e in t["traceEvents"] if e.get("ph") == "X"} - {"step"}
     added = sorted(present - set(COLOURS))                  # e.g. a later schedule's weight-gradient pass
     categories = [c for c in COLOURS if c in present] + added
     colours = {**dict(zip(added, SPARE)), **COLOURS}
@@ -250,6 +262,9 @@ def plot_timelines(paths, out):
     for c in range(1, min(chunks, len(HATCHES))):         # interleaved: which chunk a box belongs to
         handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#888888", edgecolor="white", hatch=HATCHES[c]))
         labels.append(f"hatched {HATCHES[c]}: chunk {chr(ord('a') + c)} (plain: chunk a)")
+    if any(t.get("otherData", {}).get("steps", 1) > 1 for t in traces):
+        handles.append(matplotlib.lines.Line2D([], [], color="black", lw=1.5))
+        labels.append("a step begins on that rank\n(2bw: no flush before it)")
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", lw=0.5))
     labels.append("blank: not timed (Python between\nactions, optimizer step, or a\nrank waiting for a free core)")
     axes[0, 0].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
@@ -272,6 +287,7 @@ def draw_gantt(ax, trace, colours, points_per_ms):
     name is written on its box where it fits at 7 points, and a chunk other than a is hatched."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     other = trace.get("otherData", {})
+    marks, events = [e for e in events if e.get("cat") == "step"], [e for e in events if e.get("cat") != "step"]
     interleaved = other.get("virtual_stages", 1) > 1
     start = min(e["ts"] for e in events)
     ranks = sorted({e["pid"] for e in events})
@@ -289,6 +305,8 @@ def draw_gantt(ax, trace, colours, points_per_ms):
             ax.text(left + width / 2, e["pid"], name, ha="center", va="center", fontsize=7, color="white",
                     bbox={"facecolor": colours.get(kind, "#999999"), "edgecolor": "none", "pad": 0.5}
                     if interleaved else None)
+    for e in marks if other.get("steps", 1) > 1 else []:   # several steps recorded: where each begins
+        ax.plot([(e["ts"] - start) / 1000] * 2, [e["pid"] - 0.45, e["pid"] + 0.45], color="black", lw=1.5)
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()  # stage 0 on top, as pipelines are drawn in papers
     ax.tick_params(labelbottom=True)
@@ -324,7 +342,9 @@ def gantt_title(other, busy=None):
                   f"for a core, not for its neighbour")
     if busy and min(busy.values()) > 0 and max(busy.values()) >= IMBALANCE * min(busy.values()):
         slow, fast = max(busy, key=busy.get), min(busy, key=busy.get)
-        title += (f"\nstages unequal: rank {slow} computes {busy[slow]:.1f} ms a step, rank {fast} {busy[fast]:.1f} ms "
+        steps = other.get("steps", 1)
+        per = "a step" if steps == 1 else f"in {steps} steps"
+        title += (f"\nstages unequal: rank {slow} computes {busy[slow]:.1f} ms {per}, rank {fast} {busy[fast]:.1f} ms "
                   f"({busy[slow] / busy[fast]:.1f}x); the others wait for the slowest (--balance moves blocks)")
     return title
 
@@ -378,14 +398,17 @@ def main(argv=None):
     p.add_argument("files", nargs="+", help="metrics logs (first = baseline), or traces with --timeline")
     p.add_argument("-o", "--out", required=True, help="PNG to write")
     p.add_argument("--timeline", action="store_true", help="the files are pipeline timelines")
+    p.add_argument("--beside", nargs="+", default=[], metavar="LOG",
+                   help="logs drawn next to the curves but not compared with the first (e.g. the synchronous "
+                        "baseline beside 2bw and its single_baseline.py --delay 1 reference)")
     args = p.parse_args(argv)
-    for path in args.files:
+    for path in args.files + args.beside:
         if not os.path.exists(path):
             fail(f"{path} does not exist; run the program that writes it first")
     if args.timeline:
         plot_timelines(args.files, args.out)
         return
-    for label, diff in plot_curves(args.files, args.out).items():
+    for label, diff in plot_curves(args.files, args.out, args.beside).items():
         print(f"largest |loss - baseline| for {label}: {diff:.3g}")
 
 

@@ -8,6 +8,7 @@
 #   DATA=synthetic STEPS=100 bash run_pipeline.sh               # no network
 #   SCHEDULES="1f1b interleaved" MICROBATCHES=8 MODEL=vit DATA=synthetic bash run_pipeline.sh --layers 6
 #   SCHEDULES="1f1b zb" RECOMPUTE=1 DATA=synthetic bash run_pipeline.sh    # zero bubble; re-materialisation
+#   SCHEDULES="1f1b 2bw" DATA=synthetic bash run_pipeline.sh    # PipeDream-2BW on its --delay 1 reference
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
@@ -21,7 +22,7 @@ MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
 MICROBATCHES=${MICROBATCHES:-4}
-SCHEDULES=${SCHEDULES:-"gpipe 1f1b"}   # any of gpipe 1f1b interleaved zb
+SCHEDULES=${SCHEDULES:-"gpipe 1f1b"}   # any of gpipe 1f1b interleaved zb 2bw
 RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
 VIRTUAL_STAGES=${VIRTUAL_STAGES:-2}    # interleaved only
 BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
@@ -69,8 +70,14 @@ check_baseline_args "${COMMON[@]}"
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
+DELAY_LOG="${BASELINE_LOG%.jsonl}_delay1.jsonl"
+if [[ " $SCHEDULES " == *" 2bw "* ]]; then   # 2bw's own reference: the same stale-by-one rule in one process
+    STEP="the 2bw reference (single_baseline.py --delay 1)"
+    echo "== baseline with --delay 1 (PipeDream-2BW's update rule): one process"
+    "$PYTHON" single_baseline.py "${COMMON[@]}" --delay 1 --log-file "$DELAY_LOG"
+fi
 
-LOGS_OF=() TRACES=()
+LOGS_OF=() TRACES=() PIPEDREAM_LOG=""
 for SCHEDULE in $SCHEDULES; do
     RUN="${MODEL}${EXTRA}_${SCHEDULE}_p${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}"
     if [ "$SCHEDULE" = interleaved ]; then RUN="${RUN}_v${VIRTUAL_STAGES}"; fi
@@ -83,11 +90,19 @@ for SCHEDULE in $SCHEDULES; do
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
         pipeline_microbatch.py "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
         --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE") "${CKPT[@]}" --timeline "$TRACE" --log-file "$LOG"
-    LOGS_OF+=("$LOG")
+    if [ "$SCHEDULE" = 2bw ]; then PIPEDREAM_LOG="$LOG"; else LOGS_OF+=("$LOG"); fi
     TRACES+=("$TRACE")
 done
 
 STEP="plot_curves.py"
-"$PYTHON" plot_curves.py "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${SUFFIX}.png"
+PNGS=("$PLOTS/pipeline_timeline${SUFFIX}.png")
+if [ ${#LOGS_OF[@]} -gt 0 ]; then
+    "$PYTHON" plot_curves.py "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${SUFFIX}.png"
+    PNGS+=("$PLOTS/pipeline_loss${SUFFIX}.png")
+fi
+if [ -n "$PIPEDREAM_LOG" ]; then   # 2bw against its reference; the synchronous baseline beside, not compared
+    "$PYTHON" plot_curves.py "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${SUFFIX}.png"
+    PNGS+=("$PLOTS/pipeline_loss_2bw${SUFFIX}.png")
+fi
 "$PYTHON" plot_curves.py --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${SUFFIX}.png"
-echo "plots: $PLOTS/pipeline_loss${SUFFIX}.png $PLOTS/pipeline_timeline${SUFFIX}.png"
+echo "plots: ${PNGS[*]}"

@@ -106,6 +106,7 @@ def pipedream_units(p, m, rank, first=True, last=True):
     first step warms up (F0 .. F(w-1)) and only the last drains (its last w backwards alone).
     Needs m >= p: then every microbatch in flight on a stage belongs to this batch or the next,
     so two weight versions suffice (pipedream.py)."""
+    assert m >= p, f"2bw needs at least as many microbatches as stages, got m={m}, p={p}"
     w = p - rank - 1
     pairs = m - w if last else m
     units = [[("F", i, 0)] for i in range(w)] if first else []

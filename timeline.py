@@ -36,14 +36,14 @@ def gather_timeline(runner, pos, args):
     dist.all_gather_object(every, (pos.pp_rank, mine), group=pos.group)
     events = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": r, "tid": 0,
                "args": {"microbatch": mb, "chunk": ch}} for r, evs in every for cat, name, mb, ch, ts, dur in evs]
-    compute = [e for e in events if e["cat"] != "wait"]
+    compute = [e for e in events if e["cat"] not in ("wait", "step")]   # "step": where a step begins
     span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
     busy = sum(e["dur"] for e in compute) / (pos.pp_size * span)
     return {"traceEvents": events, "otherData": {
         "schedule": args.schedule, "stages": pos.pp_size, "microbatches": args.microbatches,
         "virtual_stages": pos.virtual, "bubble_measured": 1 - busy,
         "bubble_theory": bubble_theory(pos.pp_size, args.microbatches, pos.virtual, args.schedule),
-        "recompute": runner.recompute,
+        "recompute": runner.recompute, "steps": sum(e["cat"] == "step" for e in events) // pos.pp_size,
         "device": runner.messenger.device.type, "cpu_cores": os.cpu_count()}}   # ranks > cores: waits for a core
 
 
