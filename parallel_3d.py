@@ -36,7 +36,8 @@ from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as rep
 from pipeline_check import check_and_exit
 from pipeline_flags import add_pipeline_flags, near_multiples, validate_pipeline
 from pipeline_microbatch import Messenger, StageRunner, build_stage_model, schedule_actions, train
-from tensor_parallel import average_replicated_grads, counted_once, full_slice, parallelize_block
+from tensor_parallel import parallelize_block
+from tp_replicas import average_replicated_grads, counted_once, full_slice
 from tp_check import report_replicas, validate_degree
 
 PROGRAM = "parallel_3d"

@@ -13,6 +13,7 @@ import torch
 import parallel_3d
 import pipeline_microbatch as pm
 import tensor_parallel as tp
+import tp_replicas
 from common import build_model
 from data import load_data
 from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
@@ -133,7 +134,7 @@ def test_a_bad_grid_under_torchrun_fails_on_every_rank(tmp_path):
 
 
 def test_check_compares_each_tensor_with_the_slice_it_is_given(monkeypatch):
-    """In one process (tp 1, one stage): run_check passes with tensor_parallel.full_slice, and names a
+    """In one process (tp 1, one stage): run_check passes with tp_replicas.full_slice, and names a
     gradient when the slice of the full model it is handed is the wrong one."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = parallel_3d.parse_args(MLP + ["--layers", "3", "--dp", "1", "--tp", "1", "--microbatches", "2"])
@@ -147,7 +148,7 @@ def test_check_compares_each_tensor_with_the_slice_it_is_given(monkeypatch):
         return run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y,
                             reference=build_model(args), full_slice=slicer(model))
 
-    count, worst = check(lambda model: partial(tp.full_slice, model))
+    count, worst = check(lambda model: partial(tp_replicas.full_slice, model))
     assert count == 2 + 2 * 6 and worst < 1e-5
     with pytest.raises(AssertionError, match="gradient of 0.1.weight differs"):
         check(lambda model: lambda name, full: full.flip(0))
