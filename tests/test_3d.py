@@ -134,11 +134,16 @@ def test_the_pipeline_axis_moves_t_times_fewer_bytes_with_either_option():
     assert whole == 2 * scattered == 4 * 16 * 32
 
 
-def test_sequence_parallel_check_passes_in_3d(tmp_path):
-    """1x2x2 vit --sequence-parallel --check with dropout and clipping: every shard, every partial
-    gradient summed over the tp group after the last microbatch, matches the full model."""
-    run = run_grid(tmp_path, VIT, 1, 2, 2, ["--check", "--sequence-parallel", "--microbatches", "2",
-                                            "--dropout", "0.1", "--clip-grad-norm", "0.5"])
+@pytest.mark.parametrize("args,extra,message", [
+    (VIT, ["--sequence-parallel", "--dropout", "0.1", "--clip-grad-norm", "0.5"], "[32, 16]"),
+    (MLP + ["--layers", "4"], [], "[16]"),
+])
+def test_check_passes_across_a_scattered_or_sequence_parallel_cut(tmp_path, args, extra, message):
+    """1x2x2 --check: the vit --sequence-parallel with dropout and clipping (every partial gradient summed
+    over the tp group after the last microbatch), and the mlp whose cut follows a row-parallel layer
+    (scatter/gather: half the features sent, all-gathered, and half the gradient sent back)."""
+    run = run_grid(tmp_path, args, 1, 2, 2, ["--check", "--microbatches", "2", *extra])
+    assert f"per-sample message at each cut, on tp rank 0: {message}\n" in run.stdout
     summary = [line for line in run.stdout.splitlines() if line.startswith("--check")]
     assert len(summary) == 1 and "all tensors match the full model" in summary[0], run.stdout[-2000:]
 
