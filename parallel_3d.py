@@ -9,6 +9,7 @@ checks the grid, and it still logs the per-step loss of single_baseline.py.
     torchrun --standalone --nproc-per-node 8 -- parallel_3d.py --data synthetic --dp 2 --tp 2
     torchrun --standalone --nproc-per-node 8 -- parallel_3d.py --data synthetic --dp 2 --tp 2 --check
     torchrun --standalone --nproc-per-node 4 -- parallel_3d.py --data synthetic --dp 1 --tp 2 --model vit
+    torchrun --standalone --nproc-per-node 4 -- parallel_3d.py --data synthetic --dp 1 --tp 2 --model vit --sequence-parallel
 
 The grid for 8 ranks: grid = arange(world).view(dp, pp, tp), so rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
 
@@ -20,24 +21,42 @@ The grid for 8 ranks: grid = arange(world).view(dp, pp, tp), so rank = (dp_rank 
                                                                             tp rank t sends to tp rank t
     dp groups (same stage, same tp rank): {0,4} {1,5} {2,6} {3,7}: one gradient all-reduce per step
 
-What crosses a pipeline cut is what the sending rank holds there: the whole activation after a
-row-parallel layer (its all-reduce made it whole on every tp rank), but only the rank's own shard
-after a column-parallel layer (the cnn cut after fc1: 60 of 120 features each at T = 2). The next
-stage's row-parallel layer wants exactly that shard, so nothing is gathered for the message; in
-backward the shard's gradient goes back the same way. Both sides know every shape up front, per
-rank: build_stage_model() runs one zero sample through the tensor-parallel blocks as they are built.
+What crosses a pipeline cut is what the sending rank holds there, and never the same bytes twice:
+
+    after a column-parallel layer   my shard of the features (the cnn after fc1: 60 of 120 at T = 2);
+                                    the next stage's row-parallel layer wants exactly that shard
+    after a row-parallel layer      the whole activation, the same on every tp rank (its all-reduce):
+                                    each tp rank sends 1/T of it and the receivers all-gather it
+                                    (scatter/gather, Narayanan et al. 2021 section 4.1; on by default,
+                                    --no-scatter-gather sends it whole from every tp rank)
+    --sequence-parallel (vit)       my run of the tokens, [B, 64/T, H]: already 1/T, nothing gathered
+
+                 stage s                                 stage s+1
+    tp rank 0:  y (whole) -> keep y0 = y[:, :n/2] --send-->  y0 --+
+                                                                  all-gather (tp group) -> [y0 | y1] = y
+    tp rank 1:  y (whole) -> keep y1 = y[:, n/2:] --send-->  y1 --+
+
+In backward each gradient goes back the same way. Both sides know every shape up front, per rank:
+build_stage_model() runs one zero sample through the tensor-parallel blocks as they are built.
 """
+import argparse
+import math
 from functools import partial
+
+import torch
 
 from common import (base_parser, build_model, distributed, exit_now, fail, note_one_rank, num_blocks, torchrun_env,
                     validate_common)
 from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
 from pipeline_check import check_and_exit
-from pipeline_flags import add_pipeline_flags, refuse_pipedream, near_multiples, validate_pipeline
-from pipeline_microbatch import Messenger, StageRunner, build_stage_model, schedule_actions, train
-from tensor_parallel import average_replicated_grads, counted_once, full_slice, parallelize_block
-from tp_check import report_replicas, validate_degree
+from pipeline_flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline
+from pipeline_microbatch import Messenger, StageRunner, build_stage_model, partition, schedule_actions, train
+from tensor_parallel import (ColumnParallelConv2d, ColumnParallelLinear, RowParallelConv2d, RowParallelLinear,
+                             gather_from_tp_region, parallelize_block, split_sizes, tp_rank, tp_size)
+from tp_check import report_replicas, validate_degree, validate_sequence_parallel
+from tp_replicas import average_replicated_grads, counted_once, full_slice
+from tp_sequence import sum_sequence_parallel_grads
 
 PROGRAM = "parallel_3d"
 
@@ -47,6 +66,11 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, default=2, help="data-parallel replicas; stages = world size / (dp x tp)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per stage (the innermost axis)")
     p.add_argument("--timeline", default=None, help="replica 0, tp rank 0's measured schedule of the last step")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="vit: LayerNorms, dropouts, residual adds and the pipeline cuts on 1/tp of the tokens per rank")
+    p.add_argument("--scatter-gather", action=argparse.BooleanOptionalAction, default=True,
+                   help="a cut whose activation is whole on every tp rank: each sends 1/tp of it, the receivers "
+                        "all-gather (Narayanan et al. 2021, section 4.1)")
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
     refuse_pipedream(args, PROGRAM)
@@ -57,6 +81,8 @@ def parse_args(argv=None):
     world = torchrun_env("gloo").world_size     # env vars only: every check below runs before any collective
     validate_grid(args, world)
     validate_degree(args, args.tp, use_degree=partial(tp_fix, args, world))
+    if args.sequence_parallel:
+        validate_sequence_parallel(args, args.tp, use_degree=partial(tp_fix, args, world))
     validate_pipeline(args, stages=world // (args.dp * args.tp), replicas=args.dp, tp=args.tp)
     return args
 
@@ -88,11 +114,18 @@ def build_stage(args, env, grid):
     shards (tensor_parallel.parallelize_block over the tp group), and keeps the shards of its
     stage's blocks only. The zero sample that measures each cut runs through the sliced blocks,
     their tp collectives included (every rank of a tp group runs the same blocks), so a cut after a
-    column-parallel layer gives this rank's shard's shape. Returns (my place in my pipeline, my
-    stage's sliced blocks, named as in the full model, the runner of my chunks)."""
+    column-parallel layer, a scattered cut or a sequence-parallel one gives this rank's part's shape.
+    Returns (my place in my pipeline, my stage's sliced blocks, named as in the full model, the
+    runner of my chunks, the partial gradients to sum over the tp group or None)."""
     pos = grid.pipeline(args.virtual_stages)
-    shard = partial(parallelize_block, model_name=args.model, group=grid.tp_group, n_blocks=num_blocks(args))
+    shard = partial(parallelize_block, model_name=args.model, group=grid.tp_group, n_blocks=num_blocks(args),
+                    sequence_parallel=args.sequence_parallel)
+    if args.scatter_gather and not args.sequence_parallel:   # sequence-parallel cuts are token shards already
+        shard = scatter_gather_cuts(shard, args, pos, grid.tp_group)
     model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
+    # the norms and the embedding that see my tokens only: summed after the step's last backward
+    # (SequenceParallelReplicas), not after each microbatch's
+    partial_sums = sum_sequence_parallel_grads(model, grid.tp_group, per_backward=False)
     if env.device.type == "cuda":   # keep TP-replicated parameters identical (CPU gradients already are)
         average_replicated_grads(model, grid.tp_group)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
@@ -101,7 +134,90 @@ def build_stage(args, env, grid):
     # the gradient norm (clipping.py): summed over my stage's tp shards (its replicated tensors
     # counted by tp rank 0 only), then over the stages; not over replicas, whose gradients are averaged
     runner.norm_groups, runner.counted = [grid.tp_group, grid.pp_group], counted_once(model, grid.tp_group)
-    return pos, model, runner
+    return pos, model, runner, partial_sums
+
+
+class SequenceParallelReplicas(DataParallelReplicas):
+    """The data-parallel hooks of the 2-D program, and first, after the step's last backward, the
+    sum over the tp group of the gradients that each tp rank took from its own tokens only."""
+
+    def __init__(self, grid, timeout_s, device, partial_sums):
+        super().__init__(grid, timeout_s, device)
+        self.partial_sums = partial_sums
+
+    def sync_grads(self, params):
+        self.partial_sums.sum()       # whole on every tp rank first, then averaged over the replicas
+        super().sync_grads(params)
+
+
+# ----------------------------------------------------------------------------- scatter/gather at a cut
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Forward split (keep my slice of a whole activation); backward all-gather (the slices' gradients -> the whole one)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return x.narrow(1, sum(sizes[:tp_rank(group)]), sizes[tp_rank(group)]).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every tp rank of the next stage sent back its slice of the same whole gradient
+        return gather_from_tp_region(grad, ctx.group, ctx.sizes, 1), None, None
+
+
+def whole_output(block):
+    """Does the block end with the whole activation on every tp rank? Yes after a row-parallel layer
+    (its all-reduce), a gathering column-parallel layer, or no sharded layer at all (the vit's
+    embedding); no after a plain column-parallel layer (my features) or a sequence-parallel one (my tokens)."""
+    row, column = (RowParallelLinear, RowParallelConv2d), (ColumnParallelLinear, ColumnParallelConv2d)
+    sharded = [m for m in block.modules() if isinstance(m, row + column)]
+    if not sharded:
+        return True
+    return not sharded[-1].sequence_parallel if isinstance(sharded[-1], row) else sharded[-1].gather_output
+
+
+class ScatteredCut:
+    """One cut whose activation is whole on every tp rank: the block before it ends by keeping my
+    1/t of the flattened features (the message), the block after it starts with an all-gather of
+    the t slices over its tp group. Both are hooks on the blocks, so the parameters keep their
+    names. The gradient goes back the same way: the next stage's input gradient is whole on every
+    tp rank (its first layer's f all-reduced it), so each sends back its slice of it."""
+
+    def __init__(self, group):
+        self.group, self.shape = group, None   # shape: per sample, set by the zero sample at build time
+
+    def sizes(self, n):
+        return split_sizes(n, tp_size(self.group))
+
+    def scatter(self, block, inputs, y):
+        self.shape = tuple(y.shape[1:])
+        flat = y.flatten(1)
+        return _ScatterToTP.apply(flat, self.group, self.sizes(flat.shape[1]))
+
+    def gather(self, block, inputs):
+        x, = inputs
+        whole = gather_from_tp_region(x, self.group, self.sizes(math.prod(self.shape)), 1)
+        return (whole.view(-1, *self.shape),)
+
+
+def scatter_gather_cuts(shard, args, pos, group):
+    """shard(i, block), with a ScatteredCut at every cut between virtual stages that follows a block
+    ending whole. Every rank builds every block in order, so the block after a cut finds the cut
+    that the block before it made (and measured) on the same rank."""
+    bounds = partition(num_blocks(args), pos.pp_size * pos.virtual, args.balance)
+    starts, cuts = {start for start, _ in bounds[1:]}, {}
+
+    def shard_and_cut(i, block):
+        block = shard(i, block)
+        if i in cuts:
+            block.register_forward_pre_hook(cuts.pop(i).gather)
+        if i + 1 in starts and tp_size(group) > 1 and whole_output(block):
+            cuts[i + 1] = ScatteredCut(group)
+            block.register_forward_hook(cuts[i + 1].scatter)
+        return block
+    return shard_and_cut
 
 
 def describe(grid, shapes):
@@ -128,13 +244,14 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         grid = Grid(env.rank, env.world_size, args.dp, args.tp)
-        pos, model, runner = build_stage(args, env, grid)
+        pos, model, runner, partial_sums = build_stage(args, env, grid)
         if env.rank == 0:
             print(describe(grid, runner.messenger.shapes), flush=True)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
         # the data-parallel hooks of the 2-D program, over the ranks with my (pp, tp) coordinates;
         # the loss is logged by tp rank 0 of replica 0's last stage (replicas.tp_rank)
-        replicas = DataParallelReplicas(grid, args.timeout_s, env.device)
+        replicas = SequenceParallelReplicas(grid, args.timeout_s, env.device, partial_sums) if partial_sums \
+            else DataParallelReplicas(grid, args.timeout_s, env.device)
         if args.check:   # my shards against the matching slices of a full model in this process
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             status = check_and_exit(env, runner, actions, model, args, x, y, replica=(grid.dp_rank, grid.dp_size),

@@ -33,19 +33,17 @@ GELU is elementwise, so it runs on each shard with no communication. A layer tha
 without a row-parallel partner is column-parallel with gather_from_tp_region (forward all-gather,
 backward split), so that the logits are whole on every rank.
 
---sequence-parallel, the vit only (Korthikanti et al. 2022, "Reducing activation recomputation in
-large transformer models"): g's all-reduce = reduce-scatter + all-gather, so do the reduce-scatter
-after the row-parallel layer, keep 1/t of the tokens through LayerNorm, dropout and the residual add,
-and all-gather before the next column-parallel layer. The same bytes; those activations shrink by t.
-
-    rank 0:  [B, S/2, H] --LN--> all-gather --> [B, S, H] --A1--GELU--B1--> reduce-scatter --> [B, S/2, H] +x
-    rank 1:  [B, S/2, H] --LN--> (backward:      [B, S, H] --A2--GELU--B2--> (backward:        [B, S/2, H] +x
-                                 reduce-scatter)                             all-gather)
+--sequence-parallel, the vit only (Korthikanti et al. 2022): g's all-reduce = reduce-scatter + all-gather,
+so the reduce-scatter comes after the row-parallel layer, LayerNorm, dropout and the residual add run on
+1/t of the tokens, and the all-gather comes before the next column-parallel layer: the same bytes,
+those activations t times smaller. The operators are here; the embedding, head and norms on my
+tokens in tp_sequence.py.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
 
 --hybrid (data-parallel convolutions, a tensor-parallel classifier) is in hybrid.py; --check and the
-end-of-run report on the replicated parameters in tp_check.py.
+end-of-run report on the replicated parameters in tp_check.py; which parameters are replicas
+and how they stay identical in tp_replicas.py.
 """
 import time
 from functools import partial
@@ -56,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoint
-from common import (Attention, MetricsLog, PatchEmbed, Progress, awaiting, base_parser, build_model,
+from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model,
                     check_finite, clock, distributed, exit_now, make_optimizer, memory_fields, note_one_rank,
                     num_blocks, start_memory_count, to_device, torchrun_env, validate_common)
 from clipping import clip_global
@@ -65,7 +63,6 @@ from keyed_dropout import KeyedDropout
 from single_baseline import evaluate, train_step
 
 PROGRAM = "tensor_parallel"
-VIT_TOKENS = (32 // 4) ** 2   # common.PatchEmbed: 4x4 patches of a 32x32 image
 
 
 def parse_args(argv=None):
@@ -372,100 +369,10 @@ def parallel_vit_block(i, block, group, n_blocks, sequence_parallel=False):
         block.attn = ParallelAttention(block.attn, group, head_sizes, sequence_parallel)
         block.mlp[0] = ColumnParallelLinear(block.mlp[0], group, sequence_parallel=sequence_parallel)
         block.mlp[2] = RowParallelLinear(block.mlp[2], group, sequence_parallel=sequence_parallel)
-        if sequence_parallel:
-            shard_sequence(block, group)
-    elif sequence_parallel:
-        return (SequenceParallelEmbed if i == 0 else SequenceParallelHead)(block, group)
+    if sequence_parallel:   # the embedding, the head, the norms and dropouts on my tokens (tp_sequence.py)
+        from tp_sequence import shard_sequence   # it imports this module: imported here, when needed
+        block = shard_sequence(i, block, group, n_blocks)
     return block
-
-
-def my_tokens(group):
-    """(first, count): the run of the vit's 64 tokens this rank holds under sequence parallelism."""
-    count = VIT_TOKENS // tp_size(group)
-    return count * tp_rank(group), count
-
-
-def partial_gradients(*modules):
-    """Mark replicated parameters that this rank applies to its own tokens only: each rank holds a
-    partial gradient, and the whole one is their sum over the group (sum_sequence_parallel_grads)."""
-    for p in (p for m in modules for p in m.parameters()):
-        p.sequence_parallel = True
-
-
-def shard_sequence(block, group):
-    """A block under sequence parallelism: ln1, ln2 and both dropouts see my tokens only."""
-    partial_gradients(block.ln1, block.ln2)   # each rank normalises other tokens
-    for drop in (block.drop1, block.drop2):
-        if isinstance(drop, KeyedDropout):
-            drop.first_token = my_tokens(group)[0]   # my tokens' masks are those of these tokens in the full layer
-
-
-class SequenceParallelEmbed(nn.Module):
-    """The patch embedding, then my run of tokens. The sequence is split here, after the only layer
-    whose input is not tokens, with no communication: every rank embeds the whole image (replicated
-    work, about 1% of a step) and keeps its tokens. Its backward pads the other tokens' gradient with
-    zeros, so conv and pos get partial gradients, summed with the norms' (not a B x 64 x H all-gather)."""
-
-    def __init__(self, full, group):
-        super().__init__()
-        self.conv, self.pos, self.group = full.conv, full.pos, group   # PatchEmbed's names
-        partial_gradients(self)
-
-    def forward(self, x):
-        # a copy of my tokens, not a view: a view would keep the whole embedding alive for backward
-        return PatchEmbed.forward(self, x).narrow(1, *my_tokens(self.group)).clone(memory_format=torch.contiguous_format)
-
-
-class SequenceParallelHead(nn.Module):
-    """The head on my tokens: LayerNorm, my tokens' share of the mean over all 64, then g (all-reduce)
-    sums the shares into the whole [B, H] mean on every rank, and the classifier is replicated. The
-    mean is the head's only mix of tokens, so it is where the sequence ends; reducing the pooled
-    B x H moves 64 times fewer elements than gathering the B x 64 x H tokens first."""
-
-    def __init__(self, full, group):
-        super().__init__()
-        self.ln, self.fc, self.group = full.ln, full.fc, group   # Head's names
-        partial_gradients(self.ln)
-
-    def forward(self, x):
-        share = self.ln(x).sum(dim=1) / VIT_TOKENS
-        return self.fc(reduce_from_tp_region(share, self.group))
-
-
-class SummedGradients:
-    """Replicated parameters that each rank applied to part of the data (--hybrid's convolutions to a
-    slice of the batch, a norm under --sequence-parallel to a slice of the tokens): once backward has
-    accumulated all their gradients, one all-reduce of them, flattened into one bucket (DDP's bucket,
-    without its overlap). Summed, not averaged: the loss is already the mean over the global batch,
-    so each rank's gradient is its part's share of the full one. One backward per step (a second
-    backward before the step would sum the summed gradients again)."""
-
-    def __init__(self, params, group):
-        self.params, self.group, self.ready = list(params), group, 0
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self.accumulated)
-            p.summed_over_ranks = True        # whole and identical after the sum: average_replicated_grads skips it
-
-    def accumulated(self, _param):
-        self.ready += 1
-        if self.ready < len(self.params):
-            return
-        self.ready = 0
-        grads = [p.grad for p in self.params]
-        flat = torch.cat([g.flatten() for g in grads])
-        if tp_size(self.group) > 1:
-            dist.all_reduce(flat, group=self.group)
-        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(summed.view_as(g))
-
-
-def sum_sequence_parallel_grads(model, group):
-    """The LayerNorms, row-parallel biases and patch embedding that act on my tokens only get partial
-    gradients: one all-reduce per step sums them (then they are whole, and the same, on every rank)."""
-    params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-    if params:
-        model.sequence_grads = SummedGradients(params, group)
-    return model
 
 
 def parallelize_block(i, block, model_name, group, n_blocks, hybrid=False, sequence_parallel=False):
@@ -486,69 +393,32 @@ def build_parallel_model(args, group, device, hybrid=False):
     sequence_parallel = getattr(args, "sequence_parallel", False)
     shard = partial(parallelize_block, model_name=args.model, group=group, n_blocks=num_blocks(args), hybrid=hybrid,
                     sequence_parallel=sequence_parallel)
-    model = build_model(args, shard, device)
-    if hybrid:
-        from hybrid import HybridCNN
-        model = HybridCNN(model, group)
-    return sum_sequence_parallel_grads(model, group)
+    return summed_where_partial(build_model(args, shard, device), group, hybrid)
 
 
 def parallelize(model, model_name, group, hybrid=False, sequence_parallel=False):
     """A whole model (tests and benchmarks build one) made parallel block by block, in place."""
-    from hybrid import HybridCNN
     for i, block in enumerate(model):
         model[i] = parallelize_block(i, block, model_name, group, len(model), hybrid, sequence_parallel)
-    return HybridCNN(model, group) if hybrid else sum_sequence_parallel_grads(model, group)
+    return summed_where_partial(model, group, hybrid)
 
 
-def shard_of(model, name):
-    """(dim, start, length) of parameter `name` in the full model's parameter; None if replicated."""
-    module_name, _, param_name = name.rpartition(".")
-    return getattr(model.get_submodule(module_name), "shards", {}).get(param_name)
-
-
-def full_slice(model, name, full):
-    """The part of the full model's tensor for parameter `name` that this rank's parameter holds."""
-    spec = shard_of(model, name)
-    return full.narrow(*spec) if spec else full
-
-
-def replicated_parameters(model):
-    """The parameters every tp rank holds whole: row-parallel biases, norms, (vit) embedding and head."""
-    return [p for name, p in model.named_parameters() if shard_of(model, name) is None]
-
-
-def average_replicated_grads(model, group):
-    """Keep the replicated parameters identical on a GPU. Their gradients are computed from whole,
-    identical tensors on every rank, so on the CPU they are bit-identical; but GPU kernels (cuDNN's
-    among them) may sum in another order from run to run, and a last-bit difference would make the
-    replicas drift apart. So each gradient is averaged over the group once accumulated (a hook per
-    parameter: backward fires them in the same order on every rank)."""
-    size = tp_size(group)
-
-    def average(p):
-        dist.all_reduce(p.grad, group=group)
-        p.grad /= size
-
-    for p in replicated_parameters(model):
-        # --hybrid's convolutions and sequence-parallel norms are summed into one whole gradient
-        # already (SummedGradients): a second all-reduce would only repeat the traffic
-        if not getattr(p, "summed_over_ranks", False):
-            p.register_post_accumulate_grad_hook(average)
-
-
-def counted_once(model, group):
-    """For the gradient norm (clipping.py): a shard counts on the rank that holds it, a replicated
-    tensor on tp rank 0 only (every tp rank holds the same one; under sequence parallelism the
-    LayerNorms' partial gradients are summed during backward, before the norm: whole again)."""
-    replicated, first = {id(p) for p in replicated_parameters(model)}, tp_rank(group) == 0
-    return lambda p: first or id(p) not in replicated
+def summed_where_partial(model, group, hybrid):
+    """Replicated parameters applied to a part of the data on each rank get partial gradients, summed
+    over the group after backward: --hybrid's convolutions (hybrid.py), sequence-parallel norms (tp_sequence.py)."""
+    from hybrid import HybridCNN
+    from tp_sequence import sum_sequence_parallel_grads
+    if hybrid:
+        return HybridCNN(model, group)
+    model.sequence_grads = sum_sequence_parallel_grads(model, group)
+    return model
 
 
 # ----------------------------------------------------------------------------- training
 
 
 def train(model, args, data, env, log, group):
+    from tp_replicas import counted_once
     optimizer = make_optimizer(model.parameters(), args)
     first, written_by = checkpoint.resume(args, model, optimizer, env.rank)   # 0: a fresh run
     log.begin(PROGRAM, args, env, first, written_by)
@@ -560,7 +430,7 @@ def train(model, args, data, env, log, group):
         with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of step {step}", args.timeout_s):
             # logits are whole on every rank: each computes the loss; the norm sums over the shards
             loss, norm = train_step(model, optimizer, x, y, step, grad_norm)
-        step_time = clock(env.device) - start
+        step_time = clock(env.device, args.timeout_s) - start
         check_finite(loss, step)
         log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,
                   samples_per_s=args.batch_size / step_time)
@@ -579,6 +449,7 @@ def train(model, args, data, env, log, group):
 
 def main(argv=None):
     from tp_check import report_replicas, run_check
+    from tp_replicas import average_replicated_grads
     args = parse_args(argv)
     note_one_rank("tensor parallelism of degree 1, every weight whole")
     data = load_data(args)

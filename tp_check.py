@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from clipping import clip_global
 from common import awaiting, build_model, fail, make_optimizer, replicas_identical
-from tensor_parallel import VIT_TOKENS, counted_once, full_slice, replicated_parameters, tp_size
+from tensor_parallel import tp_size
+from tp_replicas import counted_once, full_slice, replicated_parameters
+from tp_sequence import VIT_TOKENS
 
 # ----------------------------------------------------------------------------- the flags
 
@@ -44,9 +46,10 @@ def validate_degree(args, degree, use_degree=ranks_for):
              f"use at most {use_degree(width)}")
 
 
-def validate_sequence_parallel(args, degree):
-    """--sequence-parallel: the vit only, and every rank holds an equal run of its 64 tokens."""
-    if args.hybrid:
+def validate_sequence_parallel(args, degree, use_degree=ranks_for):
+    """--sequence-parallel: the vit only, and every rank holds an equal run of its 64 tokens.
+    use_degree(d): how to ask for degree d (here the world size; parallel_3d.py: --tp d)."""
+    if getattr(args, "hybrid", False):   # parallel_3d.py has no --hybrid
         fail("--sequence-parallel shards the vit's tokens and --hybrid the cnn's batch; they do not combine: "
              "drop one of them")
     if args.model != "vit":
@@ -56,7 +59,7 @@ def validate_sequence_parallel(args, degree):
         fits = [d for d in range(2, VIT_TOKENS + 1) if VIT_TOKENS % d == 0]
         near = [max(d for d in fits if d < degree)] + [d for d in fits if d > degree][:1]
         fail(f"the vit's {VIT_TOKENS} tokens are not divisible by the tensor-parallel degree {degree}; under "
-             f"--sequence-parallel every rank holds an equal run of tokens: use {' or '.join(map(ranks_for, near))}, "
+             f"--sequence-parallel every rank holds an equal run of tokens: use {' or '.join(map(use_degree, near))}, "
              f"or drop --sequence-parallel")
 
 

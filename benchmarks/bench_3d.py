@@ -6,9 +6,11 @@ step time against the joint grid, tensor parallelism and the baseline on the sam
 Traffic: parallel_3d.py runs under torchrun with torch.distributed's all_reduce, all_gather and
 batch_isend_irecv wrapped (`traffic` mode, one worker per rank): during train() each rank adds up
 the bytes it hands to each collective or sends, by the axis of the group (the grid coordinate in
-which the group's ranks differ). Payload per rank: an all-reduce of M bytes, the shard given to an
-all-gather, the message sent. A ring all-reduce puts 2(p-1)/p M on the wire per rank, an all-gather
-(p-1) x shard: at p = 2 these equal the payload.
+which the group's ranks differ; a group of one rank moves nothing and counts on no axis). Payload
+per rank: an all-reduce of M bytes, the shard given to an all-gather, the shard a reduce-scatter
+keeps, the message sent. A ring all-reduce puts 2(p-1)/p M on the wire per rank, an all-gather and
+a reduce-scatter (p-1) x shard: at p = 2 these equal the payload. cnn_formula, vit_formula and
+mlp_formula are the same sums done by hand, with and without --sequence-parallel and --scatter-gather.
 """
 import argparse
 import json
@@ -26,6 +28,8 @@ def axis_of(ranks, dp, tp, world):
     """'dp', 'pp' or 'tp': the coordinate of arange(world).view(dp, pp, tp) in which the ranks differ."""
     if len(ranks) == world:
         return "world"
+    if len(ranks) == 1:      # an axis of size 1 (--dp 1): its "collectives" move nothing
+        return "self"
     pp = world // (dp * tp)
     coords = [(r // (pp * tp), r // tp % pp, r % tp) for r in ranks]
     return next(name for i, name in enumerate(("dp", "pp", "tp")) if len({c[i] for c in coords}) > 1)
@@ -43,7 +47,7 @@ def traffic_worker(argv):
     def tally(fn, kind):
         def wrapper(*a, **kw):
             if counting[0]:
-                tensor = a[1] if kind == "all_gather" else a[0]   # all_gather(outputs, mine): my shard
+                tensor = a[1] if kind == "all_gather" else a[0]   # all_gather(outputs, mine), reduce_scatter(mine, inputs)
                 group = kw.get("group")
                 ranks = dist.get_process_group_ranks(group) if group is not None else range(world)
                 axis = axis_of(list(ranks), args.dp, args.tp, world)
@@ -69,6 +73,7 @@ def traffic_worker(argv):
         real_exit(status)
 
     dist.all_reduce, dist.all_gather = tally(dist.all_reduce, "all_reduce"), tally(dist.all_gather, "all_gather")
+    dist.reduce_scatter = tally(dist.reduce_scatter, "reduce_scatter")
     batch_isend_irecv, dist.batch_isend_irecv = dist.batch_isend_irecv, batch
     real_train, parallel_3d.train = parallel_3d.train, train
     real_exit, parallel_3d.exit_now = common.exit_now, leave
@@ -94,6 +99,60 @@ def cnn_formula(b, t):
     dp = {s: params[s] + (2 if s == 1 else 0) for s in (0, 1)}   # + the loss average (one float64) on stage 1
     norm = 2   # the gradient norm's sum of squares, one float64 summed over the tp and the pp group every step
     tp, pp = ({s: n + norm for s, n in d.items()} for d in (tp, pp))
+    return {axis: {s: n * FLOAT for s, n in d.items()} for axis, d in (("tp", tp), ("pp", pp), ("dp", dp))}
+
+
+def two_stages(n_blocks):
+    """The blocks of stage 0 and stage 1 (pipeline_microbatch.partition: the first one larger)."""
+    first = (n_blocks + 1) // 2
+    return range(first), range(first, n_blocks)
+
+
+def vit_formula(b, t, hidden, layers, dp=1, sequence_parallel=False, scatter_gather=True):
+    """Payload bytes per step of one rank of the vit (tokens S = 64) on 2 stages, b samples per replica
+    (tp divides hidden, heads and 64). A = b x 64 x hidden elements: the residual stream."""
+    H, A = hidden, b * 64 * hidden
+    stages = two_stages(layers + 2)
+    blocks = {s: sum(0 < i <= layers for i in stages[s]) for s in (0, 1)}   # transformer blocks per stage
+    if sequence_parallel:
+        # per block: all-gather before q,k,v and before mlp.0, reduce-scatter after proj and mlp.2 (A/t each),
+        # and the same four swapped in backward; the partial gradients' sum once a step (embedding
+        # conv + bias + position table 113H, per block ln1, ln2 and two row biases 6H, the head's LayerNorm
+        # 2H); the head's all-reduce of the pooled shares [b, H]
+        tp = {s: 8 * A // t * blocks[s] + 6 * H * blocks[s] for s in (0, 1)}
+        tp[0] += 113 * H
+        tp[1] += b * H + 2 * H
+        pp = {s: A // t for s in (0, 1)}   # my tokens' shard, forward and its gradient back
+    else:
+        tp = {s: 4 * A * blocks[s] for s in (0, 1)}   # f (backward) and g (forward), before/after attention and mlp
+        pp = {s: A // t if scatter_gather else A for s in (0, 1)}
+        if scatter_gather:   # the receivers all-gather the t slices: stage 1 in forward, stage 0 in backward
+            tp = {s: n + A // t for s, n in tp.items()}
+    block = 6 * H * H // t + 5 * H // t + 6 * H   # q, k, v, mlp.0 column; proj, mlp.2 row (whole biases); 2 norms
+    params = {s: block * blocks[s] for s in (0, 1)}
+    params[0] += 113 * H               # patch conv, its bias, position table (replicated)
+    params[1] += 12 * H + 10           # head LayerNorm and classifier (replicated)
+    return with_norm_and_dp(tp, pp, params, dp)
+
+
+def mlp_formula(b, t, hidden, dp=1, scatter_gather=True):
+    """The mlp of 4 layers on 2 stages (blocks 0-1 | 2-3): column, row | column, row. The cut follows
+    the row-parallel layer 1: whole on every tp rank, so scatter/gather applies."""
+    H = hidden
+    tp = {0: b * H, 1: b * H + b * 10}   # g after layer 1; f before layer 2 (backward) and g after layer 3
+    pp = {s: b * H // t if scatter_gather else b * H for s in (0, 1)}
+    if scatter_gather:
+        tp = {s: n + b * H // t for s, n in tp.items()}
+    params = {0: H // t * (3072 + 1) + H * H // t + H, 1: H // t * (H + 1) + 10 * H // t + 10}
+    return with_norm_and_dp(tp, pp, params, dp)
+
+
+def with_norm_and_dp(tp, pp, params, dp):
+    """Add the gradient norm's float64 sum (over the tp and the pp group) and the data-parallel axis:
+    the gradient all-reduce and the loss average (one float64, last stage); elements -> bytes."""
+    norm = 2
+    tp, pp = ({s: n + norm for s, n in d.items()} for d in (tp, pp))
+    dp = {s: (params[s] + (2 if s == 1 else 0)) if dp > 1 else 0 for s in (0, 1)}
     return {axis: {s: n * FLOAT for s, n in d.items()} for axis, d in (("tp", tp), ("pp", pp), ("dp", dp))}
 
 

@@ -14,6 +14,14 @@ must equal single_baseline.py's). The worker builds both models on every rank an
   all-gather's output, a reduce-scatter's input), and the bytes a ring puts on the wire per rank:
   2(p-1)/p x 4 bytes per element for an all-reduce, (p-1)/p x 4 for the other two;
 * step time: bench.race, the two engines taking turns, the order flipping every step.
+
+In 3-D (`--cuts`): parallel_3d.py on 1 x 2 x 2 ranks, the vit of SIZE and an mlp, with each way a
+pipeline cut can travel (whole from every tp rank, scatter/gather, the sequence-parallel token
+shard), run under bench_3d.py's counting wrappers: bytes per step on each axis for every rank
+(counted, next to bench_3d's formula), peak memory, median step time, and the largest |loss -
+baseline| over the run.
+
+    python benchmarks/sequence_parallel.py --cuts --out logs/bench/cuts.json
 """
 import json
 import os
@@ -165,7 +173,62 @@ def report(result, degrees):
         print(f"  sp / tp step time (median of per-step ratios): {r['paired_sp_over_tp']:.2f}")
 
 
+MLP = ["--model", "mlp", "--hidden", "1024", "--layers", "4", "--batch-size", "64"]
+CUTS = [   # (model flags, option flags, bench_3d formula keywords)
+    (SIZE, ["--no-scatter-gather"], {"scatter_gather": False}),
+    (SIZE, [], {}),
+    (SIZE, ["--sequence-parallel"], {"sequence_parallel": True}),
+    (MLP, ["--no-scatter-gather"], {"scatter_gather": False}),
+    (MLP, [], {}),
+]
+
+
+def cuts(out, steps=10):
+    """parallel_3d.py, dp 1 x pp 2 x tp 2, each cut option: counted bytes per axis, formula, memory, time."""
+    import bench_3d
+    folder = out + ".d"
+    os.makedirs(folder, exist_ok=True)
+    rows, result = [], []
+    for size, option, keywords in CUTS:
+        flags = size + ["--data", "synthetic", "--eval-every", "0", "--steps", str(steps)]
+        base_log = os.path.join(folder, f"baseline-{size[1]}.jsonl")
+        if not os.path.exists(base_log):
+            subprocess.run([sys.executable, "single_baseline.py", *flags, "--log-file", base_log], cwd=ROOT,
+                           check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        traffic = os.path.join(folder, "traffic-" + "-".join([size[1], *option]).replace("--", ""))
+        os.makedirs(traffic, exist_ok=True)
+        log = traffic + ".jsonl"
+        bench_3d.torchrun(4, [os.path.join(HERE, "bench_3d.py"), "traffic", *flags, "--dp", "1", "--tp", "2",
+                              "--microbatches", "2", *option, "--log-file", log], {"TRAFFIC_DIR": traffic})
+        losses, summary = losses_and_summary(log)
+        baseline, _ = losses_and_summary(base_log)
+        b, hidden = int(size[size.index("--batch-size") + 1]), int(size[size.index("--hidden") + 1])
+        formula = bench_3d.vit_formula(b, 2, hidden, int(size[size.index("--layers") + 1]), **keywords) \
+            if size[1] == "vit" else bench_3d.mlp_formula(b, 2, hidden, **keywords)
+        counted = [bench_3d.counted(traffic, rank, steps) for rank in range(4)]
+        result.append({"model": size[1], "option": option, "counted": counted, "formula": formula,
+                       "peak_memory_mb": summary["peak_memory_mb"], "median_step_s": summary["median_step_time_s"],
+                       "max_loss_diff_vs_baseline": max(abs(x - y) for x, y in zip(losses, baseline))})
+        r = result[-1]
+        for stage in (0, 1):
+            got = {axis: {counted[rank][axis] for rank in (2 * stage, 2 * stage + 1)} for axis in ("tp", "pp")}
+            rows.append(f"| {size[1]} | {' '.join(option) or 'scatter/gather (default)'} | {stage} | "
+                        + " | ".join(f"{formula[a][stage]:,} / {' '.join(f'{v:,.0f}' for v in got[a])}"
+                                     for a in ("tp", "pp"))
+                        + f" | {' / '.join(str(r['peak_memory_mb'][str(k)]) for k in (2 * stage, 2 * stage + 1))}"
+                        + f" | {r['median_step_s'] * 1e3:.0f} | {r['max_loss_diff_vs_baseline']:.2g} |")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("| model | cut | stage | tp bytes/step/rank: formula / counted | pp: formula / counted "
+          "| peak RSS (MB), the stage's 2 ranks | median step (ms) | largest \\|loss - baseline\\| |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+
+
 if __name__ == "__main__":
+    if "--cuts" in sys.argv:
+        out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "logs/bench/cuts.json"
+        sys.exit(cuts(os.path.abspath(out)))
     if "--worker" in sys.argv:
         sys.argv.remove("--worker")
         exit_now(worker(sys.argv[1:]))

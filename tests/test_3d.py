@@ -13,6 +13,7 @@ import torch
 import parallel_3d
 import pipeline_microbatch as pm
 import tensor_parallel as tp
+import tp_replicas
 from common import build_model
 from data import load_data
 from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
@@ -64,11 +65,17 @@ def test_2x2x2_cnn_sends_shards_equals_the_baseline_and_moves_the_bytes_of_the_f
 
 
 @pytest.mark.parametrize("args,dp,pp,tp,extra,message", [
-    # 1x2x2 vit: whole activations at the cut (a block ends in a row-parallel layer), with evaluation, a
-    # timeline, and --recompute (its forwards re-run before each backward, tp collectives included)
+    # 1x2x2 vit: whole activations at the cut (a block ends in a row-parallel layer), so each tp rank sends
+    # half of the flattened 64 x 16 (scatter/gather), with evaluation, a timeline, and --recompute (its
+    # forwards re-run before each backward, tp collectives and the cut's all-gather included)
     (VIT, 1, 2, 2, ["--schedule", "gpipe", "--microbatches", "2", "--eval-every", "2", "--timeline", "t.json",
                     "--recompute"],
-     "[64, 16]"),
+     "[512]"),
+    # 2x2x2 vit, --sequence-parallel, interleaved with 2 chunks of one block each: every cut carries my
+    # 32 of the 64 tokens, and the evaluation too
+    (VIT + ["--layers", "6", "--dropout", "0.1", "--clip-grad-norm", "0.5"], 2, 2, 2,
+     ["--sequence-parallel", "--schedule", "interleaved", "--microbatches", "2"],
+     "[32, 16], [32, 16], [32, 16]"),
     # 2x1x2 mlp with an odd layer count: the classifier is column-parallel with a gather; one stage, no messages
     (MLP + ["--layers", "3"], 2, 1, 2, ["--microbatches", "2"], "none (one stage)"),
     # 2x2x1: the joint program's grid with a tp axis of one; interleaved, 2 chunks per rank
@@ -89,6 +96,56 @@ def test_grids_and_models_equal_the_baseline(tmp_path, baseline, args, dp, pp, t
             trace = json.load(f)
         assert trace["otherData"]["stages"] == pp and trace["otherData"]["recompute"] == ("--recompute" in extra)
         assert {"R0", "R1"} <= {e["name"] for e in trace["traceEvents"]}, "no recomputed forward on the timeline"
+
+
+@pytest.mark.parametrize("args,extra,formula,message", [
+    (VIT, ["--sequence-parallel"], partial(bench_3d.vit_formula, 8, 2, 16, 2, sequence_parallel=True), "[32, 16]"),
+    (VIT, [], partial(bench_3d.vit_formula, 8, 2, 16, 2), "[512]"),
+    (VIT, ["--no-scatter-gather"], partial(bench_3d.vit_formula, 8, 2, 16, 2, scatter_gather=False), "[64, 16]"),
+    (MLP + ["--layers", "4"], [], partial(bench_3d.mlp_formula, 16, 2, 32), "[16]"),
+    (MLP + ["--layers", "4"], ["--no-scatter-gather"], partial(bench_3d.mlp_formula, 16, 2, 32, scatter_gather=False),
+     "[32]"),
+])
+def test_each_cut_moves_the_bytes_of_the_formula_and_keeps_the_baseline(tmp_path, baseline, monkeypatch, args,
+                                                                        extra, formula, message):
+    """1x2x2, under bench_3d.py's counting wrappers: a cut that follows a row-parallel layer sends 1/t of
+    the activation by default (scatter/gather) and the receivers all-gather it; --sequence-parallel sends
+    the token shard and needs no gather; --no-scatter-gather sends it whole. The bytes each rank moves
+    per step on each axis are the formula's, and the losses the baseline's."""
+    monkeypatch.setenv("TRAFFIC_DIR", str(tmp_path))
+    run = launch("benchmarks/bench_3d.py", ["traffic", *args, "--dp", "1", "--tp", "2", "--microbatches", "2", *extra],
+                 tmp_path, nproc=4, log_name="parallel_3d.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"per-sample message at each cut, on tp rank 0: {message}\n" in run.stdout
+    assert_same_losses(run, baseline(args))
+    assert_replicas_identical(run, 1, 2)
+    want, steps = formula(), int(args[args.index("--steps") + 1])
+    for rank in range(4):
+        assert bench_3d.counted(tmp_path, rank, steps) == {axis: want[axis][rank // 2] for axis in want}, rank
+
+
+def test_the_pipeline_axis_moves_t_times_fewer_bytes_with_either_option():
+    """The formulas' pipeline bytes (less the gradient norm's 8) at t = 2 and 4: whole, then 1/t."""
+    for t in (2, 4):
+        whole, scattered, tokens = (bench_3d.vit_formula(8, t, 16, 2, **kw)["pp"][0] - 8 for kw in
+                                    ({"scatter_gather": False}, {}, {"sequence_parallel": True}))
+        assert whole == t * scattered == t * tokens == 4 * 8 * 64 * 16
+    whole, scattered = (bench_3d.mlp_formula(16, 2, 32, scatter_gather=sg)["pp"][1] - 8 for sg in (False, True))
+    assert whole == 2 * scattered == 4 * 16 * 32
+
+
+@pytest.mark.parametrize("args,extra,message", [
+    (VIT, ["--sequence-parallel", "--dropout", "0.1", "--clip-grad-norm", "0.5"], "[32, 16]"),
+    (MLP + ["--layers", "4"], [], "[16]"),
+])
+def test_check_passes_across_a_scattered_or_sequence_parallel_cut(tmp_path, args, extra, message):
+    """1x2x2 --check: the vit --sequence-parallel with dropout and clipping (every partial gradient summed
+    over the tp group after the last microbatch), and the mlp whose cut follows a row-parallel layer
+    (scatter/gather: half the features sent, all-gathered, and half the gradient sent back)."""
+    run = run_grid(tmp_path, args, 1, 2, 2, ["--check", "--microbatches", "2", *extra])
+    assert f"per-sample message at each cut, on tp rank 0: {message}\n" in run.stdout
+    summary = [line for line in run.stdout.splitlines() if line.startswith("--check")]
+    assert len(summary) == 1 and "all tensors match the full model" in summary[0], run.stdout[-2000:]
 
 
 def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
@@ -118,6 +175,13 @@ def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
      "(one chunk needs at least one); use 4 ranks (torchrun --nproc-per-node 4) or --layers 3"),
     (["--dp", "2", "--tp", "2", "--microbatches", "3"], 8,
      "error: --batch-size 16 is not divisible by 2 replica(s) x --microbatches 3"),
+    (["--dp", "1", "--tp", "2", "--sequence-parallel"], 4,
+     "error: --sequence-parallel shards the vit's sequence of 64 tokens, and --model mlp has no sequence: "
+     "use --model vit, or drop --sequence-parallel"),
+    (["--model", "vit", "--heads", "6", "--hidden", "48", "--dp", "1", "--tp", "3", "--sequence-parallel"], 6,
+     "error: the vit's 64 tokens are not divisible by the tensor-parallel degree 3; under --sequence-parallel "
+     "every rank holds an equal run of tokens: use --tp 2 with 4 ranks (torchrun --nproc-per-node 4) or --tp 4 "
+     "with 8 ranks (torchrun --nproc-per-node 8), or drop --sequence-parallel"),
     (["--dp", "1", "--tp", "2", "--schedule", "zb"], 4,   # it would run ZB-H1's order with empty W actions
      "error: --schedule zb needs the backward split into B and W, which parallel_3d.py's tensor-parallel layers"),
 ])
@@ -133,7 +197,7 @@ def test_a_bad_grid_under_torchrun_fails_on_every_rank(tmp_path):
 
 
 def test_check_compares_each_tensor_with_the_slice_it_is_given(monkeypatch):
-    """In one process (tp 1, one stage): run_check passes with tensor_parallel.full_slice, and names a
+    """In one process (tp 1, one stage): run_check passes with tp_replicas.full_slice, and names a
     gradient when the slice of the full model it is handed is the wrong one."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = parallel_3d.parse_args(MLP + ["--layers", "3", "--dp", "1", "--tp", "1", "--microbatches", "2"])
@@ -147,7 +211,7 @@ def test_check_compares_each_tensor_with_the_slice_it_is_given(monkeypatch):
         return run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y,
                             reference=build_model(args), full_slice=slicer(model))
 
-    count, worst = check(lambda model: partial(tp.full_slice, model))
+    count, worst = check(lambda model: partial(tp_replicas.full_slice, model))
     assert count == 2 + 2 * 6 and worst < 1e-5
     with pytest.raises(AssertionError, match="gradient of 0.1.weight differs"):
         check(lambda model: lambda name, full: full.flip(0))

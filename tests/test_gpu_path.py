@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import common
 import pipeline_microbatch as pm
 import tensor_parallel as tp
+import tp_replicas
 from common import Env, build_model
 from data import SyntheticData
 from helpers import FAST, ROOT, run_ranks
@@ -175,21 +176,21 @@ def _average_case(rank, world, group):
     same on every rank; replicas_identical sees a difference and its absence."""
     args = tp.parse_args(FAST + ["--model", "cnn"])
     plain, averaged = (tp.parallelize(build_model(args), "cnn", group) for _ in range(2))
-    tp.average_replicated_grads(averaged, group)
+    tp_replicas.average_replicated_grads(averaged, group)
     x, y = SyntheticData(rank).batch(0, 4)          # rank-dependent: the replicated gradients differ
     for model in (plain, averaged):
         F.cross_entropy(model(x), y).backward()
-    for mine, got in zip(tp.replicated_parameters(plain), tp.replicated_parameters(averaged)):
+    for mine, got in zip(tp_replicas.replicated_parameters(plain), tp_replicas.replicated_parameters(averaged)):
         mean = mine.grad.clone()
         dist.all_reduce(mean)
         torch.testing.assert_close(got.grad, mean / world)
         every = [torch.empty_like(got.grad) for _ in range(world)]
         dist.all_gather(every, got.grad)
         assert all(torch.equal(every[0], g) for g in every)
-    assert common.replicas_identical(tp.replicated_parameters(plain), group)
+    assert common.replicas_identical(tp_replicas.replicated_parameters(plain), group)
     with torch.no_grad():
-        tp.replicated_parameters(plain)[0].add_(rank)
-    assert not common.replicas_identical(tp.replicated_parameters(plain), group)
+        tp_replicas.replicated_parameters(plain)[0].add_(rank)
+    assert not common.replicas_identical(tp_replicas.replicated_parameters(plain), group)
 
 
 def test_replicated_gradients_are_averaged_over_the_tp_group(tmp_path):
@@ -201,7 +202,7 @@ def _hybrid_average_case(rank, world, group):
     by the averaging hook; the other replicated tensors (row-parallel biases) are averaged."""
     args = tp.parse_args(FAST + ["--model", "cnn", "--hybrid"])
     model = tp.parallelize(build_model(args), "cnn", group, hybrid=True)
-    tp.average_replicated_grads(model, group)
+    tp_replicas.average_replicated_grads(model, group)
     calls, real = [], dist.all_reduce
     dist.all_reduce = lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k)
     try:
@@ -210,7 +211,7 @@ def _hybrid_average_case(rank, world, group):
     finally:
         dist.all_reduce = real
     conv = sum(p.numel() for block in list(model)[:2] for p in block.parameters())
-    averaged = [p.numel() for p in tp.replicated_parameters(model) if not getattr(p, "summed_over_ranks", False)]
+    averaged = [p.numel() for p in tp_replicas.replicated_parameters(model) if not getattr(p, "summed_over_ranks", False)]
     # forward: g after fc2 (4 x 84); backward: f before fc3 (4 x 84) and before fc1 (4 x 400), the conv
     # bucket once, and the averaged replicated tensors (fc2's bias)
     assert sorted(calls) == sorted([4 * 84, 4 * 84, 4 * 400, conv] + averaged), calls

@@ -1,0 +1,93 @@
+"""Which tensor-parallel parameters are shards and which are replicas, and how the replicas stay whole
+and identical: tensor_parallel.py, tp_check.py, hybrid.py, tp_sequence.py and parallel_3d.py share it.
+
+A sharded layer records, for each parameter it sliced, where the slice lies in the full tensor
+(`shards`: dim, start, length). Every other parameter is replicated: row-parallel biases, norms, the
+vit's embedding and head. A replica's gradient is either whole on every rank already (computed from
+whole, identical tensors: average_replicated_grads keeps a GPU's from drifting by a last bit), or a
+partial sum that the ranks add up (SummedGradients: --hybrid's convolutions, the norms under
+--sequence-parallel). The gradient norm counts each replica once (counted_once).
+"""
+import torch
+import torch.distributed as dist
+
+from tensor_parallel import tp_rank, tp_size
+
+
+def shard_of(model, name):
+    """(dim, start, length) of parameter `name` in the full model's parameter; None if replicated."""
+    module_name, _, param_name = name.rpartition(".")
+    return getattr(model.get_submodule(module_name), "shards", {}).get(param_name)
+
+
+def full_slice(model, name, full):
+    """The part of the full model's tensor for parameter `name` that this rank's parameter holds."""
+    spec = shard_of(model, name)
+    return full.narrow(*spec) if spec else full
+
+
+def replicated_parameters(model):
+    """The parameters every tp rank holds whole: row-parallel biases, norms, (vit) embedding and head."""
+    return [p for name, p in model.named_parameters() if shard_of(model, name) is None]
+
+
+def average_replicated_grads(model, group):
+    """Keep the replicated parameters identical on a GPU. Their gradients are computed from whole,
+    identical tensors on every rank, so on the CPU they are bit-identical; but GPU kernels (cuDNN's
+    among them) may sum in another order from run to run, and a last-bit difference would make the
+    replicas drift apart. So each gradient is averaged over the group once accumulated (a hook per
+    parameter: backward fires them in the same order on every rank)."""
+    size = tp_size(group)
+
+    def average(p):
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= size
+
+    for p in replicated_parameters(model):
+        # --hybrid's convolutions and sequence-parallel norms are summed into one whole gradient
+        # already (SummedGradients): a second all-reduce would only repeat the traffic
+        if not getattr(p, "summed_over_ranks", False):
+            p.register_post_accumulate_grad_hook(average)
+
+
+def counted_once(model, group):
+    """For the gradient norm (clipping.py): a shard counts on the rank that holds it, a replicated
+    tensor on tp rank 0 only (every tp rank holds the same one; under sequence parallelism the
+    LayerNorms' partial gradients are summed before the norm is taken: whole again)."""
+    replicated, first = {id(p) for p in replicated_parameters(model)}, tp_rank(group) == 0
+    return lambda p: first or id(p) not in replicated
+
+
+class SummedGradients:
+    """Replicated parameters that each rank applied to part of the data (--hybrid's convolutions to a
+    slice of the batch, a norm under --sequence-parallel to a slice of the tokens): their gradients
+    summed over the group in one all-reduce, flattened into one bucket (DDP's bucket, without its
+    overlap). Summed, not averaged: the loss is already the mean over the global batch, so each
+    rank's gradient is its part's share of the full one.
+
+    per_backward: sum as soon as one backward has accumulated every gradient (a hook per parameter),
+    for a program with one backward per step (tensor_parallel.py); a pipeline runs one backward per
+    microbatch, and summing after each would add the sums of earlier microbatches again, so it calls
+    sum() once, after the last backward of the step (parallel_3d.py)."""
+
+    def __init__(self, params, group, per_backward=True):
+        self.params, self.group, self.ready = list(params), group, 0
+        for p in self.params:
+            if per_backward:
+                p.register_post_accumulate_grad_hook(self.accumulated)
+            p.summed_over_ranks = True        # whole and identical after the sum: average_replicated_grads skips it
+
+    def accumulated(self, _param):
+        self.ready += 1
+        if self.ready == len(self.params):
+            self.ready = 0
+            self.sum()
+
+    def sum(self):
+        grads = [p.grad for p in self.params if p.grad is not None]   # the same on every rank of the group
+        if not grads or tp_size(self.group) == 1:
+            return
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(summed.view_as(g))
