@@ -199,7 +199,8 @@ def plot_curves(paths, out, beside=()):
     fig.suptitle(title_of(runs, mismatches), color="red" if mismatches else "black")
     diffs = largest_differences(runs)
     save(fig, out, {"kind": "curves", "runs": [run_summary(label, records, diffs.get(label))
-                                               for label, records in runs]})
+                                               for label, records in runs],
+                    "beside": [run_summary(label, records, None) for label, records in others]})
     return diffs
 
 

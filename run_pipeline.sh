@@ -4,7 +4,7 @@
 # the largest per-step |loss difference| of each schedule (the equivalence contract wants <= 1e-4).
 # The parallel program's arguments are checked first, for every schedule.
 #
-#   bash run_pipeline.sh                                        # cnn, 4 stages, gpipe and 1f1b, CIFAR-10
+#   bash run_pipeline.sh                                        # cnn, 4 stages, gpipe, 1f1b and 2bw, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_pipeline.sh               # no network
 #   SCHEDULES="1f1b interleaved" MICROBATCHES=8 MODEL=vit DATA=synthetic bash run_pipeline.sh --layers 6
 #   SCHEDULES="1f1b zb" RECOMPUTE=1 DATA=synthetic bash run_pipeline.sh    # zero bubble; re-materialisation
@@ -22,7 +22,7 @@ MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
 MICROBATCHES=${MICROBATCHES:-4}
-SCHEDULES=${SCHEDULES:-"gpipe 1f1b"}   # any of gpipe 1f1b interleaved zb 2bw
+SCHEDULES=${SCHEDULES:-"gpipe 1f1b 2bw"}   # any of gpipe 1f1b interleaved zb 2bw (2bw: MICROBATCHES >= NPROC)
 RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
 VIRTUAL_STAGES=${VIRTUAL_STAGES:-2}    # interleaved only
 BACKEND=${BACKEND:-auto}               # auto | gloo | nccl

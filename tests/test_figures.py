@@ -9,7 +9,8 @@ import pytest
 import plot_curves
 from helpers import ROOT
 
-FIGURES = {"run_pipeline": ["pipeline_loss.png", "pipeline_timeline.png"], "run_joint": ["joint_loss.png"],
+FIGURES = {"run_pipeline": ["pipeline_loss.png", "pipeline_timeline.png", "pipeline_loss_2bw.png"],
+           "run_joint": ["joint_loss.png"],
            "run_tp": ["tp_loss.png"], "run_3d": ["3d_loss.png"]}
 OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh"}   # drawn by another documented command
 
@@ -75,8 +76,8 @@ def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
                 int(s["DP"]), int(s["MICROBATCHES"]), s["SCHEDULE"])
         if launcher == "run_3d":
             assert args["tp"] == int(s["TP"])
-    if launcher == "run_pipeline":
-        assert [run["args"]["schedule"] for run in parallel] == s["SCHEDULES"].split()
+    if launcher == "run_pipeline":   # 2bw has a figure of its own, against its own reference
+        assert [run["args"]["schedule"] for run in parallel] == [x for x in s["SCHEDULES"].split() if x != "2bw"]
     if launcher == "run_tp":
         assert [bool(run["args"].get("hybrid")) for run in parallel] == [False] + [True] * (s["HYBRID"] == "1")
 
@@ -90,6 +91,18 @@ def test_the_timeline_figure_shows_the_documented_schedules():
     for t in traces:
         assert (t["stages"], t["microbatches"], t["recompute"]) == (int(s["NPROC"]), int(s["MICROBATCHES"]),
                                                                    s["RECOMPUTE"] == "1")
+
+
+def test_the_2bw_figure_draws_it_on_its_delay_1_reference_beside_the_synchronous_baseline():
+    s = settings("run_pipeline", documented_command()[1])
+    assert "2bw" in s["SCHEDULES"].split()
+    _, record = plot_curves.png_record(os.path.join(ROOT, "plots", "pipeline_loss_2bw.png"))
+    (reference, pipedream), (synchronous,) = record["runs"], record["beside"]
+    assert reference["program"] == "single_baseline" and reference["args"]["delay"] == 1
+    assert pipedream["args"]["schedule"] == "2bw" and pipedream["largest_difference"] <= 1e-4
+    assert synchronous["program"] == "single_baseline" and not synchronous["args"].get("delay")
+    for run in (reference, pipedream, synchronous):
+        assert run["train_steps"] == int(s["STEPS"]) and run["args"]["model"] == s["MODEL"], run["label"]
 
 
 # ----------------------------------------------------------------------------- the README's numbers

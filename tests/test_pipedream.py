@@ -122,15 +122,17 @@ def test_the_delay_1_reference_against_a_hand_computed_two_step_example():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,stages,m,extra", [
-    ("mlp", 2, 2, ["--hidden", "32", "--layers", "4"]),                        # m = p
-    ("mlp", 3, 5, ["--hidden", "32", "--layers", "6", "--dropout", "0.2"]),   # m > p, keyed dropout across steps
-    ("cnn", 4, 4, ["--eval-every", "4"]),                                      # evaluation between steps
-    ("vit", 2, 3, ["--hidden", "16", "--layers", "4", "--heads", "2", "--clip-grad-norm", "0.5"]),
+@pytest.mark.parametrize("model,stages,m,extra,ours", [
+    ("mlp", 2, 2, ["--hidden", "32", "--layers", "4"], []),                         # m = p
+    ("mlp", 3, 5, ["--hidden", "32", "--layers", "6", "--dropout", "0.2"],         # m > p, keyed dropout across
+     ["--recompute"]),                                                              # steps, recomputed forwards
+    ("cnn", 4, 4, ["--eval-every", "4"], []),                                       # evaluation between steps
+    ("vit", 2, 3, ["--hidden", "16", "--layers", "4", "--heads", "2", "--clip-grad-norm", "0.5"], []),
 ])
-def test_2bw_logs_its_reference_losses(tmp_path, baseline, model, stages, m, extra):
+def test_2bw_logs_its_reference_losses(tmp_path, baseline, model, stages, m, extra, ours):
     args = ["--data", "synthetic", "--model", model, "--steps", "8", "--batch-size", str(6 * m), "--lr", "0.05"] + extra
-    run = launch("pipeline_microbatch.py", args + ["--schedule", "2bw", "--microbatches", str(m)], tmp_path, nproc=stages)
+    run = launch("pipeline_microbatch.py", args + ours + ["--schedule", "2bw", "--microbatches", str(m)], tmp_path,
+                 nproc=stages)
     reference = launch("single_baseline.py", args + ["--delay", "1"], tmp_path, log_name="delay.jsonl")
     assert_same_losses(run, reference)
     synchronous = baseline(args)                 # staleness changes the run: the comparison has teeth
