@@ -51,7 +51,8 @@ from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
 from pipeline_check import check_and_exit
 from pipeline_flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline
-from pipeline_microbatch import Messenger, StageRunner, build_stage_model, partition, schedule_actions, train
+from pipeline_microbatch import Messenger, StageRunner, build_stage_model, partition, schedule_actions
+from pipeline_train import train
 from tensor_parallel import (ColumnParallelConv2d, ColumnParallelLinear, RowParallelConv2d, RowParallelLinear,
                              gather_from_tp_region, parallelize_block, split_sizes, tp_rank, tp_size)
 from tp_check import report_replicas, validate_degree, validate_sequence_parallel

@@ -22,6 +22,9 @@ one process.
 import torch
 from torch.func import functional_call
 
+from data import next_batch
+from schedules import schedule_actions
+
 
 class TwoVersions:
     """One stage's two weight versions, per chunk: the modules' own parameters start as one, a
@@ -61,3 +64,16 @@ class TwoVersions:
             if now in state:
                 state[nxt] = state.pop(now)
         optimizer.param_groups[0]["params"] = newer
+
+
+def pipedream_step_actions(pos, m, steps, step):
+    """Step `step`'s actions: the first warms up, the last drains, the others do neither."""
+    return schedule_actions("2bw", pos, m, first=step == 0, last=step == steps - 1)
+
+
+def pipedream_inputs(x, data, step, args, pos, replicas, device):
+    """2bw's first stage: this batch's microbatches, then the next batch's, whose first forwards
+    run in this step (each batch is drawn twice there: as the next one, then as this one)."""
+    m, ahead = args.microbatches, step + 1 < args.steps
+    upcoming = next_batch(data, step + 1, args, pos, replicas, device)[0].chunk(m) if ahead else []
+    return list(x.chunk(m)) + list(upcoming)

@@ -37,7 +37,8 @@ from common import (awaiting, base_parser, distributed, exit_now, fail, note_one
 from data import agree_on_data, dp_slice, load_data
 from pipeline_check import check_and_exit
 from pipeline_flags import add_pipeline_flags, refuse_pipedream, validate_pipeline
-from pipeline_microbatch import PipelineRank, schedule_actions, setup_stage, train
+from pipeline_microbatch import PipelineRank, schedule_actions, setup_stage
+from pipeline_train import train
 
 PROGRAM = "pipeline_dp_joint"
 

@@ -16,32 +16,25 @@ gradients back by isend/irecv (Messenger), a schedule orders each rank's forward
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
 
-The schedules themselves (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1: who runs which
-forward and backward when, and where the messages go) are data, in schedules.py, drawn there tick
-by tick; zb's backward split into B and W is zero_bubble.py. This file is, in order: the stage, its
-messages (the four point-to-point cases), GPipe written out as a plain loop, the executor that plays
-any schedule, the training step and the loop; the flags' arithmetic is pipeline_flags.py, --check
-pipeline_check.py, --timeline timeline.py, evaluation pipeline_eval.py. --recompute (GPipe's
+The schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1, PipeDream-2BW: who runs which
+forward and backward when, and where the messages go) are data in schedules.py, drawn there tick
+by tick; zb's B/W split is zero_bubble.py, 2bw's two weight versions pipedream.py. This file is,
+in order: the stage, its messages (the four point-to-point cases), GPipe as a plain loop, the
+executor that plays any schedule, and the training step. The loop around it (logging, evaluation,
+checkpoints, timeline) is pipeline_train.py, shared with the joint and 3-D programs; the flags'
+arithmetic is pipeline_flags.py, --check pipeline_check.py. --recompute (GPipe's
 re-materialisation) keeps only each microbatch's stage input from F to B and re-runs the forward
-just before B; the first stage draws each microbatch's images when its forward needs them
-(data.StreamedInputs).
+just before B.
 
     torchrun --standalone --nproc-per-node 2 -- pipeline_microbatch.py --data synthetic --schedule zb --recompute
+    torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 2bw
 
-The gloo deadlock, and why these schedules cannot have it. A gloo send does not complete until the
-peer posts the matching receive. In the 1F1B steady state (2 stages, counting from 0), stage 0
-finishes F1 and sends microbatch 1 forward while stage 1, the last, finishes B0 and sends
-microbatch 0's gradient back. If each waits for its own send before posting its next
-receive, stage 0 never posts "receive the gradient of 0" and stage 1 never posts "receive the
-activation of 1": both block for ever. Here a rank never waits on a send alone: between two
-actions it posts the send of what it just computed together with the receive its next action
-needs, as one batch (send_forward_recv_backward, send_backward_recv_forward, and for interleaved
-the four-way send_forward_backward_recv_forward_backward after each F+B pair), and only then
-waits for the receives (its sends are waited for before its next sends: Messenger.exchange).
-Two neighbours that cross have each posted both halves, so both exchanges match. This is
-checked, not hoped for: schedules.dry_run() plays every rank's action list with blocking sends and names the
-first cycle of ranks waiting on each other; the tests run it for many (p, m, v), and show that the
-one-message-at-a-time order does deadlock.
+No deadlock on gloo, whose send completes only once the peer posts the receive: between two
+actions a rank posts the send of what it just computed together with the receive its next action
+needs, as one batch (send_forward_recv_backward, ...), so two neighbours that cross have each
+posted both halves. schedules.dry_run() plays every rank's actions with blocking sends and names
+any cycle; the tests run it for many (p, m, v) and show that one message at a time does deadlock
+(docs/pipeline.md tells the story).
 """
 import contextlib
 import datetime
@@ -54,19 +47,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
-from clipping import clip_global
-from common import (CommError, MetricsLog, Progress, awaiting, base_parser, build_model, check_finite, clock,
-                    distributed, exit_now, make_optimizer, memory_fields, note_one_rank, num_blocks,
-                    start_memory_count, torchrun_env, validate_common)
-from data import StreamedInputs, agree_on_data, load_data, next_batch
+from common import (CommError, base_parser, build_model, distributed, exit_now, note_one_rank, num_blocks,
+                    torchrun_env, validate_common)
+from data import StreamedInputs, agree_on_data, load_data
 from keyed_dropout import DropoutKeys
+from pipedream import TwoVersions, pipedream_step_actions
 from pipeline_check import check_and_exit
 from pipeline_flags import add_pipeline_flags, validate_pipeline
-from pipeline_eval import evaluate
 from schedules import schedule_actions
-from timeline import TimelineRecorder, gather_timeline, write_timeline
-from pipedream import TwoVersions
+from timeline import TimelineRecorder
 from zero_bubble import split_weight_grads
 
 PROGRAM = "pipeline_microbatch"
@@ -458,6 +447,7 @@ def setup_stage(args, env, pos):
 
 
 def main(argv=None):
+    from pipeline_train import train      # the loop shared with the joint and 3-D programs (it imports this file)
     args = parse_args(argv)
     note_one_rank("a pipeline of one stage, every block on this rank")
     data = load_data(args)
@@ -474,99 +464,6 @@ def main(argv=None):
         else:
             status = train(args, env, pos, runner, actions, data)   # a PipelineError: distributed() reports it
     exit_now(status)
-
-
-def pipedream_step_actions(pos, m, steps, step):
-    return schedule_actions("2bw", pos, m, first=step == 0, last=step == steps - 1)
-
-
-class OneReplica:
-    """Data parallelism's hooks, for a single pipeline: the whole batch, nothing to average.
-    pipeline_dp_joint.py passes its own, with D replicas and a process group."""
-    dp_rank, dp_size, group = 0, 1, None
-
-    def slice(self, tensor):
-        return tensor
-
-    def sync_grads(self, params):
-        pass
-
-    def average(self, loss):
-        return loss
-
-
-def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=PROGRAM):
-    """The training loop. actions: one step's action list, or step -> its list (2bw)."""
-    optimizer = make_optimizer(runner.parameters(), args)
-    layout = checkpoint.layout_of(program, env, dp=replicas.dp_size, pp=pos.pp_size,
-                                  tp=env.world_size // (replicas.dp_size * pos.pp_size), schedule=args.schedule,
-                                  virtual_stages=pos.virtual)
-    first, written_by = checkpoint.resume(args, runner.model, optimizer, env.rank)   # 0: a fresh run
-    # the rank that owns the loss; with tensor parallelism (parallel_3d.py), tp rank 0 of those
-    owner = pos.is_last_stage and replicas.dp_rank == 0 and getattr(replicas, "tp_rank", 0) == 0
-    log = MetricsLog(args.log_file, enabled=owner, resuming=first > 0)
-    log.begin(program, args, env, first, written_by)
-    progress = Progress(args.steps, enabled=owner)
-    start_memory_count(env.device)
-    recorded = timeline_steps(args)
-    for step in range(first, args.steps):
-        if args.timeline and step == recorded[0]:
-            dist.barrier()                    # one clock for the timeline: everyone starts together
-            runner.events, runner.origin = [], time.perf_counter()
-        start = time.perf_counter()           # as in every program: from the batch's drawing on
-        runner.record("step", f"step {step}", None, start)   # a mark, while the timeline records
-        x, y = next_batch(data, step, args, pos, replicas, env.device, stream=not runner.versions)
-        if runner.versions and pos.is_first_stage:   # 2bw's first stage also starts the next batch
-            x = pipedream_inputs(x, data, step, args, pos, replicas, env.device)
-        optimizer.zero_grad(set_to_none=True)
-        samples, params = args.batch_size // replicas.dp_size, runner.parameters()
-        with runner.keys.training(step):
-            loss = train_step(runner, actions(step) if callable(actions) else actions, x, y, args.microbatches,
-                              samples, replicas.dp_rank * samples)
-        replicas.sync_grads(params)           # after the last backward, before the update
-        with awaiting(f"rank {env.rank} waited for the gradient norm's sums of step {step}", args.timeout_s):
-            norm = clip_global(params, args.clip_grad_norm, runner.norm_groups, runner.counted)
-        runner.update(optimizer)
-        loss = loss.item() if loss is not None else None   # read after the update, as the baseline does
-        # the optimizer step's kernels included; on a GPU the step's one (bounded) CPU wait
-        step_time = clock(env.device, args.timeout_s, lambda: f"step {step} (last exchange: {runner.messenger.last})") - start
-        if runner.events is not None and step == recorded[-1]:
-            write_timeline(gather_timeline(runner, pos, args), args.timeline, owner)
-            runner.events = None
-        if pos.is_last_stage:
-            loss = replicas.average(loss)
-        if owner:
-            check_finite(loss, step)
-            log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,
-                      samples_per_s=args.batch_size / step_time)
-            progress.update(step, loss, step_time, args.batch_size)
-        if args.eval_every and replicas.dp_rank == 0 and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            result = evaluate(runner, pos, data, env.device)    # replica 0 only: weights are identical
-            if owner:
-                log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
-                print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
-        checkpoint.maybe_save(args, step, runner.model, optimizer, layout, env.rank)
-    log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-              **memory_fields(env, runner.versions.held() if runner.versions else runner.parameters(),
-                              runner.model_param_mb), schedule=args.schedule,
-              microbatches=args.microbatches)
-    log.close()
-    return 0
-
-
-def timeline_steps(args):
-    """The steps --timeline records: the last; for 2bw two steady ones (the last step drains)."""
-    if args.schedule != "2bw" or args.steps < 2:
-        return [args.steps - 1]
-    return [max(0, args.steps - 3), args.steps - 2] if args.steps >= 3 else [0, 1]
-
-
-def pipedream_inputs(x, data, step, args, pos, replicas, device):
-    """2bw's first stage: this batch's microbatches, then the next batch's, whose first forwards
-    run in this step (each batch is drawn twice there: as the next one, then as this one)."""
-    m, ahead = args.microbatches, step + 1 < args.steps
-    upcoming = next_batch(data, step + 1, args, pos, replicas, device)[0].chunk(m) if ahead else []
-    return list(x.chunk(m)) + list(upcoming)
 
 
 if __name__ == "__main__":

@@ -54,3 +54,10 @@ def write_timeline(trace, path, enabled):
             json.dump(trace, f)
         other = trace["otherData"]
         print(f"wrote {path}: bubble measured {other['bubble_measured']:.1%}, theory {other['bubble_theory']:.1%}")
+
+
+def timeline_steps(args):
+    """The steps --timeline records: the last; for 2bw two steady ones (the last step drains)."""
+    if args.schedule != "2bw" or args.steps < 2:
+        return [args.steps - 1]
+    return [max(0, args.steps - 3), args.steps - 2] if args.steps >= 3 else [0, 1]

@@ -6,6 +6,7 @@ import torch
 
 import pipeline_microbatch as pm
 from pipeline_eval import evaluate as evaluate_pipeline
+from pipeline_train import OneReplica
 from common import Env, build_model, torchrun_env
 from data import Cifar10Data, SyntheticData, load_data, next_batch
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks
@@ -207,7 +208,7 @@ def test_streamed_microbatches_are_the_batch_cut_in_order(data):
         images = torch.randint(256, (100, 3, 32, 32), dtype=torch.uint8)
         source.train, source.seed = (images, torch.randint(10, (100,))), 5
     args = pm.parse_args(MLP + ["--batch-size", "12", "--microbatches", "3"])
-    for step, replicas in [(0, pm.OneReplica()), (4, pm.OneReplica()), (2, Replica(1, 2)), (2, Replica(0, 4))]:
+    for step, replicas in [(0, OneReplica()), (4, OneReplica()), (2, Replica(1, 2)), (2, Replica(0, 4))]:
         x, _ = source.batch(step, 12)
         streamed, _ = next_batch(source, step, args, pm.PipelineRank(0, 2, [0, 1]), replicas, torch.device("cpu"),
                                     stream=True)
@@ -219,7 +220,7 @@ def test_streamed_microbatches_are_the_batch_cut_in_order(data):
             streamed[1]
 
 
-class Replica(pm.OneReplica):
+class Replica(OneReplica):
     def __init__(self, dp_rank, dp_size):
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
