@@ -75,10 +75,6 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
     refuse_pipedream(args, PROGRAM)
-    if args.schedule == "zb":   # zero_bubble.py splits plain Linear/Conv2d; sharded layers take dA in B
-        fail("--schedule zb needs the backward split into B and W, which parallel_3d.py's tensor-parallel "
-             "layers do not do (its W actions would be empty and the bubble no smaller than 1F1B's); use "
-             "--schedule 1f1b here, or zb with pipeline_microbatch.py or pipeline_dp_joint.py")
     world = torchrun_env("gloo").world_size     # env vars only: every check below runs before any collective
     validate_grid(args, world)
     validate_degree(args, args.tp, use_degree=partial(tp_fix, args, world))
@@ -130,7 +126,8 @@ def build_stage(args, env, grid):
     if env.device.type == "cuda":   # keep TP-replicated parameters identical (CPU gradients already are)
         average_replicated_grads(model, grid.tp_group)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
-    runner = StageRunner(chunks, pos, messenger, recompute=args.recompute)
+    # zb: the shards' ops defer their weight gradients to W (zero_bubble.SplitShardOp)
+    runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb", recompute=args.recompute)
     runner.model, runner.model_param_mb, runner.keys = model, model.full_param_mb, model.dropout_keys
     # the gradient norm (clipping.py): summed over my stage's tp shards (its replicated tensors
     # counted by tp rank 0 only), then over the stages; not over replicas, whose gradients are averaged

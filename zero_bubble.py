@@ -8,34 +8,73 @@ For y = x A^T + b (a Linear), the backward is two products with the output's gra
     B: dx = dy A          needed upstream now         (and db = sum of dy: tiny, taken here too)
     W: dA = dy^T x        needed only by the optimizer step, so it can wait
 
-split_weight_grads(chunk) replaces each nn.Linear and nn.Conv2d of a chunk by its split twin,
-which holds the very same parameter objects (same names, same optimizer state, same checkpoint
-keys) and differs only in its backward: it returns dx and db at once and leaves (x, dy) in the
-chunk's WeightGradStash. The W action of that microbatch hands dA back to autograd, which adds it
+split_weight_grads(chunk) gives each weight-bearing op of a chunk that backward: a plain
+nn.Linear or nn.Conv2d is replaced by its split twin, a module holding the very same parameter
+objects (same names, same optimizer state, same checkpoint keys); a tensor-parallel shard
+(tensor_parallel.py's sharded layers, which compute op(x, weight slice, bias)) keeps its module and
+gets a split op. Either way the backward returns dx and db at once and leaves (x, dy) in the
+chunk's WeightGradStash; the collectives around a shard (f, g, all-gathers) are autograd functions
+of their own and stay in B. The W action of that microbatch hands dA back to autograd, which adds it
 to A.grad exactly as an unsplit backward would, gradient hooks included. Other parameters (norms,
-embeddings) take their gradients in B, as before.
+embeddings, a row-parallel layer's bias added after its all-reduce) take their gradients in B.
 
-    stash = split_weight_grads(chunk)    # once: the chunk's Linear and Conv2d layers now split
+    stash = split_weight_grads(chunk)    # once: the chunk's Linear, Conv2d and shard ops now split
     with stash.backward_of(mb):          # B: autograd.backward through the chunk
         torch.autograd.backward(y, dy)
     stash.weight_grads(mb)               # W: later, A.grad += dA for every split layer
 """
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
+class LinearMath:
+    """y = x A^T + b and its three gradients."""
+
+    def op(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    def input_grad(self, shape, weight, dy):
+        return dy @ weight
+
+    def bias_grad(self, dy):
+        return dy.reshape(-1, dy.shape[-1]).sum(0)
+
+    def weight_grad(self, x, dy, weight_shape):
+        return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+class ConvMath:
+    """y = conv2d(x, A) + b with its geometry (stride, padding, dilation, groups), and its gradients."""
+
+    def __init__(self, **geometry):
+        self.geometry = geometry
+
+    def op(self, x, weight, bias=None):
+        return F.conv2d(x, weight, bias, **self.geometry)
+
+    def input_grad(self, shape, weight, dy):
+        return torch.nn.grad.conv2d_input(shape, weight, dy, **self.geometry)
+
+    def bias_grad(self, dy):
+        return dy.sum((0, 2, 3))
+
+    def weight_grad(self, x, dy, weight_shape):
+        return torch.nn.grad.conv2d_weight(x, weight_shape, dy, **self.geometry)
+
+
 class _InputGradOnly(torch.autograd.Function):
-    """forward: the layer's own op. backward: dx (if anything reads it) and db now; (x, dy) to the
+    """forward: the layer's op. backward: dx (if anything reads it) and db now; (x, dy) to the
     stash; the weight (given detached) gets nothing until W."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.has_bias = layer, bias is not None
-        return layer.op(x, weight, bias)
+        return layer.math.op(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -43,8 +82,16 @@ class _InputGradOnly(torch.autograd.Function):
         layer = ctx.layer
         layer.stash.put(layer, x, dy)
         # the first stage's first layer reads the images, which need no gradient: skip its product
-        dx = layer.input_grad(x.shape, weight, dy) if ctx.needs_input_grad[0] else None
-        return dx, None, layer.bias_grad(dy) if ctx.has_bias else None, None
+        dx = layer.math.input_grad(x.shape, weight, dy) if ctx.needs_input_grad[0] else None
+        return dx, None, layer.math.bias_grad(dy) if ctx.has_bias else None, None
+
+
+def split_op(layer, x, weight, bias=None):
+    """The split forward: the weight goes in detached, so B has no edge to it at all; autograd
+    neither touches A.grad nor fires A's hooks with an empty gradient. W is the one that reaches A."""
+    if not torch.is_grad_enabled():           # evaluation, --recompute's first forward
+        return layer.math.op(x, weight, bias)
+    return _InputGradOnly.apply(x, weight.detach(), bias, layer)
 
 
 class _DeferredWeightGrad(torch.autograd.Function):
@@ -54,73 +101,66 @@ class _DeferredWeightGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, x, dy, layer):
         ctx.save_for_backward(x, dy)
-        ctx.layer = layer
+        ctx.layer, ctx.shape = layer, weight.shape
         return weight.new_zeros(())
 
     @staticmethod
     def backward(ctx, _):
         x, dy = ctx.saved_tensors
-        return ctx.layer.weight_grad(x, dy), None, None, None
+        return ctx.layer.math.weight_grad(x, dy, ctx.shape), None, None, None
 
 
 class SplitLinear(nn.Module):
     """Takes an nn.Linear's place, with its parameters; its backward defers dA to W."""
 
-    def __init__(self, layer, stash):
+    def __init__(self, layer, stash, math=None):
         super().__init__()
         self.register_parameter("weight", layer.weight)
         self.register_parameter("bias", layer.bias)
-        self.stash = stash
+        self.stash, self.math = stash, math or LinearMath()
 
     def forward(self, x):
-        if not torch.is_grad_enabled():           # evaluation, --recompute's first forward
-            return self.op(x, self.weight, self.bias)
-        # the weight goes in detached: B then has no edge to it at all, so autograd neither touches
-        # A.grad nor fires A's hooks with an empty gradient; W is the one that reaches A
-        return _InputGradOnly.apply(x, self.weight.detach(), self.bias, self)
-
-    def op(self, x, weight, bias):
-        return F.linear(x, weight, bias)
-
-    def input_grad(self, shape, weight, dy):
-        return dy @ weight
-
-    def bias_grad(self, dy):
-        return dy.reshape(-1, dy.shape[-1]).sum(0)
-
-    def weight_grad(self, x, dy):
-        return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return split_op(self, x, self.weight, self.bias)
 
 
 class SplitConv2d(SplitLinear):
     """Takes an nn.Conv2d's place, with its parameters and geometry; its backward defers dA to W."""
 
     def __init__(self, layer, stash):
-        super().__init__(layer, stash)
         if layer.padding_mode != "zeros":
             raise ValueError("the split convolution pads with zeros only")
-        self.geometry = dict(stride=layer.stride, padding=layer.padding, dilation=layer.dilation, groups=layer.groups)
+        super().__init__(layer, stash, ConvMath(stride=layer.stride, padding=layer.padding,
+                                                dilation=layer.dilation, groups=layer.groups))
 
-    def op(self, x, weight, bias):
-        return F.conv2d(x, weight, bias, **self.geometry)
 
-    def input_grad(self, shape, weight, dy):
-        return torch.nn.grad.conv2d_input(shape, weight, dy, **self.geometry)
+class SplitShardOp:
+    """A tensor-parallel shard's op, split: the shard calls it as op(x, weight, bias) and it runs
+    F.linear or its conv2d (tensor_parallel._Sharded.op, a partial holding the geometry) with the
+    split backward; W's dA lands in the shard's own weight slice."""
 
-    def bias_grad(self, dy):
-        return dy.sum((0, 2, 3))
+    def __init__(self, shard, stash):
+        self.shard, self.stash = shard, stash
+        geometry = shard.op.keywords if isinstance(shard.op, partial) else None
+        self.math = LinearMath() if geometry is None else ConvMath(**geometry)
 
-    def weight_grad(self, x, dy):
-        return torch.nn.grad.conv2d_weight(x, self.weight.shape, dy, **self.geometry)
+    @property
+    def weight(self):
+        return self.shard.weight
+
+    def __call__(self, x, weight, bias=None):
+        return split_op(self, x, weight, bias)
 
 
 SPLIT = {nn.Linear: SplitLinear, nn.Conv2d: SplitConv2d}
 
 
 def split_weight_grads(chunk):
-    """Replace every plain nn.Linear and nn.Conv2d in chunk by its split twin; return their stash."""
+    """Split every plain nn.Linear and nn.Conv2d in chunk (replaced by its twin) and every
+    tensor-parallel shard (its op replaced); return their stash."""
     stash = WeightGradStash()
     for parent in list(chunk.modules()):
+        if hasattr(parent, "shards") and callable(getattr(parent, "op", None)):   # a tensor-parallel shard
+            parent.op = SplitShardOp(parent, stash)
         for name, child in list(parent.named_children()):
             if type(child) in SPLIT:              # exact types: tensor-parallel shards are not these
                 setattr(parent, name, SPLIT[type(child)](child, stash))

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zero_bubble import SplitConv2d, SplitLinear, split_weight_grads
+from helpers import run_ranks
+from zero_bubble import SplitConv2d, SplitLinear, SplitShardOp, split_weight_grads
 
 
 def split_and_plain(layer):
@@ -109,3 +110,36 @@ def test_b_computes_no_input_gradient_that_nothing_reads(monkeypatch):
     with stash.backward_of(1):
         torch.autograd.backward(chunk(x), dy)
     assert calls == [1]
+
+
+def test_a_tensor_parallel_shard_defers_its_weight_gradient_too(tmp_path):
+    """parallel_3d.py's zb: column- and row-parallel Linear and Conv2d shards on 2 spawned ranks
+    give autograd's input and weight gradients, the weight's only at W (B leaves it empty)."""
+    run_ranks(_sharded_case, 2, tmp_path)
+
+
+def _sharded_case(rank, world, group):
+    import tensor_parallel as tp
+    torch.manual_seed(0)
+    cases = [(tp.ColumnParallelLinear, nn.Linear(6, 8), (5, None)),   # None: the shard's input width
+             (tp.RowParallelLinear, nn.Linear(8, 4), (5, None)),
+             (tp.ColumnParallelConv2d, nn.Conv2d(3, 4, 3, padding=1), (2, None, 6, 6)),
+             (tp.RowParallelConv2d, nn.Conv2d(4, 2, 3, stride=2), (2, None, 7, 7))]
+    for kind, full, shape in cases:
+        layer, plain = kind(full, group), kind(full, group)                 # twins: the same slice of full
+        chunk = nn.Sequential(layer)
+        stash = split_weight_grads(chunk)
+        assert isinstance(layer.op, SplitShardOp) and chunk[0] is layer      # the shard stays, its op splits
+        x = torch.randn(shape[0], layer.weight.shape[1], *shape[2:])         # a row shard reads its slice of x
+        x_split, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = chunk(x_split)
+        dy = torch.randn_like(y)
+        with stash.backward_of(0):
+            torch.autograd.backward(y, dy)
+        assert layer.weight.grad is None and stash.pending[0]
+        stash.weight_grads(0)
+        torch.autograd.backward(plain(x_plain), dy)
+        torch.testing.assert_close(x_split.grad, x_plain.grad)
+        torch.testing.assert_close(layer.weight.grad, plain.weight.grad)
+        if layer.bias is not None:
+            torch.testing.assert_close(layer.bias.grad, plain.bias.grad)
