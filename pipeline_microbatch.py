@@ -370,7 +370,10 @@ class StageRunner(TimelineRecorder):
         return self.versions.trained() if self.versions else [p for c in self.chunks for p in c.parameters()]
 
     def update(self, optimizer):
-        self.versions.step(optimizer) if self.versions else optimizer.step()
+        if self.versions:                     # 2bw: the new version goes into the older's buffer
+            self.versions.step(optimizer)
+        else:
+            optimizer.step()
 
     def forward(self, mb, chunk, inputs, head, saved, outbox, inbox):
         vstage, training = self.vstage(chunk), torch.is_grad_enabled()

@@ -127,10 +127,13 @@ def memory_table(memory):
 
 
 def zero_bubble_table(rows):
-    header = ["configuration", "m", "step ms (median)", "/ 1f1b (paired, median)", "bubble measured", "bubble theory"]
+    header = ["configuration", "stages", "m", "step ms (median)", "/ 1f1b (paired, median)", "bubble measured",
+              "bubble theory", "ms per step on each stage: F forward, B backward, W weight gradient, R recompute"]
     return markdown_table(header, [
-        [r["config"], str(r["microbatches"]), f"{1e3 * r['step_s']:.0f}", f"{r['over_1f1b']:.2f}",
-         f"{r['bubble_measured']:.3f}", f"{r['bubble_theory']:.3f}"] for r in rows])
+        [r["config"], str(r.get("stages", 2)), str(r["microbatches"]), f"{1e3 * r['step_s']:.0f}",
+         f"{r['over_1f1b']:.2f}", f"{r['bubble_measured']:.3f}", f"{r['bubble_theory']:.3f}",
+         "; ".join(" ".join(f"{k} {v:.0f}" for k, v in kinds.items()) for kinds in r.get("split_ms", {}).values())]
+        for r in rows])
 
 
 def plot_memory(memory, path):

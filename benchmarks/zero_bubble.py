@@ -84,11 +84,15 @@ def main():
     p.add_argument("--microbatches", default="4,8,16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--stages", type=int, choices=(2, 4), default=2,
-                   help="4: 1f1b and 2bw only, on a 16-layer mlp (4 processes on this machine's cores)")
+    p.add_argument("--stages", default="2,4",
+                   help="2 and/or 4; 4: 1f1b and 2bw only, on a 16-layer mlp (4 processes on this machine's cores), "
+                        "at the microbatch counts >= 4")
     args = p.parse_args()
-    configs = CONFIGS if args.stages == 2 else {k: CONFIGS[k] for k in ("1f1b", "2bw")}
-    rows = measure([int(m) for m in args.microbatches.split(",")], args.rounds, args.steps, args.stages, configs)
+    rows = []
+    for stages in (int(s) for s in args.stages.split(",")):
+        configs = CONFIGS if stages == 2 else {k: CONFIGS[k] for k in ("1f1b", "2bw")}
+        ms = [m for m in (int(m) for m in args.microbatches.split(",")) if m >= stages]   # 2bw: m >= p
+        rows += measure(ms, args.rounds, args.steps, stages, configs)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "model": MLP, "rows": rows}, f, indent=1)
