@@ -94,8 +94,11 @@ flags_tag() {   # the extra flags that change what runs, as part of a file name:
     echo "${tag//[^A-Za-z0-9._=-]/}"
 }
 
-run_knobs() {   # after COMMON and EXTRA: DROPOUT and CLIP go to both programs and into the log names;
-                # RESTARTS to torchrun (TORCHRUN_OPTS); CHECKPOINT_DIR is the parallel run's (checkpoint_flags)
+run_knobs() {   # after COMMON and EXTRA: ACTIVATION, DROPOUT and CLIP go to both programs and into the log
+                # names; RESTARTS to torchrun (TORCHRUN_OPTS); CHECKPOINT_DIR is the parallel run's (checkpoint_flags)
+    check_knob ACTIVATION "${ACTIVATION:-gelu}" gelu relu
+    # gelu is the programs' default: its runs keep the names they had before the knob existed
+    if [ "${ACTIVATION:-gelu}" != gelu ]; then COMMON+=(--activation "$ACTIVATION"); EXTRA+="_$ACTIVATION"; fi
     case "$RESTARTS" in '' | *[!0-9]*) launcher_error "RESTARTS=$RESTARTS must be 0 or a positive integer" ;; esac
     if [ -n "$CHECKPOINT_DIR" ]; then check_count SAVE_EVERY "$SAVE_EVERY"; fi
     if [ "$DROPOUT" != 0 ]; then COMMON+=(--dropout "$DROPOUT"); EXTRA+="_dropout$DROPOUT"; fi

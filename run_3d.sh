@@ -30,6 +30,7 @@ BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-64}           # global: a multiple of DP x MICROBATCHES
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
 DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
 CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
@@ -44,7 +45,8 @@ cd "$(dirname "$0")"
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --tp:TP:n
        --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w --recompute:RECOMPUTE=1:- --timeline:LOGS:-
-       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
+       --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
+       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
@@ -57,7 +59,7 @@ PARALLEL=(--backend "$BACKEND" --dp "$DP" --tp "$TP" --microbatches "$MICROBATCH
 SUFFIX=""
 if [ "$RECOMPUTE" = 1 ]; then PARALLEL+=(--recompute); SUFFIX="_recompute"; fi
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 GRID_LOG="$LOGS/parallel_3d_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_tp${TP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${SUFFIX}.jsonl"
 PLOT="$PLOTS/3d_loss${SUFFIX}.png"

@@ -27,6 +27,7 @@ BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-72}           # global: a multiple of DP x MICROBATCHES
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
 DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
 CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
@@ -42,7 +43,8 @@ cd "$(dirname "$0")"
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --microbatches:MICROBATCHES:n
        --schedule:SCHEDULE:w --timeline:LOGS:-
-       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
+       --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
+       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -51,7 +53,7 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}.jsonl"
 
