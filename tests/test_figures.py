@@ -11,7 +11,8 @@ from helpers import ROOT
 
 FIGURES = {"run_pipeline": ["pipeline_loss.png", "pipeline_timeline.png"], "run_joint": ["joint_loss.png"],
            "run_tp": ["tp_loss.png"], "run_3d": ["3d_loss.png"]}
-OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh"}   # drawn by another documented command
+OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh",   # drawn by another documented command
+                  "tp_ladder.png": "python benchmarks/tp_ladder.py --steps 300 --plot plots/tp_ladder.png"}
 
 
 def read(path):
