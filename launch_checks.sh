@@ -24,10 +24,17 @@ check_count() {   # NAME VALUE: a positive integer such as NPROC
 }
 
 refuse_knob_flags() {   # the extra arguments: a flag that has a knob is refused, with the knob to set
-    local args=("$@") i pair flag knob kind typed value
+    local args=("$@") i pair flag knob kind typed value program
     for ((i = 0; i < ${#args[@]}; i++)); do
         typed=${args[i]%%=*}
         case "$typed" in --???*) ;; *) continue ;; esac
+        if [ "$typed" = --check ]; then   # the programs' own --check, not an abbreviated --checkpoint-dir
+            case "$(basename "$0")" in
+                run_pipeline.sh) program=pipeline_microbatch.py ;; run_joint.sh) program=pipeline_dp_joint.py ;;
+                run_tp.sh) program=tensor_parallel.py ;; *) program=parallel_3d.py ;;
+            esac
+            launcher_error "--check compares one step with the full model and trains nothing: run the program itself, e.g. torchrun --standalone --nproc-per-node $NPROC -- $program --data ${DATA:-auto} --check (the launcher trains and plots)"
+        fi
         for pair in "${KNOBS[@]}"; do
             IFS=: read -r flag knob kind <<< "$pair"
             case "$flag" in "$typed"*) ;; *) continue ;; esac   # argparse takes a prefix as the flag too

@@ -8,6 +8,7 @@
 #   DATA=synthetic STEPS=100 bash run_pipeline.sh               # no network
 #   SCHEDULES="1f1b interleaved" MICROBATCHES=8 MODEL=vit DATA=synthetic bash run_pipeline.sh --layers 6
 #   SCHEDULES="1f1b zb" RECOMPUTE=1 DATA=synthetic bash run_pipeline.sh    # zero bubble; re-materialisation
+#   BALANCE=auto DATA=synthetic bash run_pipeline.sh                       # stages split by counted cost
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
@@ -24,6 +25,7 @@ MICROBATCHES=${MICROBATCHES:-4}
 SCHEDULES=${SCHEDULES:-"gpipe 1f1b"}   # any of gpipe 1f1b interleaved zb
 RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
 VIRTUAL_STAGES=${VIRTUAL_STAGES:-2}    # interleaved only
+BALANCE=${BALANCE:-}                   # blocks per stage (chunk), e.g. 1,1,1,2, or auto (balance.py); empty: even
 BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}
@@ -43,7 +45,7 @@ cd "$(dirname "$0")"
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --microbatches:MICROBATCHES:n --schedule:SCHEDULES:w
        --virtual-stages:VIRTUAL_STAGES:n --recompute:RECOMPUTE=1:- --log-file:LOGS:- --timeline:LOGS:-
-       --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
+       --balance:BALANCE:w --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
@@ -56,11 +58,13 @@ COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SI
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
 run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
-SUFFIX=""
-if [ "$RECOMPUTE" = 1 ]; then SUFFIX="_recompute"; fi
+SUFFIX="" DOING=""                     # what the knobs change, in the file names and on the console
+if [ "$RECOMPUTE" = 1 ]; then SUFFIX="_recompute" DOING=", --recompute"; fi
+if [ -n "$BALANCE" ]; then SUFFIX+="_balance${BALANCE//[^A-Za-z0-9]/-}" DOING+=", --balance $BALANCE"; fi
 
 pipeline_flags() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTUAL_STAGES"; fi
-                  if [ "$RECOMPUTE" = 1 ]; then echo --recompute; fi; }
+                  if [ "$RECOMPUTE" = 1 ]; then echo --recompute; fi
+                  if [ -n "$BALANCE" ]; then echo --balance "$BALANCE"; fi; }
 # the parallel program's arguments at its world size, for every schedule, before anything trains
 for SCHEDULE in $SCHEDULES; do
     check_args pipeline_microbatch "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
@@ -79,7 +83,7 @@ for SCHEDULE in $SCHEDULES; do
     LOG="$LOGS/pipeline_${RUN}${SUFFIX}.jsonl"
     TRACE="$LOGS/timeline_${RUN}${SUFFIX}.json"
     STEP="the $SCHEDULE pipeline (pipeline_microbatch.py on $NPROC ranks)"
-    echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches${SUFFIX:+, --recompute}"
+    echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches$DOING"
     # "--" ends torchrun's own options, so that every later flag reaches the program
     checkpoint_flags "$LOG"
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
