@@ -60,11 +60,12 @@ run_knobs                              # ACTIVATION, DROPOUT, CLIP (both program
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 SUFFIX="" DOING=""                     # what the knobs change, in the file names and on the console
 if [ "$RECOMPUTE" = 1 ]; then SUFFIX="_recompute" DOING=", --recompute"; fi
-if [ -n "$BALANCE" ]; then SUFFIX+="_balance${BALANCE//[^A-Za-z0-9]/-}" DOING+=", --balance $BALANCE"; fi
+balance_knob
+if [ -n "$BALANCE" ]; then SUFFIX+=$BALANCE_TAG DOING+=", --balance $BALANCE"; fi
 
 pipeline_flags() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTUAL_STAGES"; fi
                   if [ "$RECOMPUTE" = 1 ]; then echo --recompute; fi
-                  if [ -n "$BALANCE" ]; then echo --balance "$BALANCE"; fi; }
+                  echo "${BALANCE_FLAGS[@]}"; }
 # the parallel program's arguments at its world size, for every schedule, before anything trains
 for SCHEDULE in $SCHEDULES; do
     check_args pipeline_microbatch "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
