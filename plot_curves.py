@@ -328,7 +328,7 @@ def gantt_title(other, busy=None):
     if busy and min(busy.values()) > 0 and max(busy.values()) >= IMBALANCE * min(busy.values()):
         slow, fast = max(busy, key=busy.get), min(busy, key=busy.get)
         title += (f"\nstages unequal: rank {slow} computes {busy[slow]:.1f} ms a step, rank {fast} {busy[fast]:.1f} ms "
-                  f"({busy[slow] / busy[fast]:.1f}x); the others wait for the slowest (--balance auto moves blocks by cost)")
+                  f"({busy[slow] / busy[fast]:.1f}x); the others wait for the slowest (--balance moves blocks)")
     return title
 
 
