@@ -46,11 +46,15 @@ def best_split(costs, stages):
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
+    # best[(end, s)]: (slowest stage, block counts) of the cheapest way to put blocks [0, end) on s stages
     best = {(0, 0): (0, [])}
     for s in range(1, stages + 1):
-        for end in range(s, n - (stages - s) + 1):
-            options = [(max(best[(start, s - 1)][0], prefix[end] - prefix[start]), best[(start, s - 1)][1] + [end - start])
-                       for start in range(s - 1, end) if (start, s - 1) in best]
+        for end in range(s, n - (stages - s) + 1):      # leave a block at least for each later stage
+            options = []
+            for start in range(s - 1, end):              # stage s holds blocks [start, end)
+                if (start, s - 1) in best:
+                    slowest, sizes = best[(start, s - 1)]
+                    options.append((max(slowest, prefix[end] - prefix[start]), sizes + [end - start]))
             best[(end, s)] = min(options, key=lambda o: o[0])
     return best[(n, stages)]
 

@@ -116,7 +116,9 @@ run_knobs() {   # after COMMON and EXTRA: ACTIVATION, DROPOUT and CLIP go to bot
 balance_knob() {   # BALANCE: --balance for the pipeline program only (the baseline is one stage), and its
                    # tag for the log and plot names: BALANCE_FLAGS, BALANCE_TAG (auto -> _balanceauto)
     BALANCE_FLAGS=() BALANCE_TAG=""
-    if [ -n "${BALANCE:-}" ]; then BALANCE_FLAGS=(--balance "$BALANCE") BALANCE_TAG="_balance${BALANCE//[^A-Za-z0-9]/-}"; fi
+    if [ -n "${BALANCE:-}" ]; then
+        BALANCE_FLAGS=(--balance "$BALANCE") BALANCE_TAG="_balance${BALANCE//[^A-Za-z0-9]/-}"
+    fi
 }
 
 checkpoint_flags() {   # LOG: the parallel run's checkpoints, in a directory of its own under CHECKPOINT_DIR

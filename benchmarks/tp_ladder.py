@@ -61,9 +61,11 @@ def rungs(full, group):
     normed = nn.Sequential(nn.Flatten(), c(fc1), nn.ReLU(), nn.Linear(fc1.out_features, fc1.out_features),
                            nn.LayerNorm(fc1.out_features), c(fc2))
     return {
-        "1 one layer, columns": (nn.Sequential(nn.Flatten(), tp.ColumnParallelLinear(c(fc1), group, gather_output=True)),
-                                 nn.Sequential(nn.Flatten(), c(fc1))),
-        "1b one layer, rows": (Sliced(tp.RowParallelLinear(c(fc1), group), group), nn.Sequential(nn.Flatten(), c(fc1))),
+        "1 one layer, columns": (
+            nn.Sequential(nn.Flatten(), tp.ColumnParallelLinear(c(fc1), group, gather_output=True)),
+            nn.Sequential(nn.Flatten(), c(fc1))),
+        "1b one layer, rows": (Sliced(tp.RowParallelLinear(c(fc1), group), group),
+                               nn.Sequential(nn.Flatten(), c(fc1))),
         "2 Sequential, column + row": (pair(full, group), c(full)),
         "2b Sequential, column-only": (column_only(full, group), c(full)),
         "3 with a LayerNorm": (nn.Sequential(nn.Flatten(), tp.ColumnParallelLinear(c(normed[1]), group), relu,
