@@ -1,7 +1,7 @@
 """The pipeline programs' own flags and their arithmetic, checked from the flags and WORLD_SIZE alone,
 before any collective: every mistake is one `error:` line that states the numbers and a fix that
 works (pipeline_microbatch.py, pipeline_dp_joint.py and parallel_3d.py share them)."""
-from balance import auto_balance
+from balance import auto_balance, even_split
 from common import fail, num_blocks
 from schedules import SCHEDULES
 
@@ -56,8 +56,11 @@ def validate_pipeline(args, stages, replicas, tp=1):
         except ValueError:
             fail(f"--balance {args.balance!r} must be comma-separated integers, e.g. 2,1,1,1, or auto")
         if len(balance) != chunks or min(balance) < 1 or sum(balance) != num_blocks(args):
+            if chunks > num_blocks(args):   # no list can do: fewer chunks or more blocks
+                fail(too_few_blocks(args, stages, replicas * tp))
+            even = ",".join(map(str, even_split(num_blocks(args), chunks)))
             fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
-                 f"{num_blocks(args)} blocks of the {args.model}")
+                 f"{num_blocks(args)} blocks of the {args.model}; use --balance {even} or --balance auto")
     elif chunks > num_blocks(args):
         fail(too_few_blocks(args, stages, replicas * tp))
 
