@@ -50,9 +50,14 @@ def test_the_search_finds_the_best_split_of_consecutive_blocks():
 
 
 def test_auto_is_resolved_before_any_collective_into_the_explicit_list(monkeypatch):
+    import parallel_3d
+    import pipeline_dp_joint
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = pm.parse_args(FAST + ["--balance", "auto", "--schedule", "interleaved"])
     assert args.balance == "1,1,1,2"          # 2 stages x 2 virtual stages = 4 chunks of the cnn's 5 blocks
+    monkeypatch.setenv("WORLD_SIZE", "4")     # the joint and 3-D programs share the flags: 2 stages each
+    assert pipeline_dp_joint.parse_args(FAST + ["--balance", "auto", "--dp", "2"]).balance == "1,4"
+    assert parallel_3d.parse_args(FAST + ["--balance", "auto", "--dp", "1", "--tp", "2"]).balance == "1,4"
 
 
 @pytest.mark.parametrize("argv,world,message", [
