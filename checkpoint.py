@@ -34,8 +34,9 @@ import torch.distributed.checkpoint as dcp
 from common import fail
 
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
-SETTINGS = ("model", "layers", "hidden", "heads", "data", "seed", "batch_size", "lr", "momentum", "dropout",
-            "clip_grad_norm")
+SETTINGS = ("model", "layers", "hidden", "heads", "activation", "data", "seed", "batch_size", "lr", "momentum",
+            "dropout", "clip_grad_norm")
+EARLIER = {"activation": "gelu"}   # a checkpoint saved before the flag existed was of a gelu model
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -57,8 +58,9 @@ def validate(args):
     if path is None:
         return
     meta = read_meta(path)
-    differ = [f"--{k.replace('_', '-')} {meta['settings'].get(k)} there, {getattr(args, k, None)} here"
-              for k in SETTINGS if meta["settings"].get(k) != getattr(args, k, None)]
+    saved = {k: meta["settings"].get(k, EARLIER.get(k)) for k in SETTINGS}
+    differ = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(args, k, None)} here"
+              for k in SETTINGS if saved[k] != getattr(args, k, None)]
     if differ:
         fail(f"the checkpoint {path} is of another run ({'; '.join(differ)}); resume with its settings, or use "
              f"another --checkpoint-dir (nothing was deleted)")

@@ -26,6 +26,9 @@ import torch.nn as nn
 from keyed_dropout import DropoutKeys, KeyedDropout
 
 NUM_CLASSES = 10
+# gelu, the default: smooth, so a 1e-7 rounding difference between layouts stays 1e-7; relu's kink
+# flips a unit on or off when its input sits near 0 and turns the same difference into a visible one
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
 
 # ----------------------------------------------------------------------------- errors and flags
 
@@ -79,6 +82,9 @@ def base_parser(description):
     p.add_argument("--layers", type=int, default=4, help="mlp: Linear layers; vit: blocks (the cnn has 5 fixed blocks)")
     p.add_argument("--hidden", type=int, default=128, help="mlp: width; vit: embedding width")
     p.add_argument("--heads", type=int, default=4, help="vit: attention heads")
+    p.add_argument("--activation", choices=ACTIVATIONS, default="gelu",
+                   help="every model's activation; relu: --model mlp --layers 2 is the course's Linear-ReLU-Linear "
+                        "(its kinks let float32 rounding differences grow: docs/equivalence.md)")
     p.add_argument("--data", choices=["auto", "cifar10", "synthetic"], default="auto",
                    help="auto: CIFAR-10 if it is in --data-dir or can be downloaded, else synthetic")
     p.add_argument("--data-dir", default="./data", help="where CIFAR-10 is, or is downloaded to once")
@@ -319,11 +325,11 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop1(attn(ln1(x))), then x + drop2(mlp(ln2(x))). LayerNorm is per
     token, so it never mixes samples: exact under microbatching and data parallelism."""
 
-    def __init__(self, dim, heads, dropout=None):
+    def __init__(self, dim, heads, dropout=None, act=nn.GELU):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = Attention(dim, heads)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), act(), nn.Linear(2 * dim, dim))
         self.drop1, self.drop2 = dropout() if dropout else nn.Identity(), dropout() if dropout else nn.Identity()
 
     def forward(self, x):
@@ -355,7 +361,7 @@ class Head(nn.Module):
         return self.fc(self.ln(x).mean(dim=1))
 
 
-def cnn_blocks(dropout):
+def cnn_blocks(dropout, act=nn.GELU):
     """The PyTorch CIFAR-10 tutorial network in 5 blocks, with two changes made for the
     equivalence contract. One GroupNorm with one group per channel: its statistics are per sample
     and per channel, so it is exact under microbatching, data parallelism and channel-sharded
@@ -364,29 +370,32 @@ def cnn_blocks(dropout):
     another order) into 1e-1 loss differences within ~100 steps; smooth layers keep them at 1e-7.
     A generator: each block is constructed (drawing its initial weights) only when it is asked for.
     dropout(): a dropout layer, before each hidden fc layer (fc1, fc2); it ends the block before,
-    so the parameters keep their names whether or not there is dropout."""
-    yield nn.Sequential(nn.Conv2d(3, 6, 5), nn.GELU(), nn.AvgPool2d(2))                          # 6x14x14
-    yield nn.Sequential(nn.Conv2d(6, 16, 5), nn.GroupNorm(16, 16), nn.GELU(), nn.AvgPool2d(2),  # 16x5x5
+    so the parameters keep their names whether or not there is dropout. act: --activation (relu
+    swaps the activation only; the pooling stays average)."""
+    yield nn.Sequential(nn.Conv2d(3, 6, 5), act(), nn.AvgPool2d(2))                          # 6x14x14
+    yield nn.Sequential(nn.Conv2d(6, 16, 5), nn.GroupNorm(16, 16), act(), nn.AvgPool2d(2),  # 16x5x5
                         dropout())
-    yield nn.Sequential(nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.GELU(), dropout())
-    yield nn.Sequential(nn.Linear(120, 84), nn.GELU())
+    yield nn.Sequential(nn.Flatten(), nn.Linear(16 * 5 * 5, 120), act(), dropout())
+    yield nn.Sequential(nn.Linear(120, 84), act())
     yield nn.Sequential(nn.Linear(84, NUM_CLASSES))
 
 
-def mlp_blocks(layers, hidden, dropout):
+def mlp_blocks(layers, hidden, dropout, act=nn.GELU):
     """Flatten, Linear(3072, H), GELU, (Linear(H, H), GELU) x (L-2), Linear(H, 10); dropout() after
-    each hidden activation."""
-    yield nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, hidden), nn.GELU(), dropout())
+    each hidden activation. --layers 2 --activation relu: the course's Sequential(linear1, relu,
+    linear2), one block per Linear."""
+    yield nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, hidden), act(), dropout())
     for _ in range(layers - 2):
-        yield nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), dropout())
+        yield nn.Sequential(nn.Linear(hidden, hidden), act(), dropout())
     yield nn.Sequential(nn.Linear(hidden, NUM_CLASSES))
 
 
-def vit_blocks(layers, hidden, heads, dropout):
-    """dropout(): on the attention output and on the MLP output, before each residual add."""
+def vit_blocks(layers, hidden, heads, dropout, act=nn.GELU):
+    """dropout(): on the attention output and on the MLP output, before each residual add; act: the
+    block MLP's activation."""
     yield PatchEmbed(hidden)
     for _ in range(layers):
-        yield TransformerBlock(hidden, heads, dropout)
+        yield TransformerBlock(hidden, heads, dropout, act)
     yield Head(hidden)
 
 
@@ -405,11 +414,12 @@ def model_blocks(args, keys):
     def dropout():   # keyed masks (keyed_dropout.py): every layout draws the baseline's
         return KeyedDropout(getattr(args, "dropout", 0.0), next(layers), keys)
 
+    act = ACTIVATIONS[getattr(args, "activation", "gelu")]   # benchmarks' hand-made args may predate the flag
     if args.model == "cnn":
-        return cnn_blocks(dropout)
+        return cnn_blocks(dropout, act)
     if args.model == "mlp":
-        return mlp_blocks(args.layers, args.hidden, dropout)
-    return vit_blocks(args.layers, args.hidden, args.heads, dropout)
+        return mlp_blocks(args.layers, args.hidden, dropout, act)
+    return vit_blocks(args.layers, args.hidden, args.heads, dropout, act)
 
 
 def build_model(args, keep=None, device="cpu"):

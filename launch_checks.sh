@@ -24,10 +24,17 @@ check_count() {   # NAME VALUE: a positive integer such as NPROC
 }
 
 refuse_knob_flags() {   # the extra arguments: a flag that has a knob is refused, with the knob to set
-    local args=("$@") i pair flag knob kind typed value
+    local args=("$@") i pair flag knob kind typed value program
     for ((i = 0; i < ${#args[@]}; i++)); do
         typed=${args[i]%%=*}
         case "$typed" in --???*) ;; *) continue ;; esac
+        if [ "$typed" = --check ]; then   # the programs' own --check, not an abbreviated --checkpoint-dir
+            case "$(basename "$0")" in
+                run_pipeline.sh) program=pipeline_microbatch.py ;; run_joint.sh) program=pipeline_dp_joint.py ;;
+                run_tp.sh) program=tensor_parallel.py ;; *) program=parallel_3d.py ;;
+            esac
+            launcher_error "--check compares one step with the full model and trains nothing: run the program itself, e.g. torchrun --standalone --nproc-per-node $NPROC -- $program --data ${DATA:-auto} --check (the launcher trains and plots)"
+        fi
         for pair in "${KNOBS[@]}"; do
             IFS=: read -r flag knob kind <<< "$pair"
             case "$flag" in "$typed"*) ;; *) continue ;; esac   # argparse takes a prefix as the flag too
@@ -94,13 +101,24 @@ flags_tag() {   # the extra flags that change what runs, as part of a file name:
     echo "${tag//[^A-Za-z0-9._=-]/}"
 }
 
-run_knobs() {   # after COMMON and EXTRA: DROPOUT and CLIP go to both programs and into the log names;
-                # RESTARTS to torchrun (TORCHRUN_OPTS); CHECKPOINT_DIR is the parallel run's (checkpoint_flags)
+run_knobs() {   # after COMMON and EXTRA: ACTIVATION, DROPOUT and CLIP go to both programs and into the log
+                # names; RESTARTS to torchrun (TORCHRUN_OPTS); CHECKPOINT_DIR is the parallel run's (checkpoint_flags)
+    check_knob ACTIVATION "${ACTIVATION:-gelu}" gelu relu
+    # gelu is the programs' default: its runs keep the names they had before the knob existed
+    if [ "${ACTIVATION:-gelu}" != gelu ]; then COMMON+=(--activation "$ACTIVATION"); EXTRA+="_$ACTIVATION"; fi
     case "$RESTARTS" in '' | *[!0-9]*) launcher_error "RESTARTS=$RESTARTS must be 0 or a positive integer" ;; esac
     if [ -n "$CHECKPOINT_DIR" ]; then check_count SAVE_EVERY "$SAVE_EVERY"; fi
     if [ "$DROPOUT" != 0 ]; then COMMON+=(--dropout "$DROPOUT"); EXTRA+="_dropout$DROPOUT"; fi
     if [ -n "$CLIP" ]; then COMMON+=(--clip-grad-norm "$CLIP"); EXTRA+="_clip$CLIP"; fi
     TORCHRUN_OPTS=(--max-restarts "$RESTARTS")
+}
+
+balance_knob() {   # BALANCE: --balance for the pipeline program only (the baseline is one stage), and its
+                   # tag for the log and plot names: BALANCE_FLAGS, BALANCE_TAG (auto -> _balanceauto)
+    BALANCE_FLAGS=() BALANCE_TAG=""
+    if [ -n "${BALANCE:-}" ]; then
+        BALANCE_FLAGS=(--balance "$BALANCE") BALANCE_TAG="_balance${BALANCE//[^A-Za-z0-9]/-}"
+    fi
 }
 
 checkpoint_flags() {   # LOG: the parallel run's checkpoints, in a directory of its own under CHECKPOINT_DIR

@@ -1,6 +1,7 @@
 """The pipeline programs' own flags and their arithmetic, checked from the flags and WORLD_SIZE alone,
 before any collective: every mistake is one `error:` line that states the numbers and a fix that
 works (pipeline_microbatch.py, pipeline_dp_joint.py and parallel_3d.py share them)."""
+from balance import auto_balance, even_split
 from common import fail, num_blocks
 from schedules import SCHEDULES
 
@@ -10,7 +11,9 @@ def add_pipeline_flags(p):
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="interleaved only: model chunks per rank (default: 2; always 1 for the other schedules)")
-    p.add_argument("--balance", default=None, help="blocks per stage, e.g. 2,1,1,1 (default: even)")
+    p.add_argument("--balance", default=None,
+                   help="blocks per stage (per chunk when interleaved), e.g. 2,1,1,1; auto: the split whose slowest "
+                        "stage has the fewest flops, counted per block (balance.py) (default: even)")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each microbatch's stage input between its forward and its backward, and "
                         "re-run the forward just before the backward (GPipe's re-materialisation)")
@@ -45,14 +48,21 @@ def validate_pipeline(args, stages, replicas, tp=1):
                  f"use {' or '.join(near)}, or --schedule 1f1b (without --virtual-stages)")
     if args.schedule == "2bw":
         validate_pipedream(args, stages)
+    if args.balance == "auto":
+        if chunks > num_blocks(args):
+            fail(too_few_blocks(args, stages, replicas * tp))
+        args.balance = auto_balance(args, chunks)   # the explicit list: checked below and logged as run
     if args.balance is not None:
         try:
             balance = [int(b) for b in args.balance.split(",")]
         except ValueError:
-            fail(f"--balance {args.balance!r} must be comma-separated integers, e.g. 2,1,1,1")
+            fail(f"--balance {args.balance!r} must be comma-separated integers, e.g. 2,1,1,1, or auto")
         if len(balance) != chunks or min(balance) < 1 or sum(balance) != num_blocks(args):
+            if chunks > num_blocks(args):   # no list can do: fewer chunks or more blocks
+                fail(too_few_blocks(args, stages, replicas * tp))
+            even = ",".join(map(str, even_split(num_blocks(args), chunks)))
             fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
-                 f"{num_blocks(args)} blocks of the {args.model}")
+                 f"{num_blocks(args)} blocks of the {args.model}; use --balance {even} or --balance auto")
     elif chunks > num_blocks(args):
         fail(too_few_blocks(args, stages, replicas * tp))
 

@@ -41,8 +41,9 @@ MEANINGS = {"forward": "forward", "recompute": "forward again (R, --recompute)",
             "weight": "weight gradient (W)", "wait": "waiting for a message"}   # zb's B: input gradient only
 SPARE = ["#8172B3", "#C44E52", "#937860", "#DA8BC3", "#CCB974"]  # categories a trace adds later
 # the settings two runs must share for their losses to be compared step by step
-SAME = ("model", "data", "seed", "batch_size", "lr", "momentum", "steps", "dropout", "clip_grad_norm")
-OFF = {"dropout": 0.0, "clip_grad_norm": None}   # a log written before these flags existed ran without them
+SAME = ("model", "activation", "data", "seed", "batch_size", "lr", "momentum", "steps", "dropout", "clip_grad_norm")
+# a log written before these flags existed ran without them (and with gelu)
+OFF = {"dropout": 0.0, "clip_grad_norm": None, "activation": "gelu"}
 SIZES = {"mlp": ("layers", "hidden"), "vit": ("layers", "hidden", "heads"), "cnn": ()}
 
 
@@ -147,7 +148,9 @@ def title_of(runs, mismatches):
     args = (config_of(runs[0][1]) or {}).get("args", {})
     data = args.get("data", "?")
     data = "SYNTHETIC data (not CIFAR-10)" if data == "synthetic" else str(data).upper()
-    title = (f"model {args.get('model', '?')}, {data}; baseline batch {args.get('batch_size', '?')}, "
+    activation = args.get("activation", OFF["activation"])
+    model = args.get("model", "?") + ("" if activation == OFF["activation"] else f" ({activation})")
+    title = (f"model {model}, {data}; baseline batch {args.get('batch_size', '?')}, "
              f"{args.get('steps', '?')} steps, lr {args.get('lr', '?')}, seed {args.get('seed', '?')}")
     if args.get("dropout") or args.get("clip_grad_norm"):
         title += f", dropout {args.get('dropout') or 0}, clip {args.get('clip_grad_norm') or 'off'}"

@@ -23,6 +23,7 @@ NPROC=${NPROC:-8}                      # ranks; stages = NPROC / (DP x TP)
 MICROBATCHES=${MICROBATCHES:-4}        # per replica, per step
 SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved (zb needs plain layers: not here)
 RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
+BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,4, or auto (balance.py); empty: even
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
@@ -30,6 +31,7 @@ BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-64}           # global: a multiple of DP x MICROBATCHES
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
 DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
 CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
@@ -44,7 +46,8 @@ cd "$(dirname "$0")"
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --tp:TP:n
        --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w --recompute:RECOMPUTE=1:- --timeline:LOGS:-
-       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
+       --balance:BALANCE:w --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
+       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
@@ -55,9 +58,12 @@ COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SI
         --eval-every "$EVAL_EVERY" "$@")
 PARALLEL=(--backend "$BACKEND" --dp "$DP" --tp "$TP" --microbatches "$MICROBATCHES" --schedule "$SCHEDULE")
 SUFFIX=""
-if [ "$RECOMPUTE" = 1 ]; then PARALLEL+=(--recompute); SUFFIX="_recompute"; fi
+DOING=""                               # what the knobs change, on the console
+if [ "$RECOMPUTE" = 1 ]; then PARALLEL+=(--recompute); SUFFIX="_recompute" DOING=", --recompute"; fi
+balance_knob                           # BALANCE: the 3-D run's --balance, and its tag in the names
+if [ -n "$BALANCE" ]; then PARALLEL+=("${BALANCE_FLAGS[@]}"); SUFFIX+=$BALANCE_TAG DOING+=", --balance $BALANCE"; fi
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 GRID_LOG="$LOGS/parallel_3d_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_tp${TP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${SUFFIX}.jsonl"
 PLOT="$PLOTS/3d_loss${SUFFIX}.png"
@@ -71,7 +77,7 @@ echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 STEP="the 3-D run (parallel_3d.py on $NPROC ranks)"
-echo "== 3-D: $DP replicas x $((NPROC / (DP * TP))) stages x $TP tp ranks, $MICROBATCHES microbatches ($SCHEDULE${SUFFIX:+, --recompute})"
+echo "== 3-D: $DP replicas x $((NPROC / (DP * TP))) stages x $TP tp ranks, $MICROBATCHES microbatches ($SCHEDULE$DOING)"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 checkpoint_flags "$GRID_LOG"
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \

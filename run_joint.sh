@@ -18,6 +18,7 @@ trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc;
 DP=${DP:-2}                            # data-parallel pipelines
 NPROC=${NPROC:-6}                      # ranks; stages = NPROC / DP
 MICROBATCHES=${MICROBATCHES:-3}        # per pipeline, per step
+BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,1,3, or auto (balance.py); empty: even
 SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved (2 chunks per stage: more blocks than the cnn's 5,
                                        #   e.g. SCHEDULE=interleaved MODEL=vit bash run_joint.sh --layers 4)
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
@@ -27,6 +28,7 @@ BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-72}           # global: a multiple of DP x MICROBATCHES
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
 DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
 CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
@@ -34,15 +36,15 @@ SAVE_EVERY=${SAVE_EVERY:-50}           # with CHECKPOINT_DIR: save every K steps
 RESTARTS=${RESTARTS:-0}                # torchrun --max-restarts: a killed rank restarts the workers, which resume
 LOGS=${LOGS:-logs}
 PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figures (docs/running.md)
-PLOT="$PLOTS/joint_loss.png"
 PYTHON=${PYTHON:-python}
 
 cd "$(dirname "$0")"
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --microbatches:MICROBATCHES:n
-       --schedule:SCHEDULE:w --timeline:LOGS:-
-       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
+       --schedule:SCHEDULE:w --timeline:LOGS:- --balance:BALANCE:w
+       --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
+       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -51,13 +53,15 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
-JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}.jsonl"
+balance_knob                           # BALANCE: the joint run's --balance, and its tag in the names
+JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${BALANCE_TAG}.jsonl"
+PLOT="$PLOTS/joint_loss${BALANCE_TAG}.png"
 
 # the parallel program's arguments at its world size, before anything trains (parse_args only)
 check_args pipeline_dp_joint "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
-    --schedule "$SCHEDULE" --log-file "$JOINT_LOG"
+    --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" --log-file "$JOINT_LOG"
 check_baseline_args "${COMMON[@]}"
 
 STEP="the baseline (single_baseline.py)"
@@ -70,7 +74,7 @@ echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatc
 checkpoint_flags "$JOINT_LOG"
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
-    --schedule "$SCHEDULE" "${CKPT[@]}" --log-file "$JOINT_LOG"
+    --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${CKPT[@]}" --log-file "$JOINT_LOG"
 
 STEP="plot_curves.py"
 "$PYTHON" plot_curves.py "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"

@@ -9,6 +9,7 @@
 #   SCHEDULES="1f1b interleaved" MICROBATCHES=8 MODEL=vit DATA=synthetic bash run_pipeline.sh --layers 6
 #   SCHEDULES="1f1b zb" RECOMPUTE=1 DATA=synthetic bash run_pipeline.sh    # zero bubble; re-materialisation
 #   SCHEDULES="1f1b 2bw" DATA=synthetic bash run_pipeline.sh    # PipeDream-2BW on its --delay 1 reference
+#   BALANCE=auto DATA=synthetic bash run_pipeline.sh                       # stages split by counted cost
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
@@ -25,10 +26,12 @@ MICROBATCHES=${MICROBATCHES:-4}
 SCHEDULES=${SCHEDULES:-"gpipe 1f1b 2bw"}   # any of gpipe 1f1b interleaved zb 2bw (2bw: MICROBATCHES >= NPROC)
 RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
 VIRTUAL_STAGES=${VIRTUAL_STAGES:-2}    # interleaved only
+BALANCE=${BALANCE:-}                   # blocks per stage (chunk), e.g. 1,1,1,2, or auto (balance.py); empty: even
 BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
 DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
 CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
@@ -43,7 +46,8 @@ cd "$(dirname "$0")"
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --microbatches:MICROBATCHES:n --schedule:SCHEDULES:w
        --virtual-stages:VIRTUAL_STAGES:n --recompute:RECOMPUTE=1:- --log-file:LOGS:- --timeline:LOGS:-
-       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
+       --balance:BALANCE:w --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
+       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
@@ -53,13 +57,16 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
-SUFFIX=""
-if [ "$RECOMPUTE" = 1 ]; then SUFFIX="_recompute"; fi
+SUFFIX="" DOING=""                     # what the knobs change, in the file names and on the console
+if [ "$RECOMPUTE" = 1 ]; then SUFFIX="_recompute" DOING=", --recompute"; fi
+balance_knob
+if [ -n "$BALANCE" ]; then SUFFIX+=$BALANCE_TAG DOING+=", --balance $BALANCE"; fi
 
 pipeline_flags() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTUAL_STAGES"; fi
-                  if [ "$RECOMPUTE" = 1 ]; then echo --recompute; fi; }
+                  if [ "$RECOMPUTE" = 1 ]; then echo --recompute; fi
+                  echo "${BALANCE_FLAGS[@]}"; }
 # the parallel program's arguments at its world size, for every schedule, before anything trains
 for SCHEDULE in $SCHEDULES; do
     check_args pipeline_microbatch "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
@@ -84,7 +91,7 @@ for SCHEDULE in $SCHEDULES; do
     LOG="$LOGS/pipeline_${RUN}${SUFFIX}.jsonl"
     TRACE="$LOGS/timeline_${RUN}${SUFFIX}.json"
     STEP="the $SCHEDULE pipeline (pipeline_microbatch.py on $NPROC ranks)"
-    echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches${SUFFIX:+, --recompute}"
+    echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches$DOING"
     # "--" ends torchrun's own options, so that every later flag reaches the program
     checkpoint_flags "$LOG"
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \

@@ -27,8 +27,8 @@
 # NPROC=2 (then --backend auto picks nccl). CPUs: `#SBATCH --cpus-per-task=8` gives the agent's
 # task 8 cores for its NPROC ranks. A partition (queue): `#SBATCH --partition=NAME` (`sinfo` lists them).
 # Preemption: with `sbatch --requeue` Slurm may stop the job and start it again from the top;
-# CHECKPOINT_DIR=DIR is passed as --checkpoint-dir, for the program to resume from its last
-# checkpoint, once the programs take that flag (not yet: docs/slurm.md, Requeue).
+# CHECKPOINT_DIR=DIR is passed as --checkpoint-dir, so the program resumes from its last
+# checkpoint (docs/slurm.md, Requeue).
 #
 # Knobs (environment, with defaults; sbatch hands the submitting shell's environment to the job).
 set -euo pipefail

@@ -24,6 +24,7 @@ HYBRID=${HYBRID:-0}            # 1: also run --hybrid (cnn: data-parallel convol
 BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}
 EVAL_EVERY=${EVAL_EVERY:-50}
+ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
 DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
 CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
@@ -38,7 +39,8 @@ cd "$(dirname "$0")"
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --hybrid:HYBRID=1:-
-       --dropout:DROPOUT:n --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
+       --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
+       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 source ./launch_checks.sh
 check_knob HYBRID "$HYBRID" 0 1
 check_count NPROC "$NPROC"
@@ -51,7 +53,7 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 TP_LOG="$LOGS/tensor_parallel_${MODEL}${EXTRA}_tp${NPROC}_b${BATCH_SIZE}.jsonl"
 

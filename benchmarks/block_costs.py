@@ -9,6 +9,8 @@ runs of its forward and of the backward from a gradient of ones, with its input 
 on every stage but the first (block 0's input needs no gradient, as on stage 0). The suggested
 split is one of consecutive blocks whose slowest stage costs least by these times (where several
 tie, the one the search meets first); pipeline_microbatch.py's --balance takes it (e.g. 1,1,1,2).
+The last column and line: the flops balance.py counts per block, and the split --balance auto
+makes from them, costed by the times measured here.
 """
 import argparse
 import os
@@ -19,6 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from balance import best_split, block_flops, even_split, stage_max  # noqa: E402  (the split --balance auto takes)
 from common import build_model  # noqa: E402
 
 
@@ -41,54 +44,28 @@ def block_times(blocks, x, repeat):
     return out
 
 
-def best_split(costs, stages):
-    """(cost of the slowest stage, block counts per stage): consecutive blocks, the slowest stage as
-    cheap as it can be; a small dynamic programme over (blocks used, stages used)."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    best = {(0, 0): (0.0, [])}
-    for s in range(1, stages + 1):
-        for end in range(s, n - (stages - s) + 1):
-            options = [(max(best[(start, s - 1)][0], prefix[end] - prefix[start]), best[(start, s - 1)][1] + [end - start])
-                       for start in range(s - 1, end) if (start, s - 1) in best]
-            best[(end, s)] = min(options, key=lambda o: o[0])
-    return best[(n, stages)]
-
-
 def report(name, args, model_args):
     torch.manual_seed(0)
     blocks = list(build_model(model_args))
     times = block_times(blocks, torch.randn(args.microbatch, 3, 32, 32), args.repeat)
     params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    flops = block_flops(model_args)
     total = sum(f + b for f, b in times)
     print(f"\n{name}, a microbatch of {args.microbatch}, median of {args.repeat}:")
-    print("| block | layers | parameters | forward ms | backward ms | share of F+B |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for i, (block, (f, b), n) in enumerate(zip(blocks, times, params)):
+    print("| block | layers | parameters | forward ms | backward ms | share of F+B | share of counted flops |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for i, (block, (f, b), n, c) in enumerate(zip(blocks, times, params, flops)):
         layers = ", ".join(type(m).__name__ for m in block.children()) or type(block).__name__
-        print(f"| {i} | {layers} | {n:,} | {f:.3f} | {b:.3f} | {(f + b) / total:.0%} |")
+        print(f"| {i} | {layers} | {n:,} | {f:.3f} | {b:.3f} | {(f + b) / total:.0%} | {c / sum(flops):.0%} |")
     costs = [f + b for f, b in times]
     if args.stages <= len(blocks):
         even = even_split(len(blocks), args.stages)
         slowest, split = best_split(costs, args.stages)
+        auto = best_split(flops, args.stages)[1]
         print(f"{args.stages} stages: even split {','.join(map(str, even))} -> slowest stage "
-              f"{stage_max(costs, even):.3f} ms; by these costs {','.join(map(str, split))} -> {slowest:.3f} ms "
-              f"(a stage's least possible is the largest block, {max(costs):.3f} ms)")
-
-
-def even_split(n, stages):
-    """pipeline_microbatch.py's default: as even as possible, earlier stages one larger."""
-    return [n // stages + (1 if s < n % stages else 0) for s in range(stages)]
-
-
-def stage_max(costs, split):
-    out, start = [], 0
-    for k in split:
-        out.append(sum(costs[start:start + k]))
-        start += k
-    return max(out)
+              f"{stage_max(costs, even):.3f} ms; by these times {','.join(map(str, split))} -> {slowest:.3f} ms "
+              f"(a stage's least possible is the largest block, {max(costs):.3f} ms); --balance auto "
+              f"(counted flops) {','.join(map(str, auto))} -> {stage_max(costs, auto):.3f} ms by these times")
 
 
 def main():

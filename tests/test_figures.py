@@ -12,7 +12,8 @@ from helpers import ROOT
 FIGURES = {"run_pipeline": ["pipeline_loss.png", "pipeline_timeline.png", "pipeline_loss_2bw.png"],
            "run_joint": ["joint_loss.png"],
            "run_tp": ["tp_loss.png"], "run_3d": ["3d_loss.png"]}
-OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh"}   # drawn by another documented command
+OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh",   # drawn by another documented command
+                  "tp_ladder.png": "python benchmarks/tp_ladder.py --steps 300 --plot plots/tp_ladder.png"}
 
 
 def read(path):
@@ -65,9 +66,12 @@ def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
         assert (args["model"], args["data"], args["steps"], args["batch_size"], args["seed"]) == (
             s["MODEL"], s["DATA"], int(s["STEPS"]), int(s["BATCH_SIZE"]), int(s["SEED"])), run["label"]
         assert run["train_steps"] == int(s["STEPS"]), run["label"]                # finished, not cut short
+        assert args.get("activation", "gelu") == s["ACTIVATION"], run["label"]  # a log before the flag: gelu
     for run in parallel:
         assert run["world_size"] == int(s["NPROC"]) and run["largest_difference"] <= 1e-4, run["label"]
         args = run["args"]
+        if launcher != "run_tp" and s.get("BALANCE") != "auto":   # auto is logged as the list it chose
+            assert (args.get("balance") or "") == s.get("BALANCE", ""), run["label"]
         if launcher == "run_pipeline":
             assert args["microbatches"] == int(s["MICROBATCHES"])
             assert bool(args.get("recompute")) == (s["RECOMPUTE"] == "1")

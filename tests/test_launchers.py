@@ -63,12 +63,15 @@ def test_a_flag_that_has_a_knob_is_refused_with_the_knob(tmp_path):
 
 
 def test_an_extra_flag_the_baseline_does_not_take_is_refused_before_anything_trains(tmp_path):
-    run = launcher("run_pipeline.sh", tmp_path, ["--balance", "2,1,1,1"], MODEL="cnn")
+    run = launcher("run_tp.sh", tmp_path, ["--sequence-parallel"], MODEL="vit")   # (--balance has a knob: BALANCE)
     lines = run.stderr.splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
-    assert lines[0].startswith("error: run_pipeline.sh passes its extra flags to single_baseline.py too, which "
-                               "refused them: unrecognized arguments: --balance 2,1,1,1"), lines
+    assert lines[0].startswith("error: run_tp.sh passes its extra flags to single_baseline.py too, which "
+                               "refused them: unrecognized arguments: --sequence-parallel"), lines
     assert "== baseline" not in run.stdout
+    run = launcher("run_pipeline.sh", tmp_path, ["--check"])   # not an abbreviated --checkpoint-dir
+    assert run.returncode == 2 and run.stderr.startswith("error: --check compares one step with the full model"), \
+        run.stderr
 
 
 def test_recompute_gets_its_own_logs_legend_and_titles_and_the_help_names_real_files(tmp_path):

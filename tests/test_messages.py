@@ -17,6 +17,7 @@ CASES = [  # program, world size, command line that fails
     (pipeline_microbatch, 3, MLP + ["--layers", "8", "--schedule", "interleaved", "--virtual-stages", "3",
                                     "--microbatches", "6", "--batch-size", "24"]),
     (pipeline_microbatch, 2, MLP + ["--microbatches", "5", "--batch-size", "24"]),
+    (pipeline_microbatch, 2, ["--data", "synthetic", "--balance", "2,2"]),                  # 4 of the cnn's 5
     (pipeline_microbatch, 4, MLP + ["--layers", "8", "--schedule", "interleaved", "--microbatches", "6",
                                     "--batch-size", "24"]),
     (pipeline_dp_joint, 6, ["--data", "synthetic", "--schedule", "interleaved"]),        # the launcher's default

@@ -1,0 +1,25 @@
+"""benchmarks/tp_ladder.py, the course's ladder on Sequential(linear1, relu, linear2): every rung
+equals the full layers, and the collectives it counts are the ones docs/tensor_parallel.md explains
+(the column + row pair in one round, column-only in three)."""
+import os
+import sys
+
+from helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import tp_ladder  # noqa: E402
+
+
+def test_each_rung_equals_the_full_layers_and_the_pair_needs_one_all_reduce():
+    result = tp_ladder.ladder(tp_ladder.parse_args(["--steps", "5", "--batch-size", "16", "--hidden", "32"]))
+    table = result["table"]
+    assert all(row["largest_difference"] < 1e-5 for row in table.values()), table
+    calls = {name.split()[0]: row["calls"] for name, row in table.items()}
+    assert calls["1"] == {"forward all_gather": 1} and calls["1b"] == {"forward all_reduce": 1}
+    assert calls["2"] == {"forward all_reduce": 1}                       # one round: the images need no gradient
+    assert calls["2b"] == {"forward all_gather": 2, "backward all_reduce": 1}
+    assert calls["3"] == {"forward all_reduce": 1, "forward all_gather": 1, "backward all_reduce": 1}
+    assert table["2 Sequential, column + row"]["elements"] == {"forward all_reduce": 16 * 10}
+    full = result["losses"]["full"]
+    for name in ("pair", "column-only"):
+        assert max(abs(a - b) for a, b in zip(result["losses"][name], full)) < 1e-5
