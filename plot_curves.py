@@ -272,7 +272,7 @@ def plot_timelines(paths, out):
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", lw=0.5))
     labels.append("blank: not timed (Python between\nactions, optimizer step, or a\nrank waiting for a free core)")
     axes[0, 0].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    axes[-1, 0].set_xlabel("time in the step (ms), one axis for every chart")
+    axes[-1, 0].set_xlabel("time from the recorded step's start (ms; 2bw: two steps), one axis for every chart")
     save(fig, out, {"kind": "timeline", "traces": [dict(t.get("otherData", {}), title=ax.get_title())
                                                    for t, ax in zip(traces, axes[:, 0])]})
 
