@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from balance import even_split
 from common import (CommError, base_parser, build_model, distributed, exit_now, note_one_rank, num_blocks,
                     torchrun_env, validate_common)
 from data import StreamedInputs, agree_on_data, load_data
@@ -105,9 +106,9 @@ class PipelineRank:
 
 
 def partition(n_blocks, n_chunks, balance=None):
-    """Block ranges [start, end) of each chunk: as even as possible, earlier chunks one larger."""
-    sizes = [int(b) for b in balance.split(",")] if balance else \
-        [n_blocks // n_chunks + (i < n_blocks % n_chunks) for i in range(n_chunks)]
+    """Block ranges [start, end) of each chunk: --balance's counts (pipeline_flags.py has resolved
+    auto into counts), else as even as possible, earlier chunks one larger (balance.even_split)."""
+    sizes = [int(b) for b in balance.split(",")] if balance else even_split(n_blocks, n_chunks)
     starts = [sum(sizes[:i]) for i in range(n_chunks + 1)]
     return list(zip(starts[:-1], starts[1:]))
 
