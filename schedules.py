@@ -299,6 +299,9 @@ def parse_args(argv=None):
     elif args.schedule != "interleaved" and args.virtual_stages != 1:
         bad(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not {args.schedule}; "
             f"drop it or use --schedule interleaved")
+    if args.schedule == "2bw" and args.microbatches < args.stages:
+        bad(f"--schedule 2bw needs --microbatches at least --stages {args.stages}, got {args.microbatches}; "
+            f"use --microbatches {args.stages}")
     if args.schedule == "interleaved":
         p_, m = args.stages, args.microbatches
         if p_ < 2:

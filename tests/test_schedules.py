@@ -230,6 +230,7 @@ def test_the_command_line_prints_and_draws_the_planned_table(tmp_path, capsys):
     (["--schedule", "interleaved", "--microbatches", "6"],
      "error: --schedule interleaved needs --microbatches a multiple of --stages 4, got 6; use --microbatches 8 or 4"),
     (["--virtual-stages", "2"], "error: --virtual-stages 2 applies only to --schedule interleaved, not 1f1b"),
+    (["--schedule", "2bw", "--microbatches", "2"], "error: --schedule 2bw needs --microbatches at least --stages 4"),
 ])
 def test_the_command_line_refuses_bad_sizes_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
