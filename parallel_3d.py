@@ -45,8 +45,8 @@ from functools import partial
 
 import torch
 
-from common import (base_parser, build_model, distributed, exit_now, fail, note_one_rank, num_blocks, torchrun_env,
-                    validate_common)
+from common import (base_parser, build_model, distributed, exit_now, fail, group_timeout, note_one_rank, num_blocks,
+                    torchrun_env, validate_common)
 from data import agree_on_data, load_data
 from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
 from pipeline_check import check_and_exit
@@ -241,7 +241,7 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        grid = Grid(env.rank, env.world_size, args.dp, args.tp)
+        grid = Grid(env.rank, env.world_size, args.dp, args.tp, timeout=group_timeout(env, args.timeout_s))
         pos, model, runner, partial_sums = build_stage(args, env, grid)
         if env.rank == 0:
             print(describe(grid, runner.messenger.shapes), flush=True)

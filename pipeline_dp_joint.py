@@ -32,8 +32,8 @@ stage exchange activations inside every layer, so they belong on the fastest lin
 import torch
 import torch.distributed as dist
 
-from common import (awaiting, base_parser, distributed, exit_now, fail, note_one_rank, replicas_identical, torchrun_env,
-                    validate_common)
+from common import (awaiting, base_parser, distributed, exit_now, fail, group_timeout, note_one_rank,
+                    replicas_identical, torchrun_env, validate_common)
 from data import agree_on_data, dp_slice, load_data
 from pipeline_check import check_and_exit
 from pipeline_flags import add_pipeline_flags, refuse_pipedream, validate_pipeline
@@ -74,7 +74,7 @@ class Grid:
 
     AXES = ("dp", "pp", "tp")
 
-    def __init__(self, rank, world, dp, tp=1):
+    def __init__(self, rank, world, dp, tp=1, timeout=None):
         self.ranks = torch.arange(world).view(dp, world // (dp * tp), tp)   # print it: rows are pipelines
         self.dp_size, self.pp_size, self.tp_size = self.ranks.shape
         self.dp_rank, self.pp_rank, self.tp_rank = (self.ranks == rank).nonzero()[0].tolist()
@@ -84,7 +84,9 @@ class Grid:
         for axis, name in enumerate(self.AXES):
             # the lines of the grid along this axis: the ranks that differ only in this coordinate
             self.lines[name] = self.ranks.movedim(axis, -1).reshape(-1, self.ranks.shape[axis]).tolist()
-            made = [dist.new_group(line) for line in self.lines[name]]
+            # timeout: the default group's (common.group_timeout); new_group's own default is 30 minutes,
+            # so a rank waiting on a stopped peer in its data-parallel all-reduce would hang that long
+            made = [dist.new_group(line, timeout=timeout) for line in self.lines[name]]
             groups[name] = next(g for g, line in zip(made, self.lines[name]) if rank in line)
         self.dp_group, self.pp_group, self.tp_group = (groups[name] for name in self.AXES)
 
@@ -164,7 +166,7 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        grid = Grid(env.rank, env.world_size, args.dp)
+        grid = Grid(env.rank, env.world_size, args.dp, timeout=group_timeout(env, args.timeout_s))
         if env.rank == 0:
             grid_2d = grid.ranks[..., 0]                 # the tp axis has one rank here
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid_2d}", flush=True)

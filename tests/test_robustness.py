@@ -107,3 +107,21 @@ def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp
     assert err.count("Traceback (most recent call last)") <= 1, err[-3000:]   # torchrun's own, none of ours
     assert ranks_of(log) == {}
     read_log(log)
+
+
+def test_a_stopped_pipeline_leaves_its_data_parallel_peers_waiting_no_longer_than_the_timeout(tmp_path):
+    """Pipeline 1 (ranks 2 and 3) stops whole: pipeline 0 then waits in the data-parallel all-reduce,
+    on groups made by new_group, whose own default timeout is 30 minutes. They take --timeout-s."""
+    args = PIPELINE + ["--dp", "2", "--batch-size", "24", "--microbatches", "2"]
+    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "8"], program="pipeline_dp_joint.py", args=args)
+    stopped = [ranks_of(log)[r] for r in (2, 3)]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.time() + 40
+    while set(ranks_of(log)) - {2, 3} and time.time() < deadline:
+        time.sleep(0.2)
+    assert not set(ranks_of(log)) - {2, 3}, "pipeline 0 must give up once --timeout-s has passed"
+    for pid in stopped:
+        os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert re.search(DP_WAIT + r"and gave up \(timeout 8 s\)", err), err[-3000:]
