@@ -83,14 +83,16 @@ def test_a_dead_rank_takes_the_job_down_quickly(tmp_path):
 # The first rank to time out wins: torchrun then stops the others, so which wait is named is a race.
 P2P_WAIT = r"error: stage \d waited to (recv|send) the (activation|gradient) of microbatch \d+ (from|to) rank \d "
 DP_WAIT = r"error: stage \d of pipeline \d waited for the all-reduce with its data-parallel group, ranks \[\d, \d\], "
+# a stage whose backwards are done waits in the clipping norm's all-reduce over the pipeline instead
+NORM_WAIT = r"error: rank \d waited for the gradient norm's sums of step \d+, "
 
 
 @pytest.mark.parametrize("program,args,waited", [
-    ("pipeline_microbatch.py", PIPELINE, P2P_WAIT),
+    ("pipeline_microbatch.py", PIPELINE, f"({P2P_WAIT}|{NORM_WAIT})"),
     ("tensor_parallel.py", FAST + ["--model", "mlp", "--hidden", "32"],
      r"error: rank \d waited for the tensor-parallel collectives of step \d+, "),
     ("pipeline_dp_joint.py", PIPELINE + ["--dp", "2", "--batch-size", "24", "--microbatches", "2"],
-     f"({P2P_WAIT}|{DP_WAIT})")],
+     f"({P2P_WAIT}|{DP_WAIT}|{NORM_WAIT})")],
     ids=["pipeline", "tensor-parallel", "joint"])
 def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp_path, program, args, waited):
     proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "8"], program=program, args=args)
