@@ -18,7 +18,8 @@ The tensor-parallel layers and operators are tensor_parallel.py's; this module a
 import torch.nn as nn
 
 from common import fail
-from tensor_parallel import gather_from_tp_region, split_sizes, tp_rank, tp_size
+from tensor_parallel import gather_from_tp_region
+from tp_collectives import split_sizes, tp_rank, tp_size
 from tp_replicas import SummedGradients
 
 

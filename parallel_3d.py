@@ -54,8 +54,9 @@ from pipeline_flags import add_pipeline_flags, near_multiples, refuse_pipedream,
 from pipeline_microbatch import Messenger, StageRunner, build_stage_model, partition, schedule_actions
 from pipeline_train import train
 from tensor_parallel import (ColumnParallelConv2d, ColumnParallelLinear, RowParallelConv2d, RowParallelLinear,
-                             gather_from_tp_region, parallelize_block, split_sizes, tp_rank, tp_size)
+                             gather_from_tp_region, parallelize_block)
 from tp_check import report_replicas, validate_degree, validate_sequence_parallel
+from tp_collectives import split_sizes, tp_rank, tp_size
 from tp_replicas import average_replicated_grads, counted_once, full_slice
 from tp_sequence import sum_sequence_parallel_grads
 

@@ -5,11 +5,10 @@ by output features (column-parallel), feed its split output straight into a Line
 features (row-parallel), and the pair needs one all-reduce in forward and one in backward. The
 degree is the world size; every rank sees the whole global batch and logs the baseline's losses.
 
-What this adds to single_baseline.py, whose train_step and evaluate it imports unchanged: the
-conjugate operators (copy_to_tp_region, reduce_from_tp_region, gather_from_tp_region: autograd
-functions around one all-reduce or all-gather), the sharded layers that slice a full layer's
-weights (ColumnParallelLinear, RowParallelLinear and their conv and attention kin), and
-parallelize(), which swaps them into the baseline's model.
+What this adds to single_baseline.py (whose train_step and evaluate it imports unchanged), in
+order: the conjugate operators (autograd functions around one collective of tp_collectives.py),
+the sharded layers (ColumnParallelLinear, RowParallelLinear and their conv and attention kin), and
+parallelize(), which slices the baseline's model into them block by block.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model cnn
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --check
@@ -33,17 +32,14 @@ GELU is elementwise, so it runs on each shard with no communication. A layer tha
 without a row-parallel partner is column-parallel with gather_from_tp_region (forward all-gather,
 backward split), so that the logits are whole on every rank.
 
---sequence-parallel, the vit only (Korthikanti et al. 2022): g's all-reduce = reduce-scatter + all-gather,
-so the reduce-scatter comes after the row-parallel layer, LayerNorm, dropout and the residual add run on
-1/t of the tokens, and the all-gather comes before the next column-parallel layer: the same bytes,
-those activations t times smaller. The operators are here; the embedding, head and norms on my
-tokens in tp_sequence.py.
+--sequence-parallel (the vit; Korthikanti et al. 2022) splits g's all-reduce into its two halves: a
+reduce-scatter after the row-parallel layer, so that LayerNorm, dropout and the residual add run
+on 1/t of the tokens, and an all-gather before the next column-parallel layer. The same bytes,
+those activations t times smaller; the operators are here, the rest in tp_sequence.py.
+--hybrid (data-parallel convolutions, a tensor-parallel classifier) is hybrid.py; --check and the
+report on the replicated parameters tp_check.py and tp_replicas.py.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
-
---hybrid (data-parallel convolutions, a tensor-parallel classifier) is in hybrid.py; --check and the
-end-of-run report on the replicated parameters in tp_check.py; which parameters are replicas
-and how they stay identical in tp_replicas.py.
 """
 import time
 from functools import partial
@@ -61,6 +57,8 @@ from clipping import clip_global
 from data import agree_on_data, load_data
 from keyed_dropout import KeyedDropout
 from single_baseline import evaluate, train_step
+from tp_collectives import all_gather, all_reduce, reduce_scatter, split_sizes, tp_rank, tp_size
+from tp_replicas import average_replicated_grads, counted_once
 
 PROGRAM = "tensor_parallel"
 
@@ -86,50 +84,7 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
-
-
-def tp_rank(group):
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def tp_size(group):
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def split_sizes(n, parts):
-    """torch.tensor_split's shard sizes: the first n % parts shards get one more (6 over 4: 2, 2, 1, 1)."""
-    return [n // parts + (r < n % parts) for r in range(parts)]
-
-
-def _all_reduce(x, group):
-    if tp_size(group) == 1:
-        return x
-    x = x.clone(memory_format=torch.contiguous_format)  # in place below; autograd may hold x (a gradient can be shared)
-    dist.all_reduce(x, group=group)
-    return x
-
-
-def _reduce_scatter(x, group, dim):
-    """Sum x over the group and keep my equal slice along dim: half an all-reduce (its other half is an
-    all-gather). gloo implements reduce_scatter (checked on torch 2.15), so no all-reduce stands in."""
-    if tp_size(group) == 1:
-        return x
-    parts = [part.contiguous() for part in x.chunk(tp_size(group), dim)]
-    out = torch.empty_like(parts[tp_rank(group)])
-    dist.reduce_scatter(out, parts, group=group)
-    return out
-
-
-def _all_gather(x, group, sizes, dim):
-    """Every rank's shard, concatenated along dim. Shards may differ by one (tensor_split) and gloo's
-    all_gather needs equal sizes, so each rank pads its shard to the largest and the padding is cut."""
-    if tp_size(group) == 1:
-        return x
-    dim = dim % x.dim()
-    padded = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, max(sizes) - x.shape[dim]]).contiguous()
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes)], dim=dim)
+# each wraps one collective of tp_collectives.py; forward and backward are each other's conjugate
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -142,7 +97,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -151,7 +106,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         if tp_size(group) == 1 or not x.is_contiguous():
-            return _all_reduce(x, group)
+            return all_reduce(x, group)
         # x is a fresh layer output that autograd does not save (linear and conv keep their input),
         # so it is summed in place rather than copied first; mark_dirty tells autograd so
         ctx.mark_dirty(x)
@@ -169,7 +124,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sizes, dim):
         ctx.start, ctx.size, ctx.dim = sum(sizes[:tp_rank(group)]), x.shape[dim], dim
-        return _all_gather(x, group, sizes, dim)
+        return all_gather(x, group, sizes, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -183,12 +138,12 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, group, [x.shape[1]] * tp_size(group), 1)
+        return all_gather(x, group, [x.shape[1]] * tp_size(group), 1)
 
     @staticmethod
     def backward(ctx, grad):
         # each rank's column shard gives a partial gradient of every token: sum them, keep my tokens'
-        return _reduce_scatter(grad, ctx.group, 1), None
+        return reduce_scatter(grad, ctx.group, 1), None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -197,11 +152,11 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, group, 1)
+        return reduce_scatter(x, group, 1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
+        return all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
 
 
 def copy_to_tp_region(x, group):
@@ -418,7 +373,6 @@ def summed_where_partial(model, group, hybrid):
 
 
 def train(model, args, data, env, log, group):
-    from tp_replicas import counted_once
     optimizer = make_optimizer(model.parameters(), args)
     first, written_by = checkpoint.resume(args, model, optimizer, env.rank)   # 0: a fresh run
     log.begin(PROGRAM, args, env, first, written_by)
@@ -449,7 +403,6 @@ def train(model, args, data, env, log, group):
 
 def main(argv=None):
     from tp_check import report_replicas, run_check
-    from tp_replicas import average_replicated_grads
     args = parse_args(argv)
     note_one_rank("tensor parallelism of degree 1, every weight whole")
     data = load_data(args)

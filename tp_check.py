@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from clipping import clip_global
 from common import awaiting, build_model, fail, make_optimizer, replicas_identical
-from tensor_parallel import tp_size
+from tp_collectives import tp_size
 from tp_replicas import counted_once, full_slice, replicated_parameters
 from tp_sequence import VIT_TOKENS
 

@@ -11,7 +11,7 @@ partial sum that the ranks add up (SummedGradients: --hybrid's convolutions, the
 import torch
 import torch.distributed as dist
 
-from tensor_parallel import tp_rank, tp_size
+from tp_collectives import tp_rank, tp_size
 
 
 def shard_of(model, name):

@@ -16,7 +16,8 @@ import torch.nn as nn
 
 from common import PatchEmbed
 from keyed_dropout import KeyedDropout
-from tensor_parallel import reduce_from_tp_region, tp_rank, tp_size
+from tensor_parallel import reduce_from_tp_region
+from tp_collectives import tp_rank, tp_size
 from tp_replicas import SummedGradients
 
 VIT_TOKENS = (32 // 4) ** 2   # common.PatchEmbed: 4x4 patches of a 32x32 image
