@@ -19,10 +19,13 @@ roles (W(t) is batch t+1's older), and the optimizer's momentum moves to the buf
 next. Two copies of the weights, never three; single_baseline.py --delay 1 is the same rule in
 one process.
 """
+from functools import partial
+
 import torch
 from torch.func import functional_call
 
 from data import next_batch
+from pipeline_microbatch import StageRunner
 from schedules import schedule_actions
 
 
@@ -64,6 +67,48 @@ class TwoVersions:
             if now in state:
                 state[nxt] = state.pop(now)
         optimizer.param_groups[0]["params"] = newer
+
+
+class TwoVersionRunner(StageRunner):
+    """pipeline_microbatch.py's executor for --schedule 2bw. A step's action list (schedules.py's
+    2bw) numbers this batch's microbatches 0..m-1 and the next batch's first ones m, m+1, ...:
+    those run on the newer version, draw the next step's dropout masks, and what they leave (saved
+    activations, received messages) is carried into the next step, renumbered from 0."""
+
+    def __init__(self, chunks, pos, messenger, m, recompute=False):
+        super().__init__(chunks, pos, messenger, recompute=recompute)
+        self.m, self.versions, self.carried = m, TwoVersions(chunks), ({}, {})
+
+    def step_actions(self, steps):
+        """step -> its action list: the first step warms up, the last drains, the others neither."""
+        return partial(pipedream_step_actions, self.pos, self.m, steps)
+
+    def begin_batch(self, training):
+        if not training:                      # an evaluation between steps leaves the carried work be
+            return {}, {}
+        carried, self.carried = self.carried, ({}, {})
+        return carried
+
+    def end_batch(self, saved, inbox, training):
+        if not training:
+            return super().end_batch(saved, inbox, training)
+        self.carried = tuple({key[:-2] + (key[-2] - self.m, key[-1]): value for key, value in kept.items()}
+                             for kept in (saved, inbox))   # keys (..., microbatch, chunk or stage)
+
+    def key_masks_to(self, mb, step=None):
+        if mb < self.m or self.step is None:
+            return super().key_masks_to(mb)
+        super().key_masks_to(mb - self.m, step=self.step + 1)   # the next batch's microbatch mb - m
+
+    def call(self, chunk, mb, x, training):
+        """The version of mb's batch (an evaluation: the newest)."""
+        return self.versions.run(chunk, x, newer=mb >= self.m or not training)
+
+    def parameters(self):
+        return self.versions.trained()        # the older version: this step's backwards differentiate it
+
+    def update(self, optimizer):
+        self.versions.step(optimizer)         # the new version goes into the older's buffer
 
 
 def pipedream_step_actions(pos, m, steps, step):

@@ -4,43 +4,30 @@ The lesson (GPipe, Huang et al. 2019; PipeDream-flush 1F1B, Narayanan et al. 202
 blocks into stages, one process each; split every global batch into M microbatches and stream
 them through, so that stage r works on microbatch i while stage r+1 works on microbatch i-1.
 Gradients of the M microbatches accumulate (each loss divided by M), then every stage takes one
-optimizer step: the same update as one process on the whole batch.
-
-What this adds to single_baseline.py (whose data, seeding, optimizer and metrics it shares): each
-rank builds and keeps only its stage's blocks of the model (build_stage_model: 1/p of the weights,
-gradients and momentum), every message's shape is known up front, activations go forward and
-gradients back by isend/irecv (Messenger), a schedule orders each rank's forwards and backwards
-(schedule_actions, run by StageRunner), and only the last stage sees labels and the loss
-(train_step's head).
+optimizer step: the same update as one process on the whole batch (single_baseline.py, whose data,
+seeding, optimizer and metrics this shares).
 
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
 
-The schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1, PipeDream-2BW: who runs which
-forward and backward when, and where the messages go) are data in schedules.py, drawn there tick
-by tick; zb's B/W split is zero_bubble.py, 2bw's two weight versions pipedream.py. This file is,
-in order: the stage, its messages (the four point-to-point cases), GPipe as a plain loop, the
-executor that plays any schedule, and the training step. The loop around it (logging, evaluation,
-checkpoints, timeline) is pipeline_train.py, shared with the joint and 3-D programs; the flags'
-arithmetic is pipeline_flags.py, --check pipeline_check.py. --recompute (GPipe's
-re-materialisation) keeps only each microbatch's stage input from F to B and re-runs the forward
-just before B.
-
-    torchrun --standalone --nproc-per-node 2 -- pipeline_microbatch.py --data synthetic --schedule zb --recompute
-    torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 2bw
+This file is, in order: the stage (each rank builds and keeps only its blocks), its messages (the
+four point-to-point cases over isend/irecv; every shape known up front), GPipe as a plain loop, the
+executor that plays any schedule, and the training step (only the last stage sees labels). The
+schedules (GPipe, 1F1B, interleaved, zero-bubble ZB-H1, PipeDream-2BW) are data in schedules.py;
+zb's B/W split is zero_bubble.py, 2bw's two weight versions pipedream.py; the training loop is
+pipeline_train.py, the flags pipeline_flags.py, --check pipeline_check.py. --recompute keeps only
+each microbatch's stage input from F to B and re-runs the forward just before B.
 
 No deadlock on gloo, whose send completes only once the peer posts the receive: between two
 actions a rank posts the send of what it just computed together with the receive its next action
 needs, as one batch (send_forward_recv_backward, ...), so two neighbours that cross have each
 posted both halves. schedules.dry_run() plays every rank's actions with blocking sends and names
-any cycle; the tests run it for many (p, m, v) and show that one message at a time does deadlock
-(docs/pipeline.md tells the story).
+any cycle, for many (p, m, v) in the tests (docs/pipeline.md tells the story).
 """
 import contextlib
 import datetime
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -52,10 +39,9 @@ from common import (CommError, base_parser, build_model, distributed, exit_now, 
                     torchrun_env, validate_common)
 from data import StreamedInputs, agree_on_data, load_data
 from keyed_dropout import DropoutKeys
-from pipedream import TwoVersions, pipedream_step_actions
 from pipeline_check import check_and_exit
 from pipeline_flags import add_pipeline_flags, validate_pipeline
-from schedules import schedule_actions
+from schedules import flow_name, schedule_actions
 from timeline import TimelineRecorder
 from zero_bubble import split_weight_grads
 
@@ -147,7 +133,7 @@ class Messenger:
     """The point-to-point helpers. The course's four cases, one message each, are the methods
     named after the data flow (Megatron's names): send_forward, recv_forward, send_backward,
     recv_backward. exchange posts any number of such messages as one batch: a fused pair such as
-    send_forward_recv_backward (flow_name) is the schedules' usual exchange. Every message has a tag
+    send_forward_recv_backward (schedules.flow_name) is the schedules' usual exchange. Every message has a tag
     (microbatch, virtual stage, direction), so on gloo none can match the wrong receive; nccl ignores
     tags but matches in posting order, and both sides post each direction's messages in the same
     order (tests/test_nccl_order.py). A gloo wait has a timeout that names what it awaited."""
@@ -180,13 +166,10 @@ class Messenger:
 
     def exchange(self, parts, outbox, mb_size, record=None):
         """Post every part (send or recv, peer, message) at once, then wait for the receives only.
-        A gloo send completes only once the peer has posted the matching receive; waiting for it
-        here would hold this stage's next compute until the next stage is ready, in lock step. So
-        the sends (with their tensors, which the backend reads until then) are waited just before
-        the next exchange that sends, as torch.distributed.pipelining's 1F1B does: a stage runs at
-        most one action ahead of its neighbour, and at most one exchange's sent tensors are alive.
-        Delaying a wait cannot create a deadlock: every rank still posts the same messages in the
-        same order, and posting never blocks."""
+        A gloo send completes once the peer posts its receive: waiting here would hold my next
+        compute in lock step with the next stage. So the sends (and their tensors) wait until just
+        before the next exchange that sends, as torch.distributed.pipelining's 1F1B does. That
+        cannot deadlock: every rank still posts the same messages in the same order."""
         start = time.perf_counter()           # the timeline's wait includes the posting
         if any(kind == "send" for kind, _, _ in parts):
             self.finish()                     # the previous exchange's sends
@@ -240,17 +223,6 @@ class Messenger:
                                 f"{self.timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
 
 
-def flow_name(parts):
-    """Megatron's name for one exchange, after the data flow: recv_forward (an activation comes in),
-    send_backward (a gradient goes out), send_forward_recv_backward, ... send_forward_backward_recv_forward_backward."""
-    name = []
-    for kind in ("send", "recv"):
-        ways = [way for what, way in (("act", "forward"), ("grad", "backward"))
-                if any(k == kind and m[0] == what for k, _, m in parts)]
-        name += [f"{kind}_{'_'.join(ways)}"] if ways else []
-    return "_".join(name)
-
-
 class PipelineError(CommError):
     pass
 
@@ -301,13 +273,11 @@ class StageRunner(TimelineRecorder):
     B to W (zero_bubble.py). recompute (--recompute, GPipe's re-materialisation): F runs without
     autograd and keeps only the chunk's input; B first re-runs the forward under autograd."""
 
-    def __init__(self, chunks, pos, messenger, split=False, recompute=False, two_versions_every=None):
+    versions = None                           # 2bw's two weight versions (pipedream.TwoVersionRunner)
+
+    def __init__(self, chunks, pos, messenger, split=False, recompute=False):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
         self.stashes = [split_weight_grads(chunk) for chunk in chunks] if split else None
-        # 2bw: microbatches numbered from m belong to the next batch, which runs on the newer weights
-        self.per_batch = two_versions_every
-        self.versions = TwoVersions(chunks) if two_versions_every else None
-        self.carried = {}, {}                 # 2bw: (saved, inbox) of the next batch's microbatches
         self.model_param_mb = 0.0             # the whole model's parameters (the summary record): setup_stage
         self.model = None                     # my blocks, named as in the full model (setup_stage): checkpoints
         self.keys = DropoutKeys(seed=0)       # replaced by the model's own (setup_stage): its dropout reads them
@@ -319,9 +289,7 @@ class StageRunner(TimelineRecorder):
         when not training), on the last virtual stage. first_sample: the global batch index of
         microbatch 0's first sample (a data-parallel replica's offset), for the dropout masks."""
         training, outbox = torch.is_grad_enabled(), {}
-        saved, inbox = {}, {}
-        if training:                          # 2bw: what the step before started (an evaluation leaves it be)
-            (saved, inbox), self.carried = self.carried, ({}, {})
+        saved, inbox = self.begin_batch(training)   # (activations kept for a backward, messages received)
         self.mb_size, self.first_sample, self.step = mb_size, first_sample, getattr(self.keys, "step", None)
         recording = self.record if self.events is not None else None
         for action in actions:
@@ -338,12 +306,14 @@ class StageRunner(TimelineRecorder):
                 self.stashes[chunk].weight_grads(mb)
             self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
         self.messenger.finish()
-        if self.per_batch and training:       # 2bw: the next batch's first microbatches, renumbered
-            self.carried = tuple({key[:-2] + (key[-2] - self.per_batch, key[-1]): value
-                                  for key, value in kept.items()} for kept in (saved, inbox))
-            saved, inbox = {}, {}
-        assert not saved and not outbox and not inbox, "the schedule left work behind"
-        assert not any(stash.pending for stash in self.stashes or []), "a weight gradient was never taken"
+        self.end_batch(saved, inbox, training)
+        assert not outbox and not any(stash.pending for stash in self.stashes or []), "work left behind"
+
+    def begin_batch(self, training):
+        return {}, {}                         # a flushed pipeline starts empty (2bw does not)
+
+    def end_batch(self, saved, inbox, training):
+        assert not saved and not inbox, "the schedule left work behind"
 
     def vstage(self, chunk):
         return chunk * self.pos.pp_size + self.pos.pp_rank
@@ -351,30 +321,22 @@ class StageRunner(TimelineRecorder):
     def is_last(self, chunk):
         return self.vstage(chunk) == self.pos.pp_size * self.pos.virtual - 1
 
-    def key_masks_to(self, mb):
+    def key_masks_to(self, mb, step=None):
         """Dropout draws microbatch mb's masks: its samples' indices in the global batch key them
-        (keyed_dropout.py), so a forward and its recomputation draw the same, and the baseline's.
-        (2bw: microbatch m + i is the next step's microbatch i.)"""
+        (keyed_dropout.py), so a forward and its recomputation draw the same, and the baseline's."""
         if self.keys is not None:
-            ahead = self.per_batch is not None and mb >= self.per_batch
-            self.keys.step = self.step + 1 if ahead and self.step is not None else self.step
-            self.keys.first_sample = self.first_sample + (mb - self.per_batch if ahead else mb) * self.mb_size
+            self.keys.step = self.step if step is None else step
+            self.keys.first_sample = self.first_sample + mb * self.mb_size
 
     def call(self, chunk, mb, x, training):
-        """The chunk's forward; 2bw picks the weight version of mb's batch (evaluation: the newest)."""
-        if self.versions is None:
-            return self.chunks[chunk](x)
-        return self.versions.run(chunk, x, newer=mb >= self.per_batch or not training)
+        return self.chunks[chunk](x)
 
     def parameters(self):
-        """What this step's backwards differentiate and the optimizer steps (2bw: the older version)."""
-        return self.versions.trained() if self.versions else [p for c in self.chunks for p in c.parameters()]
+        """What the backwards differentiate and the optimizer steps (all of them here; 2bw: one version)."""
+        return [p for c in self.chunks for p in c.parameters()]
 
     def update(self, optimizer):
-        if self.versions:                     # 2bw: the new version goes into the older's buffer
-            self.versions.step(optimizer)
-        else:
-            optimizer.step()
+        optimizer.step()
 
     def forward(self, mb, chunk, inputs, head, saved, outbox, inbox):
         vstage, training = self.vstage(chunk), torch.is_grad_enabled()
@@ -443,9 +405,12 @@ def setup_stage(args, env, pos):
     returns (model, runner)."""
     model, chunks, shapes = build_stage_model(args, pos, env.device)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
-    runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
-                         recompute=getattr(args, "recompute", False),   # a parser without the flag: off
-                         two_versions_every=args.microbatches if args.schedule == "2bw" else None)
+    recompute = getattr(args, "recompute", False)   # a parser without the flag: off
+    if args.schedule == "2bw":                # two weight versions, no flush (pipedream.py imports this file)
+        from pipedream import TwoVersionRunner
+        runner = TwoVersionRunner(chunks, pos, messenger, args.microbatches, recompute=recompute)
+    else:
+        runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb", recompute=recompute)
     runner.model, runner.model_param_mb, runner.keys = model, model.full_param_mb, model.dropout_keys
     return model, runner
 
@@ -461,7 +426,7 @@ def main(argv=None):
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
         if args.schedule == "2bw":            # its first step warms up, its last drains, the others neither
-            actions = partial(pipedream_step_actions, pos, args.microbatches, args.steps)
+            actions = runner.step_actions(args.steps)
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             status = check_and_exit(env, runner, actions, model, args, x, y)

@@ -50,6 +50,17 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "2bw")
 # A message is (what, microbatch, virtual stage of its receiver), what = "act" or "grad".
 
 
+def flow_name(parts):
+    """Megatron's name for one exchange, after the data flow: recv_forward (an activation comes in),
+    send_backward (a gradient goes out), send_forward_recv_backward, ... send_forward_backward_recv_forward_backward."""
+    name = []
+    for kind in ("send", "recv"):
+        ways = [way for what, way in (("act", "forward"), ("grad", "backward"))
+                if any(k == kind and m[0] == what for k, _, m in parts)]
+        name += [f"{kind}_{'_'.join(ways)}"] if ways else []
+    return "_".join(name)
+
+
 def forward_order(schedule, p, m, rank, v):
     """(microbatch, chunk) in the order this rank runs forwards; interleaved goes p microbatches
     through chunk 0, the same p through chunk 1, ..., then the next p microbatches."""
