@@ -38,7 +38,10 @@ trap 'rc=$?; echo "run_slurm.sh: stopped: this step failed with exit status $rc:
 PROGRAM=${PROGRAM:-pipeline_microbatch.py}  # pipeline_microbatch.py | pipeline_dp_joint.py | tensor_parallel.py | parallel_3d.py
 NPROC=${NPROC:-2}                      # ranks per node (GPUs per node on a GPU cluster); world = nodes x NPROC
 MICROBATCHES=${MICROBATCHES:-4}        # pipelines: microbatches per global batch (per replica)
-SCHEDULE=${SCHEDULE:-1f1b}             # pipelines: gpipe | 1f1b | interleaved (2 chunks per rank) | zb
+SCHEDULE=${SCHEDULE:-1f1b}             # pipelines: gpipe | 1f1b | interleaved (2 chunks per rank) | zb | 2bw
+                                       # (2bw: pipeline_microbatch.py; the baseline then runs --delay 1, its reference)
+BALANCE=${BALANCE:-}                   # pipelines: blocks per stage, e.g. 1,1,1,2, or auto (balance.py); empty: even
+ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
 DP=${DP:-2}                            # pipeline_dp_joint.py, parallel_3d.py: data-parallel replicas
 TP=${TP:-2}                            # parallel_3d.py: tensor-parallel ranks per stage
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
@@ -67,6 +70,10 @@ if [ -z "${SLURM_JOB_ID:-}" ] || [ -z "${SLURM_JOB_NODELIST:-}" ]; then
 fi
 NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:?}}
 
+case "$ACTIVATION" in
+    gelu|relu) ;;
+    *) fail "ACTIVATION=$ACTIVATION is not an activation here: set ACTIVATION=gelu or ACTIVATION=relu" ;;
+esac
 case "$PROGRAM" in
     pipeline_microbatch.py) PARALLEL=(--schedule "$SCHEDULE" --microbatches "$MICROBATCHES") ;;
     pipeline_dp_joint.py)   PARALLEL=(--dp "$DP" --schedule "$SCHEDULE" --microbatches "$MICROBATCHES") ;;
@@ -78,6 +85,16 @@ esac
 case "$NPROC" in
     ''|*[!0-9]*|0) fail "NPROC=$NPROC must be a positive integer: the ranks per node (e.g. its GPUs)" ;;
 esac
+if [ -n "$BALANCE" ]; then   # the stages' split: the pipeline programs only (the baseline is one stage)
+    [ "$PROGRAM" != tensor_parallel.py ] || fail "BALANCE=$BALANCE splits pipeline stages, and" \
+        "tensor_parallel.py has none: unset BALANCE, or set PROGRAM to a pipeline program"
+    PARALLEL+=(--balance "$BALANCE")
+fi
+# PipeDream-2BW trains by another rule (each gradient one update stale): its reference is the
+# baseline with --delay 1, the same rule in one process (docs/pipeline.md). The other programs
+# refuse --schedule 2bw in the check of step 4.
+DELAY=()
+if [ "$SCHEDULE" = 2bw ] && [ "$PROGRAM" = pipeline_microbatch.py ]; then DELAY=(--delay 1); fi
 
 # ---- 2. find the repository --------------------------------------------------------------------
 # sbatch runs a copy of this script from Slurm's spool directory, so $0 does not lead back to the
@@ -108,7 +125,7 @@ RDZV_PORT=${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
 WORLD=$((NNODES * NPROC))
 NAME=${PROGRAM%.py}
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
-        --eval-every "$EVAL_EVERY" "$@")
+        --eval-every "$EVAL_EVERY" --activation "$ACTIVATION" "$@")
 # Checkpoints come from the program (torch.distributed.checkpoint): a requeued job starts this
 # script again, and the program finds its last checkpoint in CHECKPOINT_DIR and goes on from there.
 # A program without --checkpoint-dir refuses the flag in the check below, before anything trains.
@@ -116,7 +133,7 @@ if [ -n "$CHECKPOINT_DIR" ]; then PARALLEL+=(--checkpoint-dir "$CHECKPOINT_DIR")
 if [ -n "$SAVE_EVERY" ]; then PARALLEL+=(--save-every "$SAVE_EVERY"); fi
 # the job id names the logs: a requeued job keeps its id, and so its log
 LOG="$LOGS/slurm-${SLURM_JOB_ID}-${NAME}_${MODEL}_n${NNODES}x${NPROC}.jsonl"
-BASELINE_LOG="$LOGS/slurm-${SLURM_JOB_ID}-single_baseline_${MODEL}.jsonl"
+BASELINE_LOG="$LOGS/slurm-${SLURM_JOB_ID}-single_baseline_${MODEL}${DELAY:+_delay1}.jsonl"
 
 # ---- 4. check the arguments at the job's world size, before anything trains --------------------
 # (the program's own parse_args under WORLD_SIZE, as torchrun would set it; it trains nothing)
@@ -124,8 +141,8 @@ WORLD_SIZE=$WORLD "$PYTHON" -c "import sys, $NAME as p; p.parse_args(sys.argv[1:
     "${COMMON[@]}" --backend "$BACKEND" "${PARALLEL[@]}" --log-file "$LOG"
 
 # ---- 5. the baseline: one process on this node (the job's first node, where sbatch runs this) --
-echo "== baseline: one process on $(hostname)"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
+echo "== baseline${DELAY:+ with --delay 1, the 2bw reference}: one process on $(hostname)"
+"$PYTHON" single_baseline.py "${COMMON[@]}" "${DELAY[@]}" --log-file "$BASELINE_LOG"
 
 # ---- 6. the parallel run: srun starts one torchrun agent per node ------------------------------
 # srun runs its command once per task: here one task on each of the job's nodes. Every agent is

@@ -210,13 +210,60 @@ def test_outside_a_slurm_job_the_script_says_how_to_submit_it(tmp_path):
     (dict(PROGRAM="pipeline.py"), "error: PROGRAM=pipeline.py is not one of the parallel programs: set PROGRAM to"),
     (dict(NPROC="0"), "error: NPROC=0 must be a positive integer"),
     (dict(REPO="/"), "error: cannot find pipeline_microbatch.py (REPO=/, submitted from "),
-], ids=["program", "nproc", "repo"])
+    (dict(ACTIVATION="tanh"), "error: ACTIVATION=tanh is not an activation here: set ACTIVATION=gelu or"),
+    (dict(PROGRAM="tensor_parallel.py", BALANCE="auto"),
+     "error: BALANCE=auto splits pipeline stages, and tensor_parallel.py has none: unset BALANCE"),
+], ids=["program", "nproc", "repo", "activation", "balance"])
 def test_bad_knobs_are_refused_before_anything_runs(tmp_path, knobs, message):
     """As inside a job (the SLURM_* variables set by hand): one error line, exit status 2, nothing written."""
     run = outside_slurm(tmp_path, SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1", SLURM_JOB_NUM_NODES="1", **knobs)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert run.stderr.startswith(message), run.stderr
     assert not (tmp_path / "logs").exists()
+
+
+STAND_IN_SCONTROL = """#!/bin/sh
+case "$1 $2" in
+    "show hostnames") echo n1 ;;
+    "show node") echo "NodeName=n1 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 NodeHostName=n1" ;;
+esac
+"""
+# srun's own options, then the command it would start once per node: here once, on this machine
+STAND_IN_SRUN = """#!/bin/bash
+while [[ "$1" == -* ]]; do case "$1" in --nodes|--ntasks|--ntasks-per-node|--cpus-per-task) shift 2 ;; *) shift ;; esac; done
+exec "$@"
+"""
+
+
+def test_knobs_reach_both_programs_and_2bw_is_drawn_on_its_delay_1_reference(tmp_path):
+    """The script as Slurm would run it in a one-node job, with stand-ins for scontrol and srun (no
+    cluster needed: the real one is below): ACTIVATION goes to both programs, BALANCE to the
+    pipeline, and SCHEDULE=2bw gets the baseline run with --delay 1, whose losses 2bw logs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", STAND_IN_SCONTROL), ("srun", STAND_IN_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    knobs = dict(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1", SLURM_JOB_NUM_NODES="1", REPO=ROOT,
+                 PATH=f"{bin_dir}:{os.environ['PATH']}", RDZV_PORT=str(free_port("127.0.0.1")), OMP_NUM_THREADS="1",
+                 NPROC="2", MODEL="mlp", SCHEDULE="2bw", MICROBATCHES="2", ACTIVATION="relu", BALANCE="auto",
+                 DATA="synthetic", STEPS="6", EVAL_EVERY="0")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), **knobs)
+    run = subprocess.run(["bash", os.path.join(ROOT, "run_slurm.sh"), "--layers", "4"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "== baseline with --delay 1, the 2bw reference: one process on" in run.stdout
+    logs = tmp_path / "logs"
+    reference = read_log(logs / "slurm-7-single_baseline_mlp_delay1.jsonl")
+    pipeline = read_log(logs / "slurm-7-pipeline_microbatch_mlp_n1x2.jsonl")
+    assert reference[0]["args"]["delay"] == 1 and reference[0]["args"]["activation"] == "relu"
+    args = pipeline[0]["args"]
+    assert (args["schedule"], args["activation"], args["layers"]) == ("2bw", "relu", 4)
+    assert args["balance"] and args["balance"] != "auto"   # resolved into blocks per stage
+    got, want = Run(0, "", "", pipeline).losses(), Run(0, "", "", reference).losses()
+    assert len(got) == len(want) == 6 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
+    assert (logs / "plots" / "slurm_loss.png").stat().st_size > 10_000
 
 
 def sbatch(cluster, tmp_path, args=(), timeout=300, **knobs):
