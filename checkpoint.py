@@ -10,6 +10,7 @@ sits in the full model:
     param/2.1.weight@0:60:60       rows 60..119 (tp rank 1)
     momentum/2.1.weight@0:0:60     its SGD momentum buffer, the same slice
     param/2.1.bias                 a whole tensor (a pipeline stage, a replicated tensor)
+    stale/2.1.bias                 PipeDream-2BW's rule only: the weights before the last update
 
 Replicas (data-parallel, or tp ranks holding a replicated tensor) write the same key; DCP's planner
 keeps one writer per key. On resume each rank computes the slice it holds now, asks DCP for the saved
@@ -35,8 +36,9 @@ from common import fail
 
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
 SETTINGS = ("model", "layers", "hidden", "heads", "activation", "data", "seed", "batch_size", "lr", "momentum",
-            "dropout", "clip_grad_norm")
-EARLIER = {"activation": "gelu"}   # a checkpoint saved before the flag existed was of a gelu model
+            "dropout", "clip_grad_norm", "delay")
+EARLIER = {"activation": "gelu", "delay": 0}   # a checkpoint saved before the flag existed: the flag's default
+RULES = {0: "the synchronous update", 1: "PipeDream-2BW's update (--schedule 2bw, single_baseline.py --delay 1)"}
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -58,14 +60,23 @@ def validate(args):
     if path is None:
         return
     meta = read_meta(path)
-    saved = {k: meta["settings"].get(k, EARLIER.get(k)) for k in SETTINGS}
-    differ = [f"--{k.replace('_', '-')} {saved[k]} there, {getattr(args, k, None)} here"
-              for k in SETTINGS if saved[k] != getattr(args, k, None)]
+    saved, here = {k: meta["settings"].get(k, EARLIER.get(k)) for k in SETTINGS}, settings(args)
+    differ = [f"{RULES[saved[k]]} there, {RULES[here[k]]} here" if k == "delay" else
+              f"--{k.replace('_', '-')} {saved[k]} there, {here[k]} here" for k in SETTINGS if saved[k] != here[k]]
     if differ:
         fail(f"the checkpoint {path} is of another run ({'; '.join(differ)}); resume with its settings, or use "
              f"another --checkpoint-dir (nothing was deleted)")
     check_files(path)
     args.resume_from = path
+
+
+def settings(args):
+    """What makes a run what it is. delay: the update rule, 1 for PipeDream-2BW's gradients taken one
+    update stale (pipeline_microbatch.py --schedule 2bw and single_baseline.py --delay 1, which
+    resume from each other's checkpoints), else 0."""
+    values = {k: getattr(args, k, None) for k in SETTINGS}
+    values["delay"] = int(getattr(args, "delay", 0) == 1 or getattr(args, "schedule", None) == "2bw")
+    return values
 
 
 def latest(directory):
@@ -124,13 +135,24 @@ def parse_key(k):
     return kind, name, tuple(map(int, spec.split(":"))) if spec else None
 
 
-def held(model, optimizer):
-    """[(kind, name, spec, tensor)] of what this rank holds: parameters and momentum buffers."""
+def weights_of(model, versions):
+    """[(name, current, stale, stepped)] per parameter: the tensor holding its current weights, the
+    one holding the weights before the last update (None but under 2BW's rule), and the tensor the
+    optimizer steps (its momentum's key). versions: the program's own list (single_baseline.py
+    --delay 1, pipedream.TwoVersionRunner), else each parameter of model, alone."""
+    return versions if versions is not None else [(name, p, None, p) for name, p in model.named_parameters()]
+
+
+def held(model, optimizer, versions=None):
+    """[(kind, name, spec, tensor)] of what this rank holds: parameters, momentum buffers, and the
+    stale weights under 2BW's rule."""
     out = []
-    for name, p in model.named_parameters():
+    for name, current, stale, stepped in weights_of(model, versions):
         spec = slice_of(model, name)
-        out.append(("param", name, spec, p))
-        buf = optimizer.state.get(p, {}).get("momentum_buffer")
+        out.append(("param", name, spec, current))
+        if stale is not None:
+            out.append(("stale", name, spec, stale))
+        buf = optimizer.state.get(stepped, {}).get("momentum_buffer")
         if buf is not None:
             out.append(("momentum", name, spec, buf))
     return out
@@ -139,13 +161,13 @@ def held(model, optimizer):
 # ----------------------------------------------------------------------------- save
 
 
-def maybe_save(args, step, model, optimizer, layout, rank):
+def maybe_save(args, step, model, optimizer, layout, rank, versions=None):
     """After step `step`'s update: save when it is a multiple of --save-every, or the last."""
     if args.checkpoint_dir and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
-        save(args, step + 1, model, optimizer, layout, rank)
+        save(args, step + 1, model, optimizer, layout, rank, versions)
 
 
-def save(args, next_step, model, optimizer, layout, rank):
+def save(args, next_step, model, optimizer, layout, rank, versions=None):
     """Every rank writes its pieces (a collective), then rank 0 commits the directory by renaming it."""
     final = os.path.join(args.checkpoint_dir, f"step-{next_step:08d}")
     partial = os.path.join(args.checkpoint_dir, f".step-{next_step:08d}.partial")
@@ -153,11 +175,11 @@ def save(args, next_step, model, optimizer, layout, rank):
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)        # a save of this step that was killed
     dist.barrier()
-    state = {key(kind, name, spec): t.detach() for kind, name, spec, t in held(model, optimizer)}
+    state = {key(kind, name, spec): t.detach() for kind, name, spec, t in held(model, optimizer, versions)}
     dcp.save(state, checkpoint_id=partial)
     dist.barrier()                                       # every rank's pieces are written
     if rank == 0:
-        meta = {"step": next_step, "settings": {k: getattr(args, k, None) for k in SETTINGS}, "layout": layout}
+        meta = {"step": next_step, "settings": settings(args), "layout": layout}
         with open(os.path.join(partial, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -171,9 +193,9 @@ def save(args, next_step, model, optimizer, layout, rank):
 # ----------------------------------------------------------------------------- load
 
 
-def resume(args, model, optimizer, rank):
-    """Load args.resume_from into this rank's parameters and momentum (a collective); returns
-    (the step to run next, the layout that wrote it), or (0, None) for a fresh run."""
+def resume(args, model, optimizer, rank, versions=None):
+    """Load args.resume_from into this rank's parameters and momentum, and stale weights under 2BW's
+    rule (a collective); returns (the step to run next, the layout that wrote it), or (0, None)."""
     if not args.resume_from:
         return 0, None
     meta = read_meta(args.resume_from)
@@ -182,10 +204,12 @@ def resume(args, model, optimizer, rank):
         kind, name, spec = parse_key(k)
         saved.setdefault((kind, name), []).append((spec, k, tuple(md.size)))
     wanted, plans = {}, []
-    for name, p in model.named_parameters():
+    for name, current, stale, stepped in weights_of(model, versions):
         spec = slice_of(model, name)
-        plans.append(("param", name, spec, p, True))
-        plans.append(("momentum", name, spec, p, ("momentum", name) in saved))
+        plans.append(("param", name, spec, current, True))
+        if stale is not None:                            # validate() matched the rule: the file has them
+            plans.append(("stale", name, spec, stale, True))
+        plans.append(("momentum", name, spec, stepped, ("momentum", name) in saved))
     for kind, name, spec, p, present in plans:
         if present:
             for _, k, shape in overlapping(saved.get((kind, name), []), spec, p, name, args.resume_from):
@@ -196,7 +220,7 @@ def resume(args, model, optimizer, rank):
             if not present:
                 continue
             mine = assemble(overlapping(saved[(kind, name)], spec, p, name, args.resume_from), wanted, spec, p)
-            if kind == "param":
+            if kind in ("param", "stale"):
                 p.copy_(mine)
             else:
                 optimizer.state[p]["momentum_buffer"] = mine.clone()

@@ -18,9 +18,12 @@ into it, then let the optimizer step it to W(t+1) with batch t's gradient. The b
 roles (W(t) is batch t+1's older), and the optimizer's momentum moves to the buffer it will step
 next. Two copies of the weights, never three; single_baseline.py --delay 1 is the same rule in
 one process.
-"""
-from functools import partial
 
+A checkpoint after step t holds W(t+1), W(t) (as stale/...) and the momentum, in the baseline's
+coordinates like every checkpoint (checkpoint.py), so 2bw and --delay 1 resume from each other's in
+any layout. The next batch's forwards that were in flight are not saved: the resumed first step
+warms up again, and runs them with the same W(t+1).
+"""
 import torch
 from torch.func import functional_call
 
@@ -38,6 +41,14 @@ class TwoVersions:
         self.names = [[name for name, _ in chunk.named_parameters()] for chunk in chunks]
         self.older = [[p for _, p in chunk.named_parameters()] for chunk in chunks]
         self.newer = [[p.detach().clone().requires_grad_() for p in ps] for ps in self.older]
+        # where each module parameter's two versions sit (the buffers swap roles every step)
+        self.slot = {id(p): (c, j) for c, ps in enumerate(self.older) for j, p in enumerate(ps)}
+
+    def weights(self, model):
+        """For checkpoints: (name, W(t+1), W(t), the tensor the optimizer steps) per parameter of
+        model (named as in the full model), between steps."""
+        slots = [(name, self.slot[id(p)]) for name, p in model.named_parameters()]
+        return [(name, self.newer[c][j], self.older[c][j], self.older[c][j]) for name, (c, j) in slots]
 
     def run(self, chunk, x, newer):
         """The chunk's forward with one version's tensors in place of its parameters."""
@@ -78,10 +89,15 @@ class TwoVersionRunner(StageRunner):
     def __init__(self, chunks, pos, messenger, m, recompute=False):
         super().__init__(chunks, pos, messenger, recompute=recompute)
         self.m, self.versions, self.carried = m, TwoVersions(chunks), ({}, {})
+        self.warm = False                     # has a step left the next batch's forwards in flight?
 
     def step_actions(self, steps):
-        """step -> its action list: the first step warms up, the last drains, the others neither."""
-        return partial(pipedream_step_actions, self.pos, self.m, steps)
+        """step -> its action list: the first step this process trains (the run's first, or the first
+        after a resume) warms up, the last drains, the others do neither."""
+        return lambda step: schedule_actions("2bw", self.pos, self.m, first=not self.warm, last=step == steps - 1)
+
+    def checkpoint_weights(self):
+        return self.versions.weights(self.model)
 
     def begin_batch(self, training):
         if not training:                      # an evaluation between steps leaves the carried work be
@@ -94,6 +110,7 @@ class TwoVersionRunner(StageRunner):
             return super().end_batch(saved, inbox, training)
         self.carried = tuple({key[:-2] + (key[-2] - self.m, key[-1]): value for key, value in kept.items()}
                              for kept in (saved, inbox))   # keys (..., microbatch, chunk or stage)
+        self.warm = True
 
     def key_masks_to(self, mb, step=None):
         if mb < self.m or self.step is None:
@@ -109,11 +126,6 @@ class TwoVersionRunner(StageRunner):
 
     def update(self, optimizer):
         self.versions.step(optimizer)         # the new version goes into the older's buffer
-
-
-def pipedream_step_actions(pos, m, steps, step):
-    """Step `step`'s actions: the first warms up, the last drains, the others do neither."""
-    return schedule_actions("2bw", pos, m, first=step == 0, last=step == steps - 1)
 
 
 def pipedream_inputs(x, data, step, args, pos, replicas, device):

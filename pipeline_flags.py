@@ -78,10 +78,6 @@ def validate_pipedream(args, stages):
         fail("--schedule 2bw does not take --check: its steps overlap (the next batch starts before this "
              "one's update), so no step stands alone to compare with the full model; compare its losses with "
              "single_baseline.py --delay 1 instead (bash run_pipeline.sh with SCHEDULES=2bw draws both)")
-    if args.checkpoint_dir:
-        fail("--schedule 2bw does not take --checkpoint-dir: a checkpoint between its overlapping steps "
-             "would need both weight versions and the next batch's forwards in flight; drop it, or use "
-             "--schedule 1f1b")
 
 
 def refuse_pipedream(args, program):

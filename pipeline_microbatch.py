@@ -338,6 +338,9 @@ class StageRunner(TimelineRecorder):
     def update(self, optimizer):
         optimizer.step()
 
+    def checkpoint_weights(self):
+        return None                           # checkpoint.py's default: each parameter of self.model
+
     def forward(self, mb, chunk, inputs, head, saved, outbox, inbox):
         vstage, training = self.vstage(chunk), torch.is_grad_enabled()
         x = inputs[mb] if vstage == 0 else inbox.pop(("act", mb, vstage)).requires_grad_()

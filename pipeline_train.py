@@ -39,7 +39,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
     layout = checkpoint.layout_of(program, env, dp=replicas.dp_size, pp=pos.pp_size,
                                   tp=env.world_size // (replicas.dp_size * pos.pp_size), schedule=args.schedule,
                                   virtual_stages=pos.virtual)
-    first, written_by = checkpoint.resume(args, runner.model, optimizer, env.rank)   # 0: a fresh run
+    first, written_by = checkpoint.resume(args, runner.model, optimizer, env.rank, runner.checkpoint_weights())
     # the rank that owns the loss; with tensor parallelism (parallel_3d.py), tp rank 0 of those
     owner = pos.is_last_stage and replicas.dp_rank == 0 and getattr(replicas, "tp_rank", 0) == 0
     log = MetricsLog(args.log_file, enabled=owner, resuming=first > 0)
@@ -83,7 +83,7 @@ def train(args, env, pos, runner, actions, data, replicas=OneReplica(), program=
             if owner:
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
-        checkpoint.maybe_save(args, step, runner.model, optimizer, layout, env.rank)
+        checkpoint.maybe_save(args, step, runner.model, optimizer, layout, env.rank, runner.checkpoint_weights())
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, runner.versions.held() if runner.versions else runner.parameters(),
                               runner.model_param_mb), schedule=args.schedule,

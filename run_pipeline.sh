@@ -68,7 +68,7 @@ pipeline_flags() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTU
                   if [ "$RECOMPUTE" = 1 ]; then echo --recompute; fi
                   echo "${BALANCE_FLAGS[@]}"; }
 # the parallel program's arguments at its world size, for every schedule, before anything trains
-checkpoint_flags "$LOGS/any.jsonl"     # with CHECKPOINT_DIR, checked as the runs will take it (2bw refuses it)
+checkpoint_flags "$LOGS/any.jsonl"     # with CHECKPOINT_DIR, checked as the runs will take it
 for SCHEDULE in $SCHEDULES; do
     check_args pipeline_microbatch "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
         --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE") "${CKPT[@]}"

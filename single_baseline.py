@@ -30,9 +30,6 @@ def parse_args(argv=None):
     validate_common(args, PROGRAM)
     if torchrun_env("gloo").world_size != 1:
         fail("single_baseline.py runs in one process; launch it with python, or torchrun --nproc-per-node 1")
-    if args.delay and args.checkpoint_dir:
-        fail("--delay 1 does not take --checkpoint-dir (a checkpoint would need the previous weights too); "
-             "drop one of them")
     return args
 
 
@@ -96,7 +93,10 @@ def main(argv=None):
         model = build_model(args).to(env.device)
         optimizer = make_optimizer(model.parameters(), args)
         stale = copy.deepcopy(model) if args.delay else None   # --delay 1: W(t-1), W(0) at first
-        first, written_by = checkpoint.resume(args, model, optimizer, env.rank)   # 0: a fresh run
+        # a checkpoint holds both weights under --delay 1 (saved as stale/...), one otherwise
+        versions = [(name, p, old, p) for (name, p), old in zip(model.named_parameters(), stale.parameters())] \
+            if stale else None
+        first, written_by = checkpoint.resume(args, model, optimizer, env.rank, versions)   # 0: a fresh run
         log = MetricsLog(args.log_file, enabled=True, resuming=first > 0)
         log.begin(PROGRAM, args, env, first, written_by)
         progress = Progress(args.steps, enabled=True)
@@ -117,7 +117,7 @@ def main(argv=None):
                 test_loss, test_acc = evaluate(model, data, env.device)  # weights after step's update
                 log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
                 print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
-            checkpoint.maybe_save(args, step, model, optimizer, checkpoint.layout_of(PROGRAM, env), env.rank)
+            checkpoint.maybe_save(args, step, model, optimizer, checkpoint.layout_of(PROGRAM, env), env.rank, versions)
         log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
                   **memory_fields(env, model.parameters(), model.full_param_mb))
         log.close()

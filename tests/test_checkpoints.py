@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import FAST, ROOT, launch, read_log
+from helpers import FAST, ROOT, assert_one_error_line, launch, read_log
 
 MLP = FAST + ["--model", "mlp", "--layers", "5", "--hidden", "32", "--batch-size", "16",
               "--dropout", "0.1", "--clip-grad-norm", "0.1"]
@@ -73,6 +73,52 @@ def test_a_killed_save_leaves_the_previous_checkpoint(tmp_path, baseline):
     run = launch("single_baseline.py", MLP + ["--checkpoint-dir", str(ck), "--save-every", "3"] + steps(9), tmp_path)
     assert_continues(run, baseline(MLP + steps(9)), 3, 9)
     assert sorted(os.listdir(ck)) == ["step-00000003", "step-00000006", "step-00000009"]
+
+
+# ----------------------------------------------------------------------------- PipeDream-2BW's rule
+
+
+def test_2bw_resumes_in_another_layout_and_in_its_one_process_reference(tmp_path, baseline):
+    """2bw on 2 stages -> single_baseline.py --delay 1 -> 2bw on 4 stages, 3 steps each: each takes
+    both weight versions and the momentum from the other's checkpoint and logs the uninterrupted
+    --delay 1 losses (dropout and clipping on). A resumed 2bw warms up again: the next batch's
+    forwards that were in flight are run anew, with the same weights."""
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "3"]
+    uninterrupted = baseline(MLP + ["--delay", "1"] + steps(9))
+    first = launch("pipeline_microbatch.py", MLP + ck + ["--schedule", "2bw", "--microbatches", "2"] + steps(3),
+                   tmp_path, nproc=2, log_name="run.jsonl")
+    assert max(abs(a - losses(uninterrupted)[k]) for k, a in losses(first).items()) <= 1e-4
+    run = launch("single_baseline.py", MLP + ck + ["--delay", "1"] + steps(6), tmp_path, log_name="run.jsonl")
+    assert_continues(run, uninterrupted, 3, 6)
+    run = launch("pipeline_microbatch.py", MLP + ck + ["--schedule", "2bw", "--microbatches", "4"] + steps(9),
+                 tmp_path, nproc=4, log_name="run.jsonl")
+    assert_continues(run, uninterrupted, 6, 9)
+    assert run.events("resume")[0]["from"]["program"] == "single_baseline"
+
+
+def test_2bw_resumed_in_the_same_layout_is_bit_identical(tmp_path):
+    args = MLP + ["--schedule", "2bw", "--microbatches", "2"]
+    whole = launch("pipeline_microbatch.py", args + steps(6), tmp_path, nproc=2, log_name="whole.jsonl")
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "3"]
+    launch("pipeline_microbatch.py", args + ck + steps(3), tmp_path, nproc=2, log_name="split.jsonl")
+    resumed = launch("pipeline_microbatch.py", args + ck + steps(6), tmp_path, nproc=2, log_name="split.jsonl")
+    assert losses(resumed) == losses(whole)                          # every step, to the bit
+
+
+@pytest.mark.parametrize("saved,resumed,message", [
+    (["--delay", "1"], ("pipeline_microbatch.py", ["--schedule", "1f1b"], 2),
+     "PipeDream-2BW's update (--schedule 2bw, single_baseline.py --delay 1) there, the synchronous update here"),
+    ([], ("pipeline_microbatch.py", ["--schedule", "2bw", "--microbatches", "2"], 2),
+     "the synchronous update there, PipeDream-2BW's update (--schedule 2bw, single_baseline.py --delay 1) here"),
+], ids=["2bw-into-1f1b", "sync-into-2bw"])
+def test_a_checkpoint_resumes_only_under_its_own_update_rule(tmp_path, saved, resumed, message, monkeypatch, capsys):
+    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
+    launch("single_baseline.py", MLP + ck + saved + steps(1), tmp_path)
+    program, extra, world = resumed
+    module = __import__(program[:-3])
+    assert_one_error_line(module.parse_args, MLP + ck + extra + steps(2), world,
+                          f"error: the checkpoint {tmp_path / 'ck'}/step-00000001 is of another run ({message})",
+                          monkeypatch, capsys)
 
 
 @pytest.mark.slow

@@ -164,7 +164,6 @@ def test_2bw_holds_two_weight_versions(tmp_path):
      "error: --schedule 2bw needs --microbatches at least the 4 stages"),
     (["--schedule", "2bw", "--virtual-stages", "2"], 2, "error: --virtual-stages 2 applies only to --schedule interleaved"),
     (["--schedule", "2bw", "--check"], 2, "error: --schedule 2bw does not take --check"),
-    (["--schedule", "2bw", "--checkpoint-dir", "ck"], 2, "error: --schedule 2bw does not take --checkpoint-dir"),
 ])
 def test_2bw_bad_input_is_one_error_line(argv, world, message, monkeypatch, capsys):
     assert_one_error_line(pm.parse_args, FAST + argv, world, message, monkeypatch, capsys)
@@ -177,7 +176,6 @@ def test_2bw_is_refused_by_the_joint_program(monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--delay", "2"], "error: argument --delay: invalid choice: 2"),
-    (["--delay", "1", "--checkpoint-dir", "ck"], "error: --delay 1 does not take --checkpoint-dir"),
 ])
 def test_delay_bad_input(argv, message, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
