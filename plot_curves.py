@@ -167,7 +167,7 @@ def plot_curves(paths, out, beside=()):
     """beside: logs drawn next to the others (dotted) but not held to the contract: the synchronous
     baseline beside 2bw and its --delay 1 reference, where the gap is what staleness costs."""
     runs = [(label_of(recs, p), recs) for p, recs in ((p, read_json_lines(p)) for p in paths)]
-    others = [(label_of(recs, p) + " [beside: not compared]", recs) for p, recs in ((p, read_json_lines(p)) for p in beside)]
+    others = [(label_of(recs, p), recs) for p, recs in ((p, read_json_lines(p)) for p in beside)]
     if not series(runs[0][1], "train", "loss")[0]:
         fail(f"{paths[0]} has no training steps; was the run finished?")
     mismatches = setting_differences(runs)
@@ -186,11 +186,12 @@ def plot_curves(paths, out, beside=()):
         if i > 0:
             draw_differences(ax["diff"], differences(runs[0][1], records), label)
     for label, records in others:
-        ax["loss"].plot(*series(records, "train", "loss"), label=label, lw=1.2, ls=":", color="tab:grey")
+        shown = label + " [beside: not compared]"
+        ax["loss"].plot(*series(records, "train", "loss"), label=shown, lw=1.2, ls=":", color="tab:grey")
         if "acc" in ax:
-            ax["acc"].plot(*series(records, "eval", "test_acc"), marker="x", ls=":", color="tab:grey", label=label)
+            ax["acc"].plot(*series(records, "eval", "test_acc"), marker="x", ls=":", color="tab:grey", label=shown)
         gap = max((d for _, d in differences(runs[0][1], records)), default=float("nan"))
-        print(f"beside, not compared: {label}: largest |loss - first log's| {gap:.3g}")
+        print(f"drawn beside, not compared: {label}: largest |loss - {runs[0][0]}| {gap:.3g}")
     ax["loss"].set(xlabel="step (from 0)", ylabel="training loss", title="training loss")
     if "acc" in ax:
         ax["acc"].axhline(0.1, color="grey", lw=1, ls=":", label="chance")
@@ -227,7 +228,7 @@ def draw_differences(ax, pairs, label, floor=1e-12):
     ax.axhline(TOLERANCE, color="red", lw=1, ls=":")
     ax.set(xlabel="step (from 0)", ylim=(floor / 3, 1),
            ylabel="|loss - baseline loss|" + (f", largest per {size} steps" if size > 1 else ""),
-           title=f"difference from the baseline (red: contract {TOLERANCE:g}; exact 0 drawn at {floor:g})")
+           title=f"difference from the baseline\n(red: contract {TOLERANCE:g}; exact 0 drawn at {floor:g})")
 
 
 def read_trace(path):

@@ -78,6 +78,7 @@ def test_a_killed_save_leaves_the_previous_checkpoint(tmp_path, baseline):
 # ----------------------------------------------------------------------------- PipeDream-2BW's rule
 
 
+@pytest.mark.slow
 def test_2bw_resumes_in_another_layout_and_in_its_one_process_reference(tmp_path, baseline):
     """2bw on 2 stages -> single_baseline.py --delay 1 -> 2bw on 4 stages, 3 steps each: each takes
     both weight versions and the momentum from the other's checkpoint and logs the uninterrupted
