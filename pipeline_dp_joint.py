@@ -36,7 +36,7 @@ from common import (awaiting, base_parser, distributed, exit_now, fail, group_ti
                     replicas_identical, torchrun_env, validate_common)
 from data import agree_on_data, dp_slice, load_data
 from pipeline_check import check_and_exit
-from pipeline_flags import add_pipeline_flags, refuse_pipedream, validate_pipeline
+from pipeline_flags import add_pipeline_flags, validate_pipeline
 from pipeline_microbatch import PipelineRank, schedule_actions, setup_stage
 from pipeline_train import train
 
@@ -52,7 +52,6 @@ def parse_args(argv=None):
                 "--batch-size 72 (not 64), so that 2 pipelines x 3 microbatches divide the batch.")
     args = p.parse_args(argv)
     validate_common(args, PROGRAM)
-    refuse_pipedream(args, PROGRAM)
     world = torchrun_env("gloo").world_size
     if args.dp <= 0 or world % args.dp:
         fixes = [f"--dp {d}" for d in range(2, world + 1) if world % d == 0][:2]
@@ -173,6 +172,8 @@ def main(argv=None):
         pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
         model, runner = setup_stage(args, env, pos)
         actions = schedule_actions(args.schedule, pos, args.microbatches)
+        if args.schedule == "2bw":   # every pipeline runs 2bw on its slice; the averaged gradient is the batch's
+            actions = runner.step_actions(args.steps)
         replicas = DataParallelReplicas(grid, args.timeout_s, env.device)
         if args.check:
             x, y = data.batch(0, args.batch_size)

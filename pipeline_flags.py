@@ -81,10 +81,11 @@ def validate_pipedream(args, stages):
 
 
 def refuse_pipedream(args, program):
-    """Only pipeline_microbatch.py runs 2bw (its StageRunner holds the two versions)."""
+    """parallel_3d.py does not run 2bw: its second weight version would be plain tensors, which
+    the tensor-parallel replicas' gradient hooks (tp_replicas.py) never see."""
     if args.schedule == "2bw":
-        fail(f"--schedule 2bw runs in pipeline_microbatch.py only, not {program}.py; use --schedule 1f1b "
-             f"here, or 2bw with pipeline_microbatch.py")
+        fail(f"--schedule 2bw runs in pipeline_microbatch.py and pipeline_dp_joint.py, not {program}.py; use "
+             f"--schedule 1f1b here, or 2bw with one of those")
 
 
 def near_multiples(n, k):

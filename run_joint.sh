@@ -7,6 +7,7 @@
 #   bash run_joint.sh                                  # 2 pipelines x 3 stages x 3 microbatches, cnn, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_joint.sh         # no network
 #   DP=3 NPROC=6 MICROBATCHES=2 SCHEDULE=gpipe DATA=synthetic bash run_joint.sh
+#   SCHEDULE=2bw DATA=synthetic bash run_joint.sh      # PipeDream-2BW in each pipeline, on its --delay 1 reference
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
@@ -20,7 +21,8 @@ NPROC=${NPROC:-6}                      # ranks; stages = NPROC / DP
 MICROBATCHES=${MICROBATCHES:-3}        # per pipeline, per step
 BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,1,3, or auto (balance.py); empty: even
 SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved (2 chunks per stage: more blocks than the cnn's 5,
-                                       #   e.g. SCHEDULE=interleaved MODEL=vit bash run_joint.sh --layers 4)
+                                       #   e.g. SCHEDULE=interleaved MODEL=vit bash run_joint.sh --layers 4) | zb
+                                       #   | 2bw (PipeDream-2BW; the baseline then runs --delay 1, its reference)
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
@@ -55,6 +57,8 @@ COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SI
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
 run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
+DELAY=()                               # 2bw trains by another rule: its reference is the baseline with --delay 1
+if [ "$SCHEDULE" = 2bw ]; then DELAY=(--delay 1) BASELINE_LOG="${BASELINE_LOG%.jsonl}_delay1.jsonl"; fi
 balance_knob                           # BALANCE: the joint run's --balance, and its tag in the names
 JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${BALANCE_TAG}.jsonl"
 PLOT="$PLOTS/joint_loss${BALANCE_TAG}.png"
@@ -64,9 +68,9 @@ check_args pipeline_dp_joint "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --mi
     --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" --log-file "$JOINT_LOG"
 check_baseline_args "${COMMON[@]}"
 
-STEP="the baseline (single_baseline.py)"
-echo "== baseline: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
+STEP="the baseline (single_baseline.py${DELAY:+ --delay 1})"
+echo "== baseline${DELAY:+ with --delay 1, the 2bw reference}: one process"
+"$PYTHON" single_baseline.py "${COMMON[@]}" "${DELAY[@]}" --log-file "$BASELINE_LOG"
 
 STEP="the joint run (pipeline_dp_joint.py on $NPROC ranks)"
 echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatches ($SCHEDULE)"

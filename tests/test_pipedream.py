@@ -1,14 +1,18 @@
 """PipeDream-2BW: the schedule as data across step boundaries, the --delay 1 reference against a
 hand-computed example, --schedule 2bw against that reference on real runs, and its bad input."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import pipeline_dp_joint
+import parallel_3d
 import pipeline_microbatch as pm
 import single_baseline
-from helpers import FAST, assert_one_error_line, assert_same_losses, launch
+from helpers import FAST, ROOT, Run, assert_one_error_line, assert_same_losses, launch, read_log
 from keyed_dropout import DropoutKeys
 from schedules import clock_table, dry_run, pipedream_units, schedule_actions
 
@@ -169,9 +173,30 @@ def test_2bw_bad_input_is_one_error_line(argv, world, message, monkeypatch, caps
     assert_one_error_line(pm.parse_args, FAST + argv, world, message, monkeypatch, capsys)
 
 
-def test_2bw_is_refused_by_the_joint_program(monkeypatch, capsys):
-    assert_one_error_line(pipeline_dp_joint.parse_args, FAST + ["--schedule", "2bw", "--dp", "2"], 4,
-                          "error: --schedule 2bw runs in pipeline_microbatch.py only", monkeypatch, capsys)
+def test_2bw_is_refused_by_the_3d_program(monkeypatch, capsys):
+    assert_one_error_line(parallel_3d.parse_args, FAST + ["--schedule", "2bw", "--dp", "1", "--tp", "2"], 4,
+                          "error: --schedule 2bw runs in pipeline_microbatch.py and pipeline_dp_joint.py, not "
+                          "parallel_3d.py", monkeypatch, capsys)
+
+
+def test_2bw_in_the_joint_launcher_logs_its_delay_1_reference(tmp_path):
+    """run_joint.sh SCHEDULE=2bw: 2 pipelines of 2 stages, each running 2bw on its slice of the batch
+    (dropout and clipping on), against the baseline it then runs with --delay 1."""
+    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
+               OMP_NUM_THREADS="1", SCHEDULE="2bw", DP="2", NPROC="4", MICROBATCHES="2", MODEL="mlp", STEPS="6",
+               BATCH_SIZE="24", DROPOUT="0.1", CLIP="0.5")
+    run = subprocess.run(["bash", os.path.join(ROOT, "run_joint.sh"), "--hidden", "32", "--layers", "4"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "== baseline with --delay 1, the 2bw reference: one process" in run.stdout
+    logs = sorted((tmp_path / "logs").glob("*.jsonl"))
+    (reference_log,), (joint_log,) = [[p for p in logs if p.name.startswith(prefix)]
+                                      for prefix in ("single_baseline", "pipeline_dp_joint")]
+    reference, joint = (Run(0, "", "", read_log(p)) for p in (reference_log, joint_log))
+    assert reference_log.name.endswith("_delay1.jsonl") and reference.events("config")[0]["args"]["delay"] == 1
+    assert joint.events("config")[0]["args"]["schedule"] == "2bw"
+    assert_same_losses(joint, reference)
+    assert "parameters bit-identical across the 2 replicas of every stage: yes" in run.stdout
 
 
 @pytest.mark.parametrize("argv,message", [
