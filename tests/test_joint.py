@@ -7,7 +7,7 @@ MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "6", "--batch-size
 
 
 @pytest.mark.parametrize("dp,stages,microbatches,schedule", [
-    (2, 3, 3, "1f1b"), (3, 2, 2, "gpipe"), (2, 2, 4, "1f1b"), (2, 2, 2, "interleaved")])
+    (2, 3, 3, "1f1b"), (3, 2, 2, "gpipe"), (2, 2, 4, "1f1b"), (2, 2, 2, "interleaved"), (2, 2, 3, "zb")])
 def test_per_step_loss_equals_the_baseline_and_replicas_stay_identical(tmp_path, baseline, dp, stages,
                                                                        microbatches, schedule):
     run = launch("pipeline_dp_joint.py", MLP + ["--dp", str(dp), "--microbatches", str(microbatches),
