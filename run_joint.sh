@@ -61,7 +61,7 @@ DELAY=()                               # 2bw trains by another rule: its referen
 if [ "$SCHEDULE" = 2bw ]; then DELAY=(--delay 1) BASELINE_LOG="${BASELINE_LOG%.jsonl}_delay1.jsonl"; fi
 balance_knob                           # BALANCE: the joint run's --balance, and its tag in the names
 JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${BALANCE_TAG}.jsonl"
-PLOT="$PLOTS/joint_loss${BALANCE_TAG}.png"
+PLOT="$PLOTS/joint_loss${BALANCE_TAG}${DELAY:+_2bw}.png"   # 2bw: drawn on its own reference, kept apart
 
 # the parallel program's arguments at its world size, before anything trains (parse_args only)
 check_args pipeline_dp_joint "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \

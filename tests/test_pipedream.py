@@ -197,6 +197,7 @@ def test_2bw_in_the_joint_launcher_logs_its_delay_1_reference(tmp_path):
     assert joint.events("config")[0]["args"]["schedule"] == "2bw"
     assert_same_losses(joint, reference)
     assert "parameters bit-identical across the 2 replicas of every stage: yes" in run.stdout
+    assert (tmp_path / "logs" / "plots" / "joint_loss_2bw.png").stat().st_size > 10_000   # the synchronous one's stays
 
 
 @pytest.mark.parametrize("argv,message", [
