@@ -21,7 +21,7 @@ DP=${DP:-2}                            # data-parallel replicas
 TP=${TP:-2}                            # tensor-parallel ranks per stage
 NPROC=${NPROC:-8}                      # ranks; stages = NPROC / (DP x TP)
 MICROBATCHES=${MICROBATCHES:-4}        # per replica, per step
-SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved (zb needs plain layers: not here)
+SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved | zb (2bw runs in the pipeline and joint programs only)
 RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
 BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,4, or auto (balance.py); empty: even
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
