@@ -45,20 +45,25 @@ from functools import partial
 
 import torch
 
-from common import (base_parser, build_model, distributed, exit_now, fail, group_timeout, note_one_rank, num_blocks,
-                    torchrun_env, validate_common)
-from data import agree_on_data, load_data
-from pipeline_dp_joint import DataParallelReplicas, Grid, report_replicas as report_data_replicas
-from pipeline_check import check_and_exit
-from pipeline_flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline
-from pipeline_microbatch import Messenger, StageRunner, build_stage_model, partition, schedule_actions
-from pipeline_train import train
+from mp.check import check_and_exit, report_replicas
+from mp.data import agree_on_data, load_data
+from mp.dist import distributed, exit_now, group_timeout, torchrun_env
+from mp.errors import fail, note_one_rank
+from mp.flags import base_parser, validate_common
+from mp.loop import train
+from mp.models import build_model, num_blocks
+from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline
+from mp.pp.training import check_step, pipeline_job
+from mp.tp.collectives import split_sizes, tp_rank, tp_size
+from mp.tp.flags import validate_degree, validate_sequence_parallel
+from mp.tp.mappings import gather_from_tp_region
+from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
+from mp.tp.sequence import sum_sequence_parallel_grads
+# the three programs it composes: the grid's replicas, a pipeline's stages, the tensor-parallel layers
+from pipeline_dp_joint import DataParallelReplicas, Grid
+from pipeline_microbatch import partition, schedule_actions, setup_stage, train_step
 from tensor_parallel import (ColumnParallelConv2d, ColumnParallelLinear, RowParallelConv2d, RowParallelLinear,
-                             gather_from_tp_region, parallelize_block)
-from tp_check import report_replicas, validate_degree, validate_sequence_parallel
-from tp_collectives import split_sizes, tp_rank, tp_size
-from tp_replicas import average_replicated_grads, counted_once, full_slice
-from tp_sequence import sum_sequence_parallel_grads
+                             parallelize_block)
 
 PROGRAM = "parallel_3d"
 
@@ -120,17 +125,13 @@ def build_stage(args, env, grid):
                     sequence_parallel=args.sequence_parallel)
     if args.scatter_gather and not args.sequence_parallel:   # sequence-parallel cuts are token shards already
         shard = scatter_gather_cuts(shard, args, pos, grid.tp_group)
-    model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
+    model, runner = setup_stage(args, env, pos, shard)   # zb: the shards' ops defer their weight gradients to W
     # the norms and the embedding that see my tokens only: summed after the step's last backward
     # (SequenceParallelReplicas), not after each microbatch's
     partial_sums = sum_sequence_parallel_grads(model, grid.tp_group, per_backward=False)
     if env.device.type == "cuda":   # keep TP-replicated parameters identical (CPU gradients already are)
         average_replicated_grads(model, grid.tp_group)
-    messenger = Messenger(pos, shapes, env.device, args.timeout_s)
-    # zb: the shards' ops defer their weight gradients to W (zero_bubble.SplitShardOp)
-    runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb", recompute=args.recompute)
-    runner.model, runner.model_param_mb, runner.keys = model, model.full_param_mb, model.dropout_keys
-    # the gradient norm (clipping.py): summed over my stage's tp shards (its replicated tensors
+    # the gradient norm (mp.clipping): summed over my stage's tp shards (its replicated tensors
     # counted by tp rank 0 only), then over the stages; not over replicas, whose gradients are averaged
     runner.norm_groups, runner.counted = [grid.tp_group, grid.pp_group], counted_once(model, grid.tp_group)
     return pos, model, runner, partial_sums
@@ -246,20 +247,24 @@ def main(argv=None):
         pos, model, runner, partial_sums = build_stage(args, env, grid)
         if env.rank == 0:
             print(describe(grid, runner.messenger.shapes), flush=True)
-        actions = schedule_actions(args.schedule, pos, args.microbatches)
         # the data-parallel hooks of the 2-D program, over the ranks with my (pp, tp) coordinates;
         # the loss is logged by tp rank 0 of replica 0's last stage (replicas.tp_rank)
         replicas = SequenceParallelReplicas(grid, args.timeout_s, env.device, partial_sums) if partial_sums \
             else DataParallelReplicas(grid, args.timeout_s, env.device)
         if args.check:   # my shards against the matching slices of a full model in this process
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-            status = check_and_exit(env, runner, actions, model, args, x, y, replica=(grid.dp_rank, grid.dp_size),
-                                    sync_grads=replicas.sync_grads, reference=build_model(args).to(env.device),
-                                    full_slice=partial(full_slice, model))
+            step = check_step(runner, schedule_actions(args.schedule, pos, args.microbatches), args.microbatches,
+                              train_step, replicas)
+            status = check_and_exit(env, args, args.schedule, model, step, x, y, replica=(grid.dp_rank, grid.dp_size),
+                                    norm=(runner.norm_groups, runner.counted), reference=build_model(args).to(env.device))
         else:
-            status = train(args, env, pos, runner, actions, data, replicas, PROGRAM)
-            data_replicas = report_data_replicas(runner, grid, env.rank)   # both are collectives: every rank
-            tp_replicas = report_replicas(model, grid.tp_group, env, args.timeout_s)   # runs both
+            status = train(args, env, pipeline_job(args, env, pos, model, runner, data, train_step, replicas, PROGRAM))
+            # both reports are collectives: every rank runs both
+            data_replicas = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across "
+                                            f"the {grid.dp_size} replicas of every stage", env, args.timeout_s)
+            tp_replicas = report_replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
+                                          f"bit-identical across the {grid.tp_size} tensor-parallel ranks", env,
+                                          args.timeout_s)
             status = status or data_replicas or tp_replicas
     exit_now(status)
 

@@ -32,13 +32,15 @@ stage exchange activations inside every layer, so they belong on the fastest lin
 import torch
 import torch.distributed as dist
 
-from common import (awaiting, base_parser, distributed, exit_now, fail, group_timeout, note_one_rank,
-                    replicas_identical, torchrun_env, validate_common)
-from data import agree_on_data, dp_slice, load_data
-from pipeline_check import check_and_exit
-from pipeline_flags import add_pipeline_flags, validate_pipeline
-from pipeline_microbatch import PipelineRank, schedule_actions, setup_stage
-from pipeline_train import train
+from mp.check import check_and_exit, report_replicas
+from mp.data import agree_on_data, dp_slice, load_data
+from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
+from mp.errors import fail, note_one_rank
+from mp.flags import base_parser, validate_common
+from mp.loop import train
+from mp.pp.flags import add_pipeline_flags, validate_pipeline
+from mp.pp.training import check_step, pipeline_job
+from pipeline_microbatch import PipelineRank, schedule_actions, setup_stage, train_step   # one pipeline, composed
 
 PROGRAM = "pipeline_dp_joint"
 
@@ -96,34 +98,24 @@ class Grid:
 
 
 class DataParallelReplicas:
-    """The hooks pipeline_microbatch.train() calls: slice the batch, average gradients and loss."""
-    BUCKET_MB = 16
+    """The data-parallel hooks of a pipeline's step (mp.pp.training): slice the batch, average the
+    gradients and the logged loss over my column of the grid."""
 
     def __init__(self, grid, timeout_s, device):
         self.dp_rank, self.dp_size, self.group, self.device = grid.dp_rank, grid.dp_size, grid.dp_group, device
         self.waiting = (f"stage {grid.pp_rank} of pipeline {grid.dp_rank} waited for the all-reduce with its "
                         f"data-parallel group, ranks {grid.ranks[:, grid.pp_rank, grid.tp_rank].tolist()}", timeout_s)
-        self.tp_rank = grid.tp_rank    # train(): the loss is logged by tp rank 0 of replica 0's last stage
+        self.tp_rank = grid.tp_rank    # the loss is logged by tp rank 0 of replica 0's last stage
 
     def slice(self, tensor):
         return dp_slice(tensor, self.dp_rank, self.dp_size)     # contiguous: the slices tile the batch
 
     def sync_grads(self, params):
-        """All gradients flattened into buckets of at most BUCKET_MB, one all-reduce each, then
-        divided by D. Flattened: on gloo this measured about 4x faster than one all-reduce per
-        parameter for the cnn (2.0 against 8.0 ms for 6 tensors, 2 ranks), since each collective
-        pays a fixed round-trip cost. Bucketed: one flat copy of every gradient would cost as much
-        memory again as the gradients themselves (DDP's buckets are 25 MB for the same reason)."""
-        if self.dp_size == 1:
-            return
-        for bucket in buckets([p.grad for p in params], self.BUCKET_MB * 2**20):
-            flat = torch.cat([g.reshape(-1) for g in bucket]) if len(bucket) > 1 else bucket[0]   # one: in place
+        """The batch-mean gradient: each replica's gradient is its slice's mean, so the average of
+        the D of them, one all-reduce (flattened into buckets, mp.dist.all_reduce_flat) divided by D."""
+        if self.dp_size > 1:
             with awaiting(*self.waiting):
-                dist.all_reduce(flat, group=self.group)
-            flat /= self.dp_size
-            if len(bucket) > 1:
-                for g, new in zip(bucket, flat.split([g.numel() for g in bucket])):
-                    g.copy_(new.view_as(g))
+                all_reduce_flat([p.grad for p in params], self.group, divide_by=self.dp_size)
 
     def average(self, loss):
         """The batch mean: each last stage holds its slice's mean loss; average over the column."""
@@ -131,29 +123,6 @@ class DataParallelReplicas:
         with awaiting(*self.waiting):
             dist.all_reduce(t, group=self.group)
         return t.item() / self.dp_size
-
-
-def buckets(tensors, max_bytes):
-    """Consecutive groups of tensors of at most max_bytes each (a larger tensor: a group of its own)."""
-    groups, size = [[]], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += nbytes
-    return groups if groups[0] else []
-
-
-def report_replicas(runner, grid, rank):
-    """End of a run: every stage's parameters must be bit-identical across its data-parallel group
-    (same start, same averaged gradient, same update). 0 if so, else 1."""
-    same = replicas_identical([p for chunk in runner.chunks for p in chunk.parameters()], grid.dp_group)
-    if rank == 0:
-        print(f"parameters bit-identical across the {grid.dp_size} replicas of every stage: "
-              f"{'yes' if same else 'NO'}", flush=True)
-    return 0 if same else 1
 
 
 # ----------------------------------------------------------------------------- training
@@ -170,18 +139,19 @@ def main(argv=None):
             grid_2d = grid.ranks[..., 0]                 # the tp axis has one rank here
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid_2d}", flush=True)
         pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
-        model, runner = setup_stage(args, env, pos)
-        actions = schedule_actions(args.schedule, pos, args.microbatches)
-        if args.schedule == "2bw":   # every pipeline runs 2bw on its slice; the averaged gradient is the batch's
-            actions = runner.step_actions(args.steps)
+        model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
         replicas = DataParallelReplicas(grid, args.timeout_s, env.device)
         if args.check:
-            x, y = data.batch(0, args.batch_size)
-            status = check_and_exit(env, runner, actions, model, args, x.to(env.device), y.to(env.device),
-                                    replica=(grid.dp_rank, grid.dp_size), sync_grads=replicas.sync_grads)
+            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+            step = check_step(runner, schedule_actions(args.schedule, pos, args.microbatches), args.microbatches,
+                              train_step, replicas)
+            status = check_and_exit(env, args, args.schedule, model, step, x, y, replica=(grid.dp_rank, grid.dp_size),
+                                    norm=(runner.norm_groups, runner.counted))
         else:
-            status = train(args, env, pos, runner, actions, data, replicas, PROGRAM)
-            status = status or report_replicas(runner, grid, env.rank)
+            status = train(args, env, pipeline_job(args, env, pos, model, runner, data, train_step, replicas, PROGRAM))
+            same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across the "
+                                   f"{grid.dp_size} replicas of every stage", env, args.timeout_s)
+            status = status or same
     exit_now(status)
 
 

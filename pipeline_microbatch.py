@@ -4,19 +4,25 @@ The lesson (GPipe, Huang et al. 2019; PipeDream-flush 1F1B, Narayanan et al. 202
 blocks into stages, one process each; split every global batch into M microbatches and stream
 them through, so that stage r works on microbatch i while stage r+1 works on microbatch i-1.
 Gradients of the M microbatches accumulate (each loss divided by M), then every stage takes one
-optimizer step: the same update as one process on the whole batch (single_baseline.py, whose data,
-seeding, optimizer and metrics this shares).
+optimizer step: the same update as one process on the whole batch (single_baseline.py).
 
+    torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
 
-This file is, in order: the stage (each rank builds and keeps only its blocks), its messages (the
-four point-to-point cases over isend/irecv; every shape known up front), GPipe as a plain loop, the
-executor that plays any schedule, and the training step (only the last stage sees labels). The
-schedules (GPipe, 1F1B, interleaved, zero-bubble ZB-H1, PipeDream-2BW) are data in schedules.py;
-zb's B/W split is zero_bubble.py, 2bw's two weight versions pipedream.py; the training loop is
-pipeline_train.py, the flags pipeline_flags.py, --check pipeline_check.py. --recompute keeps only
-each microbatch's stage input from F to B and re-runs the forward just before B.
+GPipe, the default, per clock tick on 4 stages x 4 microbatches (F2: forward of microbatch 2):
+
+    stage 0: F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3      each arrow between ticks is a message:
+    stage 1: .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3         an activation down (send_forward ->
+    stage 2: .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3            recv_forward), its gradient back up
+    stage 3: .  .  .  F0 F1 F2 F3 B0 B1 B2 B3               (send_backward -> recv_backward)
+
+This file is, in order: the stage (each rank builds and keeps only its blocks), the four
+point-to-point cases over isend/irecv (every shape known up front), the executor that plays a
+schedule's actions (F, B, and the exchanges between them), and the training step (only the last
+stage sees labels). A schedule is data (mp/pp/schedules.py: gpipe, 1f1b, interleaved, zb, 2bw); what a
+student may skip sits behind one name each: zb's split backward (mp.pp.zero_bubble), 2bw's two weight
+versions (mp.pp.pipedream), --recompute (Saved/recompute below), the loop (mp.loop), --check (mp.check).
 
 No deadlock on gloo, whose send completes only once the peer posts the receive: between two
 actions a rank posts the send of what it just computed together with the receive its next action
@@ -34,16 +40,21 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from balance import even_split
-from common import (CommError, base_parser, build_model, distributed, exit_now, note_one_rank, num_blocks,
-                    torchrun_env, validate_common)
-from data import StreamedInputs, agree_on_data, load_data
-from keyed_dropout import DropoutKeys
-from pipeline_check import check_and_exit
-from pipeline_flags import add_pipeline_flags, validate_pipeline
-from schedules import flow_name, schedule_actions
-from timeline import TimelineRecorder
-from zero_bubble import split_weight_grads
+from mp.check import check_and_exit
+from mp.data import StreamedInputs, agree_on_data, load_data
+from mp.dist import distributed, exit_now, torchrun_env
+from mp.dropout import DropoutKeys
+from mp.errors import CommError, note_one_rank
+from mp.flags import base_parser, validate_common
+from mp.loop import train
+from mp.models import build_model, num_blocks
+from mp.pp.flags import add_pipeline_flags, validate_pipeline
+from mp.pp.pipedream import TwoVersions
+from mp.pp.schedules import flow_name, schedule_actions
+from mp.pp.timeline import TimelineRecorder
+from mp.pp.training import check_step, pipeline_job
+from mp.pp.zero_bubble import split_weight_grads
+from mp.tp.collectives import split_sizes
 
 PROGRAM = "pipeline_microbatch"
 
@@ -92,9 +103,9 @@ class PipelineRank:
 
 
 def partition(n_blocks, n_chunks, balance=None):
-    """Block ranges [start, end) of each chunk: --balance's counts (pipeline_flags.py has resolved
-    auto into counts), else as even as possible, earlier chunks one larger (balance.even_split)."""
-    sizes = [int(b) for b in balance.split(",")] if balance else even_split(n_blocks, n_chunks)
+    """Block ranges [start, end) of each chunk: --balance's counts (mp.pp.flags has resolved auto
+    into counts), else as even as possible, earlier chunks one larger (tensor_split's sizes)."""
+    sizes = [int(b) for b in balance.split(",")] if balance else split_sizes(n_blocks, n_chunks)
     starts = [sum(sizes[:i]) for i in range(n_chunks + 1)]
     return list(zip(starts[:-1], starts[1:]))
 
@@ -130,35 +141,36 @@ def build_stage_model(args, pos, device, shard=None):
 
 
 class Messenger:
-    """The point-to-point helpers. The course's four cases, one message each, are the methods
-    named after the data flow (Megatron's names): send_forward, recv_forward, send_backward,
-    recv_backward. exchange posts any number of such messages as one batch: a fused pair such as
-    send_forward_recv_backward (schedules.flow_name) is the schedules' usual exchange. Every message has a tag
-    (microbatch, virtual stage, direction), so on gloo none can match the wrong receive; nccl ignores
-    tags but matches in posting order, and both sides post each direction's messages in the same
-    order (tests/test_nccl_order.py). A gloo wait has a timeout that names what it awaited."""
+    """The course's four point-to-point cases, named after the data flow (Megatron's names), each
+    one message: send_forward, recv_forward, send_backward, recv_backward. A message is (what,
+    microbatch, virtual stage of its receiver), what = "act" or "grad". exchange() posts several as
+    one batch: a fused pair such as send_forward_recv_backward is the schedules' usual exchange.
+    Every message has a tag, so on gloo none can match the wrong receive; nccl ignores tags but
+    matches in posting order, and both sides post each direction's messages in the same order
+    (tests/test_nccl_order.py). A gloo wait has a timeout that names what it awaited."""
 
     def __init__(self, pos, shapes, device, timeout_s):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
         self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
         self.last = "no exchange yet"         # the last exchange's name: a hung step's error names it
 
-    # the four cases, for one pipeline of single-chunk stages (plain_gpipe_step below)
-    def send_forward(self, y, mb):            # my output, to the next stage's input
-        self.exchange([("send", self.pos.next_rank, ("act", mb, self.pos.pp_rank + 1))],
-                      {("act", mb, self.pos.pp_rank + 1): y}, len(y))
+    def send_forward(self, y, peer, msg):     # my output, to the next stage's input
+        return dist.P2POp(dist.isend, y.contiguous(), peer, None, self.tag(msg))   # the backends send flat memory
 
-    def recv_forward(self, mb, mb_size):      # my input, from the previous stage's output
-        msg = ("act", mb, self.pos.pp_rank)
-        return self.exchange([("recv", self.pos.prev_rank, msg)], {}, mb_size)[msg]
+    def recv_forward(self, peer, msg, mb_size):   # my input, from the previous stage's output
+        return dist.P2POp(dist.irecv, self.buffer(msg, mb_size), peer, None, self.tag(msg))
 
-    def send_backward(self, dx, mb):          # my input's gradient, to the previous stage
-        self.exchange([("send", self.pos.prev_rank, ("grad", mb, self.pos.pp_rank - 1))],
-                      {("grad", mb, self.pos.pp_rank - 1): dx}, len(dx))
+    def send_backward(self, dx, peer, msg):   # my input's gradient, to the previous stage
+        return dist.P2POp(dist.isend, dx.contiguous(), peer, None, self.tag(msg))
 
-    def recv_backward(self, mb, mb_size):     # my output's gradient, from the next stage
-        msg = ("grad", mb, self.pos.pp_rank)
-        return self.exchange([("recv", self.pos.next_rank, msg)], {}, mb_size)[msg]
+    def recv_backward(self, peer, msg, mb_size):  # my output's gradient, from the next stage
+        return dist.P2POp(dist.irecv, self.buffer(msg, mb_size), peer, None, self.tag(msg))
+
+    def buffer(self, msg, mb_size):
+        """An empty tensor of the message's shape: an activation enters its receiver's virtual stage,
+        a gradient the shape of what that stage sent on."""
+        what, _, vstage = msg
+        return torch.empty((mb_size, *self.shapes[vstage + (what == "grad")]), device=self.device)
 
     def tag(self, msg):
         what, mb, vstage = msg
@@ -173,15 +185,14 @@ class Messenger:
         start = time.perf_counter()           # the timeline's wait includes the posting
         if any(kind == "send" for kind, _, _ in parts):
             self.finish()                     # the previous exchange's sends
-        ops, inbox = [], {}
+        ops = []
         for kind, peer, msg in parts:
             if kind == "send":
-                tensor = outbox.pop(msg).contiguous()   # the backends send flat memory
+                send = self.send_forward if msg[0] == "act" else self.send_backward
+                ops.append(send(outbox.pop(msg), peer, msg))
             else:
-                tensor = inbox[msg] = torch.empty((mb_size, *self.shapes[msg[2] + (msg[0] == "grad")]),
-                                                  device=self.device)
-            ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, None,
-                                  self.tag(msg)))
+                recv = self.recv_forward if msg[0] == "act" else self.recv_backward
+                ops.append(recv(peer, msg, mb_size))
         # one batch: on nccl a send and a receive that cross must share one group call, or both block
         works = dist.batch_isend_irecv(ops) if ops else []
         # gloo gives one Work per op; nccl one for the whole batch, which then stands for each part
@@ -198,7 +209,7 @@ class Messenger:
         if record:
             mbs = [m[1] for k, _, m in sorted(parts, key=lambda part: part[0] != "send")]  # in the name's order
             record("wait", f"wait {flow_name(parts)} " + " ".join(f"mb{mb}" for mb in mbs), mbs[-1], start)
-        return inbox
+        return {msg: op.tensor for (kind, _, msg), op in zip(parts, ops) if kind == "recv"}
 
     def finish(self):
         """Wait for the sends still in flight (before the next sends, and at the end of a step)."""
@@ -210,7 +221,7 @@ class Messenger:
     def wait(self, work, parts):
         """gloo: block the CPU, at most --timeout-s. nccl: order my stream after the message and
         let the CPU queue on (no timeout: with one, nccl's wait spins the CPU); a hang is caught by
-        the one bounded wait at the end of each step (common.clock), which names self.last."""
+        the one bounded wait at the end of each step (mp.dist.clock), which names self.last."""
         if self.device.type == "cuda":
             work.wait()
             return
@@ -225,32 +236,6 @@ class Messenger:
 
 class PipelineError(CommError):
     pass
-
-
-# ----------------------------------------------------------------------------- GPipe, written out
-
-
-def plain_gpipe_step(chunk, pos, messenger, x_mb, head, m, mb_size):
-    """GPipe as a loop (picotron's all-forward-all-backward): every microbatch forward (receive,
-    compute, send), then every microbatch backward in the same order (receive the gradient,
-    differentiate, send the input's gradient). No cycle can form: in each phase messages flow one
-    way only. The executor below plays the same schedule from data (schedules.py's gpipe), and
-    everything this loop leaves out: 1F1B, interleaving, zb, --recompute, timelines. Its gradients
-    equal this loop's, bit for bit (tests/test_pipeline.py)."""
-    saved = []
-    for mb in range(m):
-        x = x_mb[mb] if pos.is_first_stage else messenger.recv_forward(mb, mb_size).requires_grad_()
-        y = chunk(x)
-        if pos.is_last_stage:
-            y = head(mb, y)                   # the scaled loss: the last stage's backward starts there
-        else:
-            messenger.send_forward(y.detach(), mb)
-        saved.append((x, y))
-    for mb, (x, y) in enumerate(saved):
-        torch.autograd.backward(y, None if pos.is_last_stage else messenger.recv_backward(mb, mb_size))
-        if not pos.is_first_stage:
-            messenger.send_backward(x.grad, mb)
-    messenger.finish()
 
 
 # ----------------------------------------------------------------------------- the executor
@@ -270,18 +255,17 @@ class StageRunner(TimelineRecorder):
     microbatch's forward and its backward, and sent tensors only until their send completes.
 
     split (--schedule zb): the chunks' Linear and Conv2d layers defer their weight gradients from
-    B to W (zero_bubble.py). recompute (--recompute, GPipe's re-materialisation): F runs without
-    autograd and keeps only the chunk's input; B first re-runs the forward under autograd."""
+    B to W (mp.pp.zero_bubble). recompute (--recompute, GPipe's re-materialisation): F runs without
+    autograd and keeps only the chunk's input; B first re-runs the forward under autograd.
+    versions (--schedule 2bw): mp.pp.pipedream.TwoVersions, which says which weights each forward
+    runs with, what the optimizer steps, and what a step leaves in flight for the next."""
 
-    versions = None                           # 2bw's two weight versions (pipedream.TwoVersionRunner)
-
-    def __init__(self, chunks, pos, messenger, split=False, recompute=False):
+    def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
         self.stashes = [split_weight_grads(chunk) for chunk in chunks] if split else None
-        self.model_param_mb = 0.0             # the whole model's parameters (the summary record): setup_stage
-        self.model = None                     # my blocks, named as in the full model (setup_stage): checkpoints
+        self.versions = versions
         self.keys = DropoutKeys(seed=0)       # replaced by the model's own (setup_stage): its dropout reads them
-        self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (clipping.py)
+        self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
 
     def run(self, actions, inputs, head, mb_size, first_sample=0):
         """inputs: microbatches for virtual stage 0 (first stage only), indexed by microbatch and
@@ -289,7 +273,8 @@ class StageRunner(TimelineRecorder):
         when not training), on the last virtual stage. first_sample: the global batch index of
         microbatch 0's first sample (a data-parallel replica's offset), for the dropout masks."""
         training, outbox = torch.is_grad_enabled(), {}
-        saved, inbox = self.begin_batch(training)   # (activations kept for a backward, messages received)
+        # (activations kept for a backward, messages received): a flushed pipeline starts empty
+        saved, inbox = self.versions.carry_in(training) if self.versions else ({}, {})
         self.mb_size, self.first_sample, self.step = mb_size, first_sample, getattr(self.keys, "step", None)
         recording = self.record if self.events is not None else None
         for action in actions:
@@ -306,14 +291,9 @@ class StageRunner(TimelineRecorder):
                 self.stashes[chunk].weight_grads(mb)
             self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
         self.messenger.finish()
-        self.end_batch(saved, inbox, training)
-        assert not outbox and not any(stash.pending for stash in self.stashes or []), "work left behind"
-
-    def begin_batch(self, training):
-        return {}, {}                         # a flushed pipeline starts empty (2bw does not)
-
-    def end_batch(self, saved, inbox, training):
-        assert not saved and not inbox, "the schedule left work behind"
+        if self.versions:                     # 2bw: the next batch's first forwards stay in flight
+            self.versions.carry_out(saved, inbox, training)
+        assert not outbox and (self.versions or not saved and not inbox), "the schedule left work behind"
 
     def vstage(self, chunk):
         return chunk * self.pos.pp_size + self.pos.pp_rank
@@ -321,25 +301,21 @@ class StageRunner(TimelineRecorder):
     def is_last(self, chunk):
         return self.vstage(chunk) == self.pos.pp_size * self.pos.virtual - 1
 
-    def key_masks_to(self, mb, step=None):
+    def key_masks_to(self, mb):
         """Dropout draws microbatch mb's masks: its samples' indices in the global batch key them
-        (keyed_dropout.py), so a forward and its recomputation draw the same, and the baseline's."""
-        if self.keys is not None:
-            self.keys.step = self.step if step is None else step
-            self.keys.first_sample = self.first_sample + mb * self.mb_size
+        (mp.dropout), so a forward and its recomputation draw the same, and the baseline's."""
+        mb, step = self.versions.batch_of(mb, self.step) if self.versions else (mb, self.step)
+        self.keys.step, self.keys.first_sample = step, self.first_sample + mb * self.mb_size
 
     def call(self, chunk, mb, x, training):
-        return self.chunks[chunk](x)
+        return self.versions.run(chunk, x, mb, training) if self.versions else self.chunks[chunk](x)
 
     def parameters(self):
-        """What the backwards differentiate and the optimizer steps (all of them here; 2bw: one version)."""
-        return [p for c in self.chunks for p in c.parameters()]
+        """What the backwards differentiate and the optimizer steps (2bw: one of the two versions)."""
+        return self.versions.trained() if self.versions else [p for c in self.chunks for p in c.parameters()]
 
     def update(self, optimizer):
-        optimizer.step()
-
-    def checkpoint_weights(self):
-        return None                           # checkpoint.py's default: each parameter of self.model
+        self.versions.step(optimizer) if self.versions else optimizer.step()
 
     def forward(self, mb, chunk, inputs, head, saved, outbox, inbox):
         vstage, training = self.vstage(chunk), torch.is_grad_enabled()
@@ -379,16 +355,19 @@ class StageRunner(TimelineRecorder):
         return start
 
 
-def train_step(runner, actions, x, y, m, samples=None, first_sample=0):
+def train_step(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None):
     """One global batch (or this replica's slice of it) through the pipeline; the accumulated
     gradients are the batch-mean gradient. x: inputs (first stage), y: labels (last stage), samples:
     the batch size, which every stage must know; first_sample: the slice's offset in the global
-    batch. Returns the batch-mean loss on the last stage (a tensor: read it after the update), else None."""
+    batch; outputs: a dict that keeps each microbatch's logits (--check). Returns the batch-mean
+    loss on the last stage (a tensor: read it after the update), else None."""
     losses = []
 
     def head(mb, logits):
         loss = F.cross_entropy(logits, y_mb[mb]) / m      # mean of m equal microbatch means
         losses.append(loss.detach())
+        if outputs is not None:
+            outputs[mb] = logits.detach()
         return loss
 
     x_mb = None
@@ -403,23 +382,19 @@ def train_step(runner, actions, x, y, m, samples=None, first_sample=0):
 # ----------------------------------------------------------------------------- training
 
 
-def setup_stage(args, env, pos):
-    """This rank's blocks of the model (only those: build_stage_model) and the runner of its chunks;
-    returns (model, runner)."""
-    model, chunks, shapes = build_stage_model(args, pos, env.device)
+def setup_stage(args, env, pos, shard=None):
+    """This rank's blocks of the model (only those: build_stage_model; parallel_3d.py shards them)
+    and the runner of its chunks; returns (model, runner)."""
+    model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
-    recompute = getattr(args, "recompute", False)   # a parser without the flag: off
-    if args.schedule == "2bw":                # two weight versions, no flush (pipedream.py imports this file)
-        from pipedream import TwoVersionRunner
-        runner = TwoVersionRunner(chunks, pos, messenger, args.microbatches, recompute=recompute)
-    else:
-        runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb", recompute=recompute)
-    runner.model, runner.model_param_mb, runner.keys = model, model.full_param_mb, model.dropout_keys
+    versions = TwoVersions(chunks, pos, args.microbatches) if args.schedule == "2bw" else None
+    runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
+                         recompute=getattr(args, "recompute", False), versions=versions)
+    runner.keys = model.dropout_keys
     return model, runner
 
 
 def main(argv=None):
-    from pipeline_train import train      # the loop shared with the joint and 3-D programs (it imports this file)
     args = parse_args(argv)
     note_one_rank("a pipeline of one stage, every block on this rank")
     data = load_data(args)
@@ -427,14 +402,14 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages)
         model, runner = setup_stage(args, env, pos)
-        actions = schedule_actions(args.schedule, pos, args.microbatches)
-        if args.schedule == "2bw":            # its first step warms up, its last drains, the others neither
-            actions = runner.step_actions(args.steps)
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-            status = check_and_exit(env, runner, actions, model, args, x, y)
-        else:
-            status = train(args, env, pos, runner, actions, data)   # a PipelineError: distributed() reports it
+            actions = schedule_actions(args.schedule, pos, args.microbatches)
+            step = check_step(runner, actions, args.microbatches, train_step)
+            status = check_and_exit(env, args, args.schedule, model, step, x, y,
+                                    norm=(runner.norm_groups, runner.counted))
+        else:   # a PipelineError ends the run in distributed(), which reports it
+            status = train(args, env, pipeline_job(args, env, pos, model, runner, data, train_step))
     exit_now(status)
 
 

@@ -48,7 +48,7 @@ KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n -
        --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w --recompute:RECOMPUTE=1:- --timeline:LOGS:-
        --balance:BALANCE:w --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
-source ./launch_checks.sh
+source ./mp/tools/launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -83,6 +83,6 @@ checkpoint_flags "$GRID_LOG"
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     parallel_3d.py "${COMMON[@]}" "${PARALLEL[@]}" "${CKPT[@]}" --log-file "$GRID_LOG"
 
-STEP="plot_curves.py"
-"$PYTHON" plot_curves.py "$BASELINE_LOG" "$GRID_LOG" -o "$PLOT"
+STEP="the plot (python -m mp.tools.plot_curves)"
+"$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$GRID_LOG" -o "$PLOT"
 echo "plot: $PLOT"

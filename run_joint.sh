@@ -47,7 +47,7 @@ KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n -
        --schedule:SCHEDULE:w --timeline:LOGS:- --balance:BALANCE:w
        --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
-source ./launch_checks.sh
+source ./mp/tools/launch_checks.sh
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
 
@@ -80,6 +80,6 @@ checkpoint_flags "$JOINT_LOG"
     pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
     --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${CKPT[@]}" --log-file "$JOINT_LOG"
 
-STEP="plot_curves.py"
-"$PYTHON" plot_curves.py "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
+STEP="the plot (python -m mp.tools.plot_curves)"
+"$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
 echo "plot: $PLOT"

@@ -48,7 +48,7 @@ KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n -
        --virtual-stages:VIRTUAL_STAGES:n --recompute:RECOMPUTE=1:- --log-file:LOGS:- --timeline:LOGS:-
        --balance:BALANCE:w --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
-source ./launch_checks.sh
+source ./mp/tools/launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -102,15 +102,15 @@ for SCHEDULE in $SCHEDULES; do
     TRACES+=("$TRACE")
 done
 
-STEP="plot_curves.py"
+STEP="the plot (python -m mp.tools.plot_curves)"
 PNGS=("$PLOTS/pipeline_timeline${SUFFIX}.png")
 if [ ${#LOGS_OF[@]} -gt 0 ]; then
-    "$PYTHON" plot_curves.py "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${SUFFIX}.png"
+    "$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${SUFFIX}.png"
     PNGS+=("$PLOTS/pipeline_loss${SUFFIX}.png")
 fi
 if [ -n "$PIPEDREAM_LOG" ]; then   # 2bw against its reference; the synchronous baseline beside, not compared
-    "$PYTHON" plot_curves.py "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${SUFFIX}.png"
+    "$PYTHON" -m mp.tools.plot_curves "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${SUFFIX}.png"
     PNGS+=("$PLOTS/pipeline_loss_2bw${SUFFIX}.png")
 fi
-"$PYTHON" plot_curves.py --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${SUFFIX}.png"
+"$PYTHON" -m mp.tools.plot_curves --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${SUFFIX}.png"
 echo "plots: ${PNGS[*]}"

@@ -159,6 +159,6 @@ srun --nodes "$NNODES" --ntasks "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit
         "$PROGRAM" "${COMMON[@]}" --backend "$BACKEND" "${PARALLEL[@]}" --log-file "$LOG"
 
 # ---- 7. the plot ------------------------------------------------------------------------------
-"$PYTHON" plot_curves.py "$BASELINE_LOG" "$LOG" -o "$PLOTS/slurm_loss.png"
+"$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$LOG" -o "$PLOTS/slurm_loss.png"
 echo "logs: $BASELINE_LOG $LOG"
 echo "plot: $PLOTS/slurm_loss.png"

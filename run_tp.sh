@@ -41,7 +41,7 @@ KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n -
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --hybrid:HYBRID=1:-
        --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
-source ./launch_checks.sh
+source ./mp/tools/launch_checks.sh
 check_knob HYBRID "$HYBRID" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -84,6 +84,6 @@ if [ "$HYBRID" = 1 ]; then
     LOGS_TO_PLOT+=("$HYBRID_LOG")
 fi
 
-STEP="plot_curves.py"
-"$PYTHON" plot_curves.py "${LOGS_TO_PLOT[@]}" -o "$PLOT"
+STEP="the plot (python -m mp.tools.plot_curves)"
+"$PYTHON" -m mp.tools.plot_curves "${LOGS_TO_PLOT[@]}" -o "$PLOT"
 echo "plot: $PLOT"

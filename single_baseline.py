@@ -5,18 +5,20 @@ Each parallel program logs the per-step training loss of this program within 1e-
 contract, docs/equivalence.md); each one's docstring lists what it adds to this file.
 
     python single_baseline.py --data synthetic --steps 300
-    python plot_curves.py logs/single_baseline.jsonl -o plots/baseline.png
+    python -m mp.tools.plot_curves logs/single_baseline.jsonl -o plots/baseline.png
 """
 import copy
-import time
 
 import torch
 import torch.nn.functional as F
 
-import checkpoint
-from common import (MetricsLog, Progress, base_parser, build_model, check_finite, clock, distributed, fail,
-                    make_optimizer, memory_fields, start_memory_count, to_device, torchrun_env, validate_common)
-from data import agree_on_data, load_data, test_batches
+from mp import checkpoint
+from mp.data import agree_on_data, load_data, to_device
+from mp.dist import distributed, torchrun_env
+from mp.errors import fail
+from mp.flags import base_parser, validate_common
+from mp.loop import Job, evaluate, train, whole_model_run
+from mp.models import build_model
 
 PROGRAM = "single_baseline"
 
@@ -72,56 +74,27 @@ def clip_grad_norm(max_norm):
     return lambda params: torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf")).item()
 
 
-@torch.no_grad()
-def evaluate(model, data, device):
-    """Mean test loss and accuracy over the whole test split."""
-    total_loss, correct, count = 0.0, 0, 0
-    for x, y in test_batches(data, 500):
-        logits = model(x.to(device))
-        y = y.to(device)
-        total_loss += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(dim=1) == y).sum().item()
-        count += len(y)
-    return total_loss / count, correct / count
-
-
 def main(argv=None):
     args = parse_args(argv)
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         model = build_model(args).to(env.device)
-        optimizer = make_optimizer(model.parameters(), args)
         stale = copy.deepcopy(model) if args.delay else None   # --delay 1: W(t-1), W(0) at first
         # a checkpoint holds both weights under --delay 1 (saved as stale/...), one otherwise
         versions = [(name, p, old, p) for (name, p), old in zip(model.named_parameters(), stale.parameters())] \
             if stale else None
-        first, written_by = checkpoint.resume(args, model, optimizer, env.rank, versions)   # 0: a fresh run
-        log = MetricsLog(args.log_file, enabled=True, resuming=first > 0)
-        log.begin(PROGRAM, args, env, first, written_by)
-        progress = Progress(args.steps, enabled=True)
-        start_memory_count(env.device)
-        for step in range(first, args.steps):
-            start = time.perf_counter()   # every program times its step from the batch's drawing on
-            x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))
+        grad_norm = clip_grad_norm(args.clip_grad_norm)
+
+        def step(k, optimizer):
+            x, y = (to_device(t, env.device) for t in data.batch(k, args.batch_size))
             if stale is None:
-                loss, norm = train_step(model, optimizer, x, y, step, clip_grad_norm(args.clip_grad_norm))
-            else:
-                loss, norm = delayed_train_step(model, stale, optimizer, x, y, step, clip_grad_norm(args.clip_grad_norm))
-            step_time = clock(env.device, args.timeout_s) - start
-            check_finite(loss, step)
-            log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,
-                      samples_per_s=args.batch_size / step_time)
-            progress.update(step, loss, step_time, args.batch_size)
-            if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-                test_loss, test_acc = evaluate(model, data, env.device)  # weights after step's update
-                log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
-                print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
-            checkpoint.maybe_save(args, step, model, optimizer, checkpoint.layout_of(PROGRAM, env), env.rank, versions)
-        log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-                  **memory_fields(env, model.parameters(), model.full_param_mb))
-        log.close()
-        print(f"wrote {args.log_file}")
+                return train_step(model, optimizer, x, y, k, grad_norm)
+            return delayed_train_step(model, stale, optimizer, x, y, k, grad_norm)
+
+        train(args, env, Job(PROGRAM, model, step, list(model.parameters()), checkpoint.layout_of(PROGRAM, env),
+                             evaluate=lambda: evaluate(data, env.device, whole_model_run(model, env.device)),
+                             versions=lambda: versions))
 
 
 if __name__ == "__main__":

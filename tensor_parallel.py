@@ -41,7 +41,6 @@ report on the replicated parameters tp_check.py and tp_replicas.py.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
 """
-import time
 from functools import partial
 
 import torch
@@ -49,16 +48,24 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
-from common import (Attention, MetricsLog, Progress, awaiting, base_parser, build_model,
-                    check_finite, clock, distributed, exit_now, make_optimizer, memory_fields, note_one_rank,
-                    num_blocks, start_memory_count, to_device, torchrun_env, validate_common)
-from clipping import clip_global
-from data import agree_on_data, load_data
-from keyed_dropout import KeyedDropout
-from single_baseline import evaluate, train_step
-from tp_collectives import all_gather, all_reduce, reduce_scatter, split_sizes, tp_rank, tp_size
-from tp_replicas import average_replicated_grads, counted_once
+from mp import checkpoint
+from mp.check import check_and_exit, report_replicas
+from mp.clipping import clip_global
+from mp.data import agree_on_data, load_data, to_device
+from mp.dist import awaiting, distributed, exit_now, torchrun_env
+from mp.dropout import KeyedDropout
+from mp.errors import note_one_rank
+from mp.flags import base_parser, validate_common
+from mp.loop import Job, evaluate, train, whole_model_run
+from mp.models import Attention, build_model, num_blocks
+from mp.tp.collectives import all_reduce, split_sizes, tp_rank, tp_size
+from mp.tp.flags import validate_degree, validate_hybrid, validate_sequence_parallel
+from mp.tp.hybrid import HybridCNN
+from mp.tp.mappings import (gather_from_sequence_parallel_region, gather_from_tp_region,
+                            reduce_scatter_to_sequence_parallel_region)
+from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
+from mp.tp.sequence import shard_sequence, sum_sequence_parallel_grads
+from single_baseline import train_step   # the baseline's step, unchanged: the model is what differs
 
 PROGRAM = "tensor_parallel"
 
@@ -72,8 +79,6 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true",
                    help="vit: LayerNorms, dropouts and residual adds on 1/degree of the tokens per rank")
     args = p.parse_args(argv)
-    from hybrid import validate_hybrid   # hybrid.py and tp_check.py import this module: imported here, when needed
-    from tp_check import validate_degree, validate_sequence_parallel
     validate_common(args, PROGRAM)
     degree = torchrun_env("gloo").world_size  # env vars only: no collective yet
     if args.sequence_parallel:
@@ -118,65 +123,12 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """Forward all-gather (shards -> whole tensor); backward split (keep this rank's slice of the whole gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group, sizes, dim):
-        ctx.start, ctx.size, ctx.dim = sum(sizes[:tp_rank(group)]), x.shape[dim], dim
-        return all_gather(x, group, sizes, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # no communication: what follows the gather is replicated, so every rank holds the same whole gradient
-        return grad.narrow(ctx.dim, ctx.start, ctx.size).contiguous(), None, None, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """Sequence parallel, before a column-parallel layer: forward all-gather of the token shards; backward reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, group, [x.shape[1]] * tp_size(group), 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # each rank's column shard gives a partial gradient of every token: sum them, keep my tokens'
-        return reduce_scatter(grad, ctx.group, 1), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Sequence parallel, after a row-parallel layer: forward reduce-scatter (sum, keep my tokens); backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter(x, group, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
-
-
 def copy_to_tp_region(x, group):
     return _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp_region(x, group):
     return _ReduceFromTP.apply(x, group)
-
-
-def gather_from_tp_region(x, group, sizes, dim=-1):
-    return _GatherFromTP.apply(x, group, sizes, dim)
-
-
-def gather_from_sequence_parallel_region(x, group):
-    return _GatherFromSequence.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group):
-    return _ReduceScatterToSequence.apply(x, group)
 
 
 # ----------------------------------------------------------------------------- parallel layers
@@ -324,9 +276,8 @@ def parallel_vit_block(i, block, group, n_blocks, sequence_parallel=False):
         block.attn = ParallelAttention(block.attn, group, head_sizes, sequence_parallel)
         block.mlp[0] = ColumnParallelLinear(block.mlp[0], group, sequence_parallel=sequence_parallel)
         block.mlp[2] = RowParallelLinear(block.mlp[2], group, sequence_parallel=sequence_parallel)
-    if sequence_parallel:   # the embedding, the head, the norms and dropouts on my tokens (tp_sequence.py)
-        from tp_sequence import shard_sequence   # it imports this module: imported here, when needed
-        block = shard_sequence(i, block, group, n_blocks)
+    if sequence_parallel:   # the embedding, the head, the norms and dropouts on my tokens (mp.tp.sequence)
+        block = shard_sequence(i, block, group, n_blocks, reduce_from_tp_region)
     return block
 
 
@@ -360,9 +311,7 @@ def parallelize(model, model_name, group, hybrid=False, sequence_parallel=False)
 
 def summed_where_partial(model, group, hybrid):
     """Replicated parameters applied to a part of the data on each rank get partial gradients, summed
-    over the group after backward: --hybrid's convolutions (hybrid.py), sequence-parallel norms (tp_sequence.py)."""
-    from hybrid import HybridCNN
-    from tp_sequence import sum_sequence_parallel_grads
+    over the group after backward: --hybrid's convolutions (mp.tp.hybrid), sequence-parallel norms (mp.tp.sequence)."""
     if hybrid:
         return HybridCNN(model, group)
     model.sequence_grads = sum_sequence_parallel_grads(model, group)
@@ -372,62 +321,41 @@ def summed_where_partial(model, group, hybrid):
 # ----------------------------------------------------------------------------- training
 
 
-def train(model, args, data, env, log, group):
-    optimizer = make_optimizer(model.parameters(), args)
-    first, written_by = checkpoint.resume(args, model, optimizer, env.rank)   # 0: a fresh run
-    log.begin(PROGRAM, args, env, first, written_by)
-    grad_norm = partial(clip_global, max_norm=args.clip_grad_norm, groups=[group], counted=counted_once(model, group))
-    progress = Progress(args.steps, enabled=env.rank == 0)
-    for step in range(first, args.steps):
-        start = time.perf_counter()   # every program times its step from the batch's drawing on
-        x, y = (to_device(t, env.device) for t in data.batch(step, args.batch_size))  # the whole batch on every rank
-        with awaiting(f"rank {env.rank} waited for the tensor-parallel collectives of step {step}", args.timeout_s):
-            # logits are whole on every rank: each computes the loss; the norm sums over the shards
-            loss, norm = train_step(model, optimizer, x, y, step, grad_norm)
-        step_time = clock(env.device, args.timeout_s) - start
-        check_finite(loss, step)
-        log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,
-                  samples_per_s=args.batch_size / step_time)
-        progress.update(step, loss, step_time, args.batch_size)
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
-            evaluating = f"rank {env.rank} waited for the tensor-parallel collectives of the evaluation"
-            with awaiting(evaluating, args.timeout_s):
-                test_loss, test_acc = evaluate(model, data, env.device)  # every rank: the forward has collectives
-            log.write("eval", step=step, test_loss=test_loss, test_acc=test_acc)
-            if env.rank == 0:
-                print(f"step {step}: test loss {test_loss:.4f}  test accuracy {test_acc:.1%}", flush=True)
-        layout = checkpoint.layout_of(PROGRAM, env, tp=env.world_size, hybrid=args.hybrid)
-        checkpoint.maybe_save(args, step, model, optimizer, layout, env.rank)
-    return progress
-
-
 def main(argv=None):
-    from tp_check import report_replicas, run_check
     args = parse_args(argv)
     note_one_rank("tensor parallelism of degree 1, every weight whole")
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        group = dist.group.WORLD if dist.is_initialized() else None
+        group = dist.group.WORLD
         model = build_parallel_model(args, group, env.device, args.hybrid)
         if env.device.type == "cuda":   # on the CPU the gradients are bit-identical already
             average_replicated_grads(model, group)
+        # the gradient norm sums the shards' squares over the group, each replicated tensor counted once
+        norm = ([group], counted_once(model, group))
         if args.check:
-            return run_check(model, args, data, env, group)
-        # TP rank 0 owns the (replicated) loss
-        log = MetricsLog(args.log_file, enabled=env.rank == 0, resuming=args.resume_from is not None)
-        start_memory_count(env.device)
-        progress = train(model, args, data, env, log, group)
-        log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-                  **memory_fields(env, model.parameters(), model.full_param_mb))
-        log.close()
-        if env.rank == 0:
-            print(f"wrote {args.log_file}")
-        return report_replicas(model, group, env, args.timeout_s)
+            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+            what = f"tensor parallelism{' --hybrid' if args.hybrid else ''}"
+            return check_and_exit(env, args, what, model, None, x, y, norm=norm)
+        waited = f"rank {env.rank} waited for the tensor-parallel collectives of"
+
+        def step(k, optimizer):
+            # the whole batch on every rank; the logits are whole too, so each rank computes the loss
+            x, y = (to_device(t, env.device) for t in data.batch(k, args.batch_size))
+            with awaiting(f"{waited} step {k}", args.timeout_s):
+                return train_step(model, optimizer, x, y, k, partial(clip_global, max_norm=args.clip_grad_norm,
+                                                                      groups=norm[0], counted=norm[1]))
+
+        def test():
+            with awaiting(f"{waited} the evaluation", args.timeout_s):   # every rank: the forward has collectives
+                return evaluate(data, env.device, whole_model_run(model, env.device))
+
+        layout = checkpoint.layout_of(PROGRAM, env, tp=env.world_size, hybrid=args.hybrid)
+        train(args, env, Job(PROGRAM, model, step, list(model.parameters()), layout, owner=env.rank == 0,
+                             evaluate=test))   # tp rank 0 owns the (replicated) loss
+        return report_replicas(replicated_parameters(model), group, "replicated parameters bit-identical across "
+                               f"the {env.world_size} tensor-parallel ranks", env, args.timeout_s)
 
 
 if __name__ == "__main__":
-    # hybrid.py and tp_check.py import this file as the module tensor_parallel: run that module's main,
-    # so that one copy of the layers and operators serves all three (not this __main__ copy as well)
-    from tensor_parallel import main as module_main
-    exit_now(module_main())  # everything is written and torn down: skip gloo's destructors (common.exit_now)
+    exit_now(main())  # everything is written and torn down: skip gloo's destructors (mp.dist.exit_now)

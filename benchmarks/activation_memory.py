@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cnn_blocks  # noqa: E402
+from mp.models import cnn_blocks
 
 
 def saved_bytes(blocks, n):

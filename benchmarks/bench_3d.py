@@ -39,7 +39,7 @@ def traffic_worker(argv):
     """Run parallel_3d.main(argv) on this rank with the collectives counted during train()."""
     import torch.distributed as dist
 
-    import common
+    from mp import common
     import parallel_3d
     args = parallel_3d.parse_args(argv)
     world, counts, counting = int(os.environ["WORLD_SIZE"]), Counter(), [False]

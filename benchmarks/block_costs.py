@@ -21,8 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from balance import best_split, block_flops, even_split, stage_max  # noqa: E402  (the split --balance auto takes)
-from common import build_model  # noqa: E402
+from mp.pp.balance import best_split, block_flops, split_sizes, stage_max  # split_sizes: the even split
+from mp.models import build_model
 
 
 def block_times(blocks, x, repeat):
@@ -59,7 +59,7 @@ def report(name, args, model_args):
         print(f"| {i} | {layers} | {n:,} | {f:.3f} | {b:.3f} | {(f + b) / total:.0%} | {c / sum(flops):.0%} |")
     costs = [f + b for f, b in times]
     if args.stages <= len(blocks):
-        even = even_split(len(blocks), args.stages)
+        even = split_sizes(len(blocks), args.stages)
         slowest, split = best_split(costs, args.stages)
         auto = best_split(flops, args.stages)[1]
         print(f"{args.stages} stages: even split {','.join(map(str, even))} -> slowest stage "

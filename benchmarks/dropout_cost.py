@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from keyed_dropout import DropoutKeys, KeyedDropout  # noqa: E402
+from mp.dropout import DropoutKeys, KeyedDropout
 
 
 def median_ms(fn, runs=50):

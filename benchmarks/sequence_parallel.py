@@ -39,8 +39,11 @@ import torch.nn.functional as F  # noqa: E402
 
 import tensor_parallel as tp  # noqa: E402
 from bench import one_step, race  # noqa: E402
-from common import base_parser, build_model, distributed, exit_now, make_optimizer  # noqa: E402
-from data import SyntheticData  # noqa: E402
+from mp.dist import distributed, exit_now
+from mp.flags import base_parser
+from mp.models import build_model
+from mp.optim import make_optimizer
+from mp.data import SyntheticData
 
 SIZE = ["--model", "vit", "--hidden", "256", "--heads", "8", "--layers", "4", "--batch-size", "64"]
 WIRE = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}   # ring: elements sent per (p-1)/p element

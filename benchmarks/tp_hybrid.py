@@ -23,8 +23,11 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository root, and bench.p
 
 import tensor_parallel as tp  # noqa: E402
 from bench import baseline_engine, loss_diff, model_args, one_step, race  # noqa: E402
-from common import base_parser, build_model, distributed, exit_now, make_optimizer  # noqa: E402
-from data import SyntheticData  # noqa: E402
+from mp.dist import distributed, exit_now
+from mp.flags import base_parser
+from mp.models import build_model
+from mp.optim import make_optimizer
+from mp.data import SyntheticData
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 

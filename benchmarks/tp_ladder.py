@@ -36,8 +36,9 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository root, and the ben
 
 import tensor_parallel as tp  # noqa: E402
 from bench import one_step  # noqa: E402
-from common import build_model, make_optimizer  # noqa: E402
-from data import SyntheticData  # noqa: E402
+from mp.models import build_model
+from mp.optim import make_optimizer
+from mp.data import SyntheticData
 from sequence_parallel import collectives_of_one_step, wire_bytes  # noqa: E402
 
 
@@ -158,7 +159,7 @@ def plot(result, args, out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from plot_curves import save
+    from mp.tools.plot_curves import save
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     full = result["losses"]["full"]
     left.plot(full, lw=3, color="black", alpha=0.3, label="full model, one process [baseline]")

@@ -13,11 +13,11 @@ import torch
 import parallel_3d
 import pipeline_microbatch as pm
 import tensor_parallel as tp
-import tp_replicas
-from common import build_model
-from data import load_data
+from mp.tp import replicas as tp_replicas
+from mp.models import build_model
+from mp.data import load_data
 from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
-from pipeline_check import run_check
+from mp.check import run_check
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_3d  # noqa: E402

@@ -11,9 +11,9 @@ import pytest
 import torch.nn as nn
 
 import pipeline_microbatch
-import plot_curves
+from mp.tools import plot_curves
 import tensor_parallel
-from common import build_model
+from mp.models import build_model
 from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
 
 COURSE = FAST + ["--model", "mlp", "--layers", "2", "--hidden", "64", "--activation", "relu", "--steps", "12"]

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-import balance
+from mp.pp import balance
 import pipeline_microbatch as pm
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch
 
@@ -36,7 +36,7 @@ def test_auto_is_never_slower_than_even_by_the_count(model, layers, hidden, stag
     costs = balance.block_flops(model_args(model, layers, hidden))
     slowest, split = balance.best_split(costs, stages)
     assert split == want and slowest == balance.stage_max(costs, split)
-    even = balance.stage_max(costs, balance.even_split(len(costs), stages))
+    even = balance.stage_max(costs, balance.split_sizes(len(costs), stages))
     assert slowest <= even
     if model == "cnn":
         assert slowest < 0.6 * even          # both convolutions apart: the slowest stage nearly halves

@@ -49,7 +49,7 @@ def test_block_costs_split_minimises_the_slowest_stage():
     costs = [1.12, 0.87, 0.15, 0.08, 0.03]                        # the cnn's blocks, ms, as measured
     slowest, split = bc.best_split(costs, 4)
     assert sum(split) == 5 and len(split) == 4 and slowest == bc.stage_max(costs, split) == 1.12
-    assert bc.stage_max(costs, bc.even_split(5, 4)) == pytest.approx(1.99)     # 2,1,1,1 puts both convs together
+    assert bc.stage_max(costs, bc.split_sizes(5, 4)) == pytest.approx(1.99)     # 2,1,1,1 puts both convs together
     for p in (1, 2, 3):                                           # no split of consecutive blocks does better
         every = [s for s in itertools.product(range(1, 6), repeat=p) if sum(s) == 5]
         assert bc.best_split(costs, p)[0] == pytest.approx(min(bc.stage_max(costs, s) for s in every))

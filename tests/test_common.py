@@ -4,14 +4,18 @@ import json
 import pytest
 import torch
 
-import common
-from data import SyntheticData, dp_slice
-from data import test_batches as split_of_test_set   # a test_ name would be collected by pytest
+from mp import dist as mp_dist
+from mp import errors
+from mp import flags as mp_flags
+from mp import log as mp_log
+from mp import models
+from mp.data import SyntheticData, dp_slice
+from mp.data import test_batches as split_of_test_set
 
 
 def args_for(*argv):
-    args = common.base_parser("test").parse_args(list(argv))
-    common.validate_common(args, "test")
+    args = mp_flags.base_parser("test").parse_args(list(argv))
+    mp_flags.validate_common(args, "test")
     return args
 
 
@@ -48,7 +52,7 @@ def test_test_batches_cover_the_test_split():
 @pytest.mark.parametrize("model,blocks", [("cnn", 5), ("mlp", 4), ("vit", 6)])
 def test_models_are_block_lists_built_identically_from_the_seed(model, blocks):
     args = args_for("--model", model, "--hidden", "32", "--seed", "5")
-    a, b = common.build_model(args), common.build_model(args)
+    a, b = models.build_model(args), models.build_model(args)
     assert len(a) == blocks
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), name
@@ -57,31 +61,31 @@ def test_models_are_block_lists_built_identically_from_the_seed(model, blocks):
 
 def test_cnn_normalisation_is_per_sample():
     """A sample's output must not depend on the rest of its batch (docs/equivalence.md, point 4)."""
-    model = common.build_model(args_for("--model", "cnn"))
+    model = models.build_model(args_for("--model", "cnn"))
     x = torch.randn(6, 3, 32, 32)
     torch.testing.assert_close(model(x)[:2], model(x[:2]))
 
 
 def test_vit_attention_reads_the_head_count_off_its_weights():
-    attn = common.Attention(dim=32, heads=4)
+    attn = models.Attention(dim=32, heads=4)
     assert attn.head_dim == 8
     assert attn(torch.randn(2, 5, 32)).shape == (2, 5, 32)
 
 
 def test_metrics_log_writes_flushed_json_lines(tmp_path):
     path = tmp_path / "sub" / "log.jsonl"
-    log = common.MetricsLog(str(path), enabled=True)
+    log = mp_log.MetricsLog(str(path), enabled=True)
     log.write("train", step=0, loss=1.5)
     assert json.loads(path.read_text()) == {"event": "train", "step": 0, "loss": 1.5}  # before close
     log.close()
-    silent = common.MetricsLog(str(tmp_path / "never.jsonl"), enabled=False)
+    silent = mp_log.MetricsLog(str(tmp_path / "never.jsonl"), enabled=False)
     silent.write("train", step=0, loss=1.0)
     assert not (tmp_path / "never.jsonl").exists()
 
 
 def test_peak_memory_is_reported_in_megabytes():
-    env = common.torchrun_env("gloo")
-    peak = common.gather_peak_memory(env)
+    env = mp_dist.torchrun_env("gloo")
+    peak = mp_log.gather_peak_memory(env)
     assert list(peak) == [0] and 10 < peak[0] < 24_000
 
 
@@ -102,6 +106,6 @@ def test_an_error_is_printed_once_where_it_is_seen_and_every_rank_exits_2(capsys
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     with pytest.raises(SystemExit) as e:
-        common.fail("the numbers, and the fix", seen_by=seen_by)
+        errors.fail("the numbers, and the fix", seen_by=seen_by)
     assert e.value.code == 2
     assert capsys.readouterr().err == ("error: the numbers, and the fix\n" if printed else "")

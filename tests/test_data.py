@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import cifar_mirror as cm
-from common import Env
-from data import Cifar10Data, SyntheticData, agree_on_data
+from mp.dist import Env
+from mp.data import Cifar10Data, SyntheticData, agree_on_data
 from helpers import ROOT, launch, read_log, run_ranks
 
 ARGS = ["--model", "mlp", "--layers", "4", "--hidden", "32", "--steps", "4", "--batch-size", "16",

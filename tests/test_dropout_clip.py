@@ -5,10 +5,10 @@ must log the baseline's per-step loss and gradient norm within 1e-4."""
 import pytest
 import torch
 
-from clipping import clip_global
-from common import build_model
+from mp.clipping import clip_global
+from mp.models import build_model
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch
-from keyed_dropout import DropoutKeys, KeyedDropout, keep_mask
+from mp.dropout import DropoutKeys, KeyedDropout, keep_mask
 from single_baseline import parse_args
 
 CLIP = 0.1

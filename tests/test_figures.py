@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-import plot_curves
+from mp.tools import plot_curves
 from helpers import ROOT
 
 FIGURES = {"run_pipeline": ["pipeline_loss.png", "pipeline_timeline.png", "pipeline_loss_2bw.png"],

@@ -10,7 +10,7 @@ from contextlib import redirect_stderr
 import pytest
 from torch.distributed.run import get_args_parser
 
-import common
+from mp import flags as mp_flags
 from helpers import ROOT
 
 PROGRAMS = ["single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel", "parallel_3d"]
@@ -24,7 +24,7 @@ def program_parser(name, monkeypatch):
     """The program's own parser, caught as its parse_args() is about to run."""
     def capture(self, *args, **kwargs):
         raise Captured(self)
-    monkeypatch.setattr(common.Parser, "parse_args", capture)
+    monkeypatch.setattr(mp_flags.Parser, "parse_args", capture)
     with pytest.raises(Captured) as caught:
         importlib.import_module(name).parse_args([])
     return caught.value.args[0]

@@ -13,14 +13,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import common
+from mp import data as mp_data
+from mp import dist as mp_dist
+from mp import errors
+from mp import log as mp_log
 import pipeline_microbatch as pm
 import tensor_parallel as tp
-import tp_replicas
-from common import Env, build_model
-from data import SyntheticData
+from mp.tp import replicas as tp_replicas
+from mp.dist import Env
+from mp.models import build_model
+from mp.data import SyntheticData
 from helpers import FAST, ROOT, run_ranks
-from schedules import SCHEDULES
+from mp.pp.schedules import SCHEDULES
 
 MLP = FAST + ["--model", "mlp", "--hidden", "16", "--layers", "4", "--batch-size", "8"]
 
@@ -95,11 +99,11 @@ def test_nccl_without_local_rank_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")   # bad input is printed by rank 0 alone (every rank exits 2)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     with pytest.raises(SystemExit) as exit_:
-        common.torchrun_env("nccl")
+        mp_dist.torchrun_env("nccl")
     assert exit_.value.code == 2
     assert capsys.readouterr().err.startswith("error: --backend nccl at world size 2 needs LOCAL_RANK")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert common.torchrun_env("nccl").device == torch.device("cuda:1")
+    assert mp_dist.torchrun_env("nccl").device == torch.device("cuda:1")
 
 
 def agree(choices):
@@ -109,7 +113,7 @@ def agree(choices):
     def rank(r):
         env = Env(r, len(choices), 0, 1, choices[r], torch.device("cpu"))
         try:
-            common.agree_on_backend(env, "auto", 10, store)
+            mp_dist.agree_on_backend(env, "auto", 10, store)
             outcome[r] = 0
         except SystemExit as e:
             outcome[r] = e.code
@@ -131,20 +135,20 @@ def test_backend_auto_is_agreed_across_nodes(capsys):
 
 SCRIPT = """
 import argparse, sys
-import common
-common.dist.destroy_process_group = lambda: print("destroyed", flush=True)
+from mp import dist as mp_dist, errors
+mp_dist.dist.destroy_process_group = lambda: print("destroyed", flush=True)
 args = argparse.Namespace(threads=1, backend="gloo", timeout_s=10.0)
-with common.distributed(args):
+with mp_dist.distributed(args):
     {body}
-common.exit_now(0)
+mp_dist.exit_now(0)
 """
 
 
 @pytest.mark.parametrize("body,status,says", [
     ("pass", 0, "destroyed"),
     ("raise ValueError('a bug of ours')", 1, "ValueError: a bug of ours"),
-    ("common.fail('stopped')", 2, "error: stopped"),
-    ("raise common.CommError('rank 0 waited for x')", 1, "error: rank 0 waited for x")])
+    ("errors.fail('stopped')", 2, "error: stopped"),
+    ("raise errors.CommError('rank 0 waited for x')", 1, "error: rank 0 waited for x")])
 def test_an_exception_leaves_without_draining_the_process_group(tmp_path, body, status, says):
     """destroy_process_group (on nccl it waits for pending work) runs only after a clean exit."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -187,10 +191,10 @@ def _average_case(rank, world, group):
         every = [torch.empty_like(got.grad) for _ in range(world)]
         dist.all_gather(every, got.grad)
         assert all(torch.equal(every[0], g) for g in every)
-    assert common.replicas_identical(tp_replicas.replicated_parameters(plain), group)
+    assert mp_dist.replicas_identical(tp_replicas.replicated_parameters(plain), group)
     with torch.no_grad():
         tp_replicas.replicated_parameters(plain)[0].add_(rank)
-    assert not common.replicas_identical(tp_replicas.replicated_parameters(plain), group)
+    assert not mp_dist.replicas_identical(tp_replicas.replicated_parameters(plain), group)
 
 
 def test_replicated_gradients_are_averaged_over_the_tp_group(tmp_path):
@@ -223,26 +227,26 @@ def test_hybrid_convolution_gradients_are_all_reduced_once(tmp_path):
 
 
 def test_memory_is_labelled_and_batches_stay_put_on_the_cpu():
-    env = common.torchrun_env("gloo")
+    env = mp_dist.torchrun_env("gloo")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        fields = common.memory_fields(env, [torch.zeros(2**18)], 2.0)
+        fields = mp_log.memory_fields(env, [torch.zeros(2**18)], 2.0)
     finally:
         dist.destroy_process_group()
     assert fields["peak_memory_kind"].startswith("cpu peak RSS") and "peak_reserved_mb" not in fields
     assert fields["param_mb"] == {0: 1.0} and fields["model_param_mb"] == 2.0
     x = torch.ones(2)
-    assert common.to_device(x, env.device) is x
+    assert mp_data.to_device(x, env.device) is x
 
 
 def test_the_steps_bounded_wait_names_what_it_awaited():
-    """On a GPU the step's one CPU wait polls an event (common.clock); one that never completes
+    """On a GPU the step's one CPU wait polls an event (mp_dist.clock); one that never completes
     ends in a CommError naming the last exchange, after the timeout."""
     start = time.perf_counter()
-    with pytest.raises(common.CommError, match=r"^waited 0.2 s for step 3 \(last exchange: recv_forward mb1\)"):
-        common.bounded_wait(lambda: False, 0.2, lambda: "step 3 (last exchange: recv_forward mb1)")
+    with pytest.raises(errors.CommError, match=r"^waited 0.2 s for step 3 \(last exchange: recv_forward mb1\)"):
+        mp_dist.bounded_wait(lambda: False, 0.2, lambda: "step 3 (last exchange: recv_forward mb1)")
     assert 0.2 <= time.perf_counter() - start < 5
-    common.bounded_wait(iter([False, True]).__next__, 0.2, lambda: "nothing")   # finishes: no error
+    mp_dist.bounded_wait(iter([False, True]).__next__, 0.2, lambda: "nothing")   # finishes: no error
 
 
 def test_nccl_waits_order_streams_and_the_watchdog_waits_longer(monkeypatch):
@@ -250,8 +254,8 @@ def test_nccl_waits_order_streams_and_the_watchdog_waits_longer(monkeypatch):
     aborts without an error line, is armed later than the step's own bounded wait."""
     monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
     gpu, cpu = (Env(0, 2, 0, 2, b, torch.device(d)) for b, d in (("nccl", "cuda:0"), ("gloo", "cpu")))
-    assert common.group_timeout(gpu, 60).total_seconds() > 2 * 60
-    assert common.group_timeout(cpu, 60).total_seconds() == 60
+    assert mp_dist.group_timeout(gpu, 60).total_seconds() > 2 * 60
+    assert mp_dist.group_timeout(cpu, 60).total_seconds() == 60
     waited = []
 
     class Work:

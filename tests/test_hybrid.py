@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import tensor_parallel as tp
-from common import build_model, make_optimizer
+from mp.models import build_model
+from mp.optim import make_optimizer
 from helpers import FAST, ROOT, assert_same_losses, launch, run_ranks
 from test_launchers import launcher
 

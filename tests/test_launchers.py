@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-import plot_curves
+from mp.tools import plot_curves
 from helpers import ROOT
 
 

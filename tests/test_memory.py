@@ -6,8 +6,8 @@ more than the noise of peak RSS (about 15 MB from run to run)."""
 import pytest
 
 import tensor_parallel as tp
-import tp_replicas
-from common import build_model, param_mb
+from mp.tp import replicas as tp_replicas
+from mp.models import build_model, param_mb
 from helpers import FAST, launch
 from pipeline_microbatch import parse_args
 

@@ -7,7 +7,7 @@ Messenger.exchange posts each action's parts in their listed order, which is wha
 import pytest
 
 import pipeline_microbatch as pm
-from schedules import SCHEDULES, eval_actions
+from mp.pp.schedules import SCHEDULES, eval_actions
 
 
 def posting_orders(all_actions):

@@ -13,8 +13,8 @@ import parallel_3d
 import pipeline_microbatch as pm
 import single_baseline
 from helpers import FAST, ROOT, Run, assert_one_error_line, assert_same_losses, launch, read_log
-from keyed_dropout import DropoutKeys
-from schedules import clock_table, dry_run, pipedream_units, schedule_actions
+from mp.dropout import DropoutKeys
+from mp.pp.schedules import clock_table, dry_run, pipedream_units, schedule_actions
 
 
 def names(units):

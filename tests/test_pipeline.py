@@ -5,13 +5,14 @@ import pytest
 import torch
 
 import pipeline_microbatch as pm
-from pipeline_eval import evaluate as evaluate_pipeline
-from pipeline_train import OneReplica
-from common import Env, build_model, torchrun_env
-from data import Cifar10Data, SyntheticData, load_data, next_batch
+from mp.pp.evaluate import evaluate as evaluate_pipeline
+from mp.loop import OneReplica
+from mp.dist import Env, torchrun_env
+from mp.models import build_model
+from mp.data import Cifar10Data, SyntheticData, load_data, next_batch
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks
-from pipeline_check import run_check
-from schedules import SCHEDULES
+from mp.check import run_check
+from mp.pp.schedules import SCHEDULES
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
 

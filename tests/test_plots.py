@@ -3,7 +3,7 @@ import json
 
 from helpers import FAST, launch
 
-import plot_curves
+from mp.tools import plot_curves
 
 
 def test_loss_curves_against_the_baseline(tmp_path, baseline):

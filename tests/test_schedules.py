@@ -2,9 +2,9 @@
 import pytest
 
 import pipeline_microbatch as pm
-import schedules
+from mp.pp import schedules
 from pipeline_microbatch import PipelineRank, partition
-from schedules import compute_order, dry_run, eval_actions, schedule_actions
+from mp.pp.schedules import compute_order, dry_run, eval_actions, schedule_actions
 
 
 def table(schedule, p, m, v=1):

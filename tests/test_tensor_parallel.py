@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import tensor_parallel as tp
-import tp_replicas
-import tp_check
-from common import build_model
+from mp.tp import replicas as tp_replicas
+from mp.tp import flags as tp_check
+from mp.models import build_model
 from helpers import FAST, ROOT, assert_same_losses, launch, run_ranks
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

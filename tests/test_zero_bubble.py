@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from helpers import run_ranks
-from zero_bubble import SplitConv2d, SplitLinear, SplitShardOp, split_weight_grads
+from mp.pp.zero_bubble import SplitConv2d, SplitLinear, SplitShardOp, split_weight_grads
 
 
 def split_and_plain(layer):

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from common import fail
+from mp.errors import fail
+from mp.tp.replicas import shard_of
 
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
 SETTINGS = ("model", "layers", "hidden", "heads", "activation", "data", "seed", "batch_size", "lr", "momentum",
@@ -119,12 +120,6 @@ def check_files(path):
 # ----------------------------------------------------------------------------- what a rank holds
 
 
-def slice_of(model, name):
-    """(dim, start, length) of parameter `name` in the full tensor, or None: held whole."""
-    module_name, _, param_name = name.rpartition(".")
-    return getattr(model.get_submodule(module_name), "shards", {}).get(param_name)
-
-
 def key(kind, name, spec):
     return f"{kind}/{name}" + ("" if spec is None else "@" + ":".join(map(str, spec)))
 
@@ -148,7 +143,7 @@ def held(model, optimizer, versions=None):
     stale weights under 2BW's rule."""
     out = []
     for name, current, stale, stepped in weights_of(model, versions):
-        spec = slice_of(model, name)
+        spec = shard_of(model, name)
         out.append(("param", name, spec, current))
         if stale is not None:
             out.append(("stale", name, spec, stale))
@@ -205,7 +200,7 @@ def resume(args, model, optimizer, rank, versions=None):
         saved.setdefault((kind, name), []).append((spec, k, tuple(md.size)))
     wanted, plans = {}, []
     for name, current, stale, stepped in weights_of(model, versions):
-        spec = slice_of(model, name)
+        spec = shard_of(model, name)
         plans.append(("param", name, spec, current, True))
         if stale is not None:                            # validate() matched the rule: the file has them
             plans.append(("stale", name, spec, stale, True))

@@ -20,8 +20,8 @@ elementwise, small beside the products on these models.
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from common import model_blocks
-from keyed_dropout import DropoutKeys
+from mp.dropout import DropoutKeys
+from mp.models import model_blocks
 
 
 def block_flops(args):
@@ -57,11 +57,6 @@ def best_split(costs, stages):
                     options.append((max(slowest, prefix[end] - prefix[start]), sizes + [end - start]))
             best[(end, s)] = min(options, key=lambda o: o[0])
     return best[(n, stages)]
-
-
-def even_split(n, stages):
-    """The default split: as even as the block count allows, earlier stages one larger."""
-    return [n // stages + (1 if s < n % stages else 0) for s in range(stages)]
 
 
 def stage_max(costs, split):

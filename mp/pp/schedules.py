@@ -2,8 +2,8 @@
 runs, in what order, and where the messages go. Pure functions of (schedule, stages p, microbatches m,
 virtual stages v), tested without processes; pipeline_microbatch.py's StageRunner plays the action lists they return.
 
-    python schedules.py --schedule zb --stages 4 --microbatches 4               # prints the table below
-    python schedules.py --schedule interleaved --stages 4 --microbatches 8 --virtual-stages 2 -o plan.png
+    python -m mp.tools.schedule --schedule zb --stages 4 --microbatches 4         # prints the table below
+    python -m mp.tools.schedule --schedule interleaved --stages 4 --microbatches 8 --virtual-stages 2 -o plan.png
 
 Schedules, 4 stages x 4 microbatches, per clock tick (F3: forward of microbatch 3, B3: its
 backward, . idle: the bubble; drawn by clock_table() with B as long as F):
@@ -286,73 +286,3 @@ def bubble_theory(p, m, v=1, schedule=None, steps=None):
     if schedule == "zb":
         return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (v * m + p - 1)
-
-
-# ----------------------------------------------------------------------------- the command line
-
-
-def parse_args(argv=None):
-    import argparse
-    p = argparse.ArgumentParser(description="Print (and with -o, draw) the planned clock table of a schedule.",
-                                epilog="e.g. python schedules.py --schedule interleaved --stages 4 --microbatches 4 "
-                                       "--virtual-stages 2 -o interleaved.png")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages p (ranks)")
-    p.add_argument("--microbatches", type=int, default=4, help="microbatches m per step")
-    p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank v (interleaved; default 2)")
-    p.add_argument("-o", "--out", default=None, help="also draw the table into this PNG")
-    args = p.parse_args(argv)
-    for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
-        if value < 1:
-            bad(f"{flag} {value} must be a positive integer")
-    if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
-    elif args.schedule != "interleaved" and args.virtual_stages != 1:
-        bad(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not {args.schedule}; "
-            f"drop it or use --schedule interleaved")
-    if args.schedule == "2bw" and args.microbatches < args.stages:
-        bad(f"--schedule 2bw needs --microbatches at least --stages {args.stages}, got {args.microbatches}; "
-            f"use --microbatches {args.stages}")
-    if args.schedule == "interleaved":
-        p_, m = args.stages, args.microbatches
-        if p_ < 2:
-            bad("--schedule interleaved needs at least 2 stages; with one, use --schedule 1f1b")
-        if args.virtual_stages < 1:
-            bad(f"--virtual-stages {args.virtual_stages} must be a positive integer")
-        if m % p_:
-            bad(f"--schedule interleaved needs --microbatches a multiple of --stages {p_}, got {m}; "
-                f"use --microbatches {(m // p_ + 1) * p_}" + (f" or {m // p_ * p_}" if m > p_ else ""))
-    return args
-
-
-def bad(message):
-    import sys
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def describe(schedule, p, m, v):
-    """The heading of a printed or drawn table: the sizes, the ticks and the bubble of the formula."""
-    rows = clock_cells(schedule, p, m, v)
-    ticks = max(len(row) for row in rows)
-    idle = sum(row.count(".") + ticks - len(row) for row in rows) / (p * ticks)
-    chunks = f", v={v} chunks per rank (a tick is 1/{v} of a stage's F or B)" if v > 1 else ""
-    if schedule == "2bw":
-        chunks = " per step, two steps drawn (the second's microbatches numbered from m; no flush between)"
-    steps = 2 if schedule == "2bw" else None
-    return (f"{schedule}: {p} stages, {m} microbatches{chunks}; {ticks} ticks, "
-            f"idle {idle:.1%} of the table = bubble_theory {bubble_theory(p, m, v, schedule, steps):.1%}")
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    s, p, m, v = args.schedule, args.stages, args.microbatches, args.virtual_stages
-    print(describe(s, p, m, v))
-    print("\n".join(clock_table(s, p, m, v)))
-    if args.out:
-        import plot_curves                     # matplotlib only when a picture is asked for
-        plot_curves.plot_clock_table(clock_cells(s, p, m, v), describe(s, p, m, v), args.out)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
 """Which tensor-parallel parameters are shards and which are replicas, and how the replicas stay whole
-and identical: tensor_parallel.py, tp_check.py, hybrid.py, tp_sequence.py and parallel_3d.py share it.
+and identical: tensor_parallel.py, parallel_3d.py, mp.check, mp.checkpoint and mp.tp.* share it.
 
 A sharded layer records, for each parameter it sliced, where the slice lies in the full tensor
 (`shards`: dim, start, length). Every other parameter is replicated: row-parallel biases, norms, the
@@ -8,10 +8,10 @@ whole, identical tensors: average_replicated_grads keeps a GPU's from drifting b
 partial sum that the ranks add up (SummedGradients: --hybrid's convolutions, the norms under
 --sequence-parallel). The gradient norm counts each replica once (counted_once).
 """
-import torch
 import torch.distributed as dist
 
-from tp_collectives import tp_rank, tp_size
+from mp.dist import all_reduce_flat
+from mp.tp.collectives import tp_rank, tp_size
 
 
 def shard_of(model, name):
@@ -61,8 +61,8 @@ def counted_once(model, group):
 class SummedGradients:
     """Replicated parameters that each rank applied to part of the data (--hybrid's convolutions to a
     slice of the batch, a norm under --sequence-parallel to a slice of the tokens): their gradients
-    summed over the group in one all-reduce, flattened into one bucket (DDP's bucket, without its
-    overlap). Summed, not averaged: the loss is already the mean over the global batch, so each
+    summed over the group, flattened into buckets (mp.dist.all_reduce_flat: DDP's buckets, without
+    their overlap). Summed, not averaged: the loss is already the mean over the global batch, so each
     rank's gradient is its part's share of the full one.
 
     per_backward: sum as soon as one backward has accumulated every gradient (a hook per parameter),
@@ -85,9 +85,5 @@ class SummedGradients:
 
     def sum(self):
         grads = [p.grad for p in self.params if p.grad is not None]   # the same on every rank of the group
-        if not grads or tp_size(self.group) == 1:
-            return
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(summed.view_as(g))
+        if grads and tp_size(self.group) > 1:
+            all_reduce_flat(grads, self.group)

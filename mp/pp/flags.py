@@ -1,14 +1,16 @@
 """The pipeline programs' own flags and their arithmetic, checked from the flags and WORLD_SIZE alone,
 before any collective: every mistake is one `error:` line that states the numbers and a fix that
 works (pipeline_microbatch.py, pipeline_dp_joint.py and parallel_3d.py share them)."""
-from balance import auto_balance, even_split
-from common import fail, num_blocks
-from schedules import SCHEDULES
+from mp.errors import fail
+from mp.models import num_blocks
+from mp.pp.balance import auto_balance
+from mp.pp.schedules import SCHEDULES
+from mp.tp.collectives import split_sizes
 
 
 def add_pipeline_flags(p):
     p.add_argument("--microbatches", type=int, default=4, help="microbatches per global batch (per replica)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="interleaved only: model chunks per rank (default: 2; always 1 for the other schedules)")
     p.add_argument("--balance", default=None,
@@ -60,7 +62,7 @@ def validate_pipeline(args, stages, replicas, tp=1):
         if len(balance) != chunks or min(balance) < 1 or sum(balance) != num_blocks(args):
             if chunks > num_blocks(args):   # no list can do: fewer chunks or more blocks
                 fail(too_few_blocks(args, stages, replicas * tp))
-            even = ",".join(map(str, even_split(num_blocks(args), chunks)))
+            even = ",".join(map(str, split_sizes(num_blocks(args), chunks)))
             fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
                  f"{num_blocks(args)} blocks of the {args.model}; use --balance {even} or --balance auto")
     elif chunks > num_blocks(args):

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from schedules import bubble_theory
+from mp.pp.schedules import bubble_theory
 
 
 class TimelineRecorder:
@@ -61,3 +61,22 @@ def timeline_steps(args):
     if args.schedule != "2bw" or args.steps < 2:
         return [args.steps - 1]
     return [max(0, args.steps - 3), args.steps - 2] if args.steps >= 3 else [0, 1]
+
+
+class Timeline:
+    """--timeline over a training run: starts recording at the first of timeline_steps (all ranks
+    together, after a barrier: one clock) and writes the trace after the last."""
+
+    def __init__(self, args, runner, pos, owner):
+        self.args, self.runner, self.pos, self.owner = args, runner, pos, owner
+        self.steps = timeline_steps(args) if args.timeline else []
+
+    def begin(self, step):
+        if self.steps and step == self.steps[0]:
+            dist.barrier()                    # one clock for the timeline: everyone starts together
+            self.runner.events, self.runner.origin = [], time.perf_counter()
+
+    def end(self, step):
+        if self.runner.events is not None and step == self.steps[-1]:
+            write_timeline(gather_timeline(self.runner, self.pos, self.args), self.args.timeline, self.owner)
+            self.runner.events = None

@@ -20,29 +20,41 @@ next. Two copies of the weights, never three; single_baseline.py --delay 1 is th
 one process.
 
 A checkpoint after step t holds W(t+1), W(t) (as stale/...) and the momentum, in the baseline's
-coordinates like every checkpoint (checkpoint.py), so 2bw and --delay 1 resume from each other's in
+coordinates like every checkpoint (mp.checkpoint), so 2bw and --delay 1 resume from each other's in
 any layout. The next batch's forwards that were in flight are not saved: the resumed first step
 warms up again, and runs them with the same W(t+1).
 """
 import torch
 from torch.func import functional_call
 
-from data import next_batch
-from pipeline_microbatch import StageRunner
-from schedules import schedule_actions
+from mp.data import next_batch
+from mp.pp.schedules import schedule_actions
 
 
 class TwoVersions:
-    """One stage's two weight versions, per chunk: the modules' own parameters start as one, a
-    copy as the other."""
+    """One stage's two weight versions, per chunk (the modules' own parameters start as one, a copy as
+    the other), handed to pipeline_microbatch.py's StageRunner as its `versions`, the strategy it asks
+    which weights a forward runs with, what the optimizer steps, and what a step carries over.
 
-    def __init__(self, chunks):
-        self.chunks = chunks
+    A step's action list (schedules.py's 2bw) numbers this batch's microbatches 0..m-1 and the next
+    batch's first ones m, m+1, ...: those run on the newer version, draw the next step's dropout
+    masks, and what they leave (saved activations, received messages) is carried into the next step,
+    renumbered from 0."""
+
+    def __init__(self, chunks, pos, m):
+        self.chunks, self.pos, self.m = chunks, pos, m
         self.names = [[name for name, _ in chunk.named_parameters()] for chunk in chunks]
         self.older = [[p for _, p in chunk.named_parameters()] for chunk in chunks]
         self.newer = [[p.detach().clone().requires_grad_() for p in ps] for ps in self.older]
         # where each module parameter's two versions sit (the buffers swap roles every step)
         self.slot = {id(p): (c, j) for c, ps in enumerate(self.older) for j, p in enumerate(ps)}
+        self.carried = ({}, {})               # the next batch's saved activations and received messages
+        self.warm = False                     # has a step left the next batch's forwards in flight?
+
+    def step_actions(self, steps):
+        """step -> its action list: the first step this process trains (the run's first, or the first
+        after a resume) warms up, the last drains, the others do neither."""
+        return lambda step: schedule_actions("2bw", self.pos, self.m, first=not self.warm, last=step == steps - 1)
 
     def weights(self, model):
         """For checkpoints: (name, W(t+1), W(t), the tensor the optimizer steps) per parameter of
@@ -50,9 +62,31 @@ class TwoVersions:
         slots = [(name, self.slot[id(p)]) for name, p in model.named_parameters()]
         return [(name, self.newer[c][j], self.older[c][j], self.older[c][j]) for name, (c, j) in slots]
 
-    def run(self, chunk, x, newer):
-        """The chunk's forward with one version's tensors in place of its parameters."""
-        tensors = (self.newer if newer else self.older)[chunk]
+    def carry_in(self, training):
+        """What the last step left in flight, as this step's (saved, inbox). An evaluation between
+        steps starts empty and leaves the carried work be."""
+        if not training:
+            return {}, {}
+        carried, self.carried = self.carried, ({}, {})
+        return carried
+
+    def carry_out(self, saved, inbox, training):
+        """Keep the next batch's work, renumbered from 0 (keys (..., microbatch, chunk or stage))."""
+        if not training:
+            assert not saved and not inbox, "the evaluation left work behind"
+            return
+        self.carried = tuple({key[:-2] + (key[-2] - self.m, key[-1]): value for key, value in kept.items()}
+                             for kept in (saved, inbox))
+        self.warm = True
+
+    def batch_of(self, mb, step):
+        """(microbatch, step) whose dropout masks mb draws: the next batch's mb - m draws step + 1's."""
+        return (mb, step) if mb < self.m or step is None else (mb - self.m, step + 1)
+
+    def run(self, chunk, x, mb, training):
+        """The chunk's forward with the version of mb's batch (an evaluation: the newest) in place of
+        its parameters."""
+        tensors = (self.newer if mb >= self.m or not training else self.older)[chunk]
         return functional_call(self.chunks[chunk], dict(zip(self.names[chunk], tensors)), (x,))
 
     def trained(self):
@@ -78,54 +112,6 @@ class TwoVersions:
             if now in state:
                 state[nxt] = state.pop(now)
         optimizer.param_groups[0]["params"] = newer
-
-
-class TwoVersionRunner(StageRunner):
-    """pipeline_microbatch.py's executor for --schedule 2bw. A step's action list (schedules.py's
-    2bw) numbers this batch's microbatches 0..m-1 and the next batch's first ones m, m+1, ...:
-    those run on the newer version, draw the next step's dropout masks, and what they leave (saved
-    activations, received messages) is carried into the next step, renumbered from 0."""
-
-    def __init__(self, chunks, pos, messenger, m, recompute=False):
-        super().__init__(chunks, pos, messenger, recompute=recompute)
-        self.m, self.versions, self.carried = m, TwoVersions(chunks), ({}, {})
-        self.warm = False                     # has a step left the next batch's forwards in flight?
-
-    def step_actions(self, steps):
-        """step -> its action list: the first step this process trains (the run's first, or the first
-        after a resume) warms up, the last drains, the others do neither."""
-        return lambda step: schedule_actions("2bw", self.pos, self.m, first=not self.warm, last=step == steps - 1)
-
-    def checkpoint_weights(self):
-        return self.versions.weights(self.model)
-
-    def begin_batch(self, training):
-        if not training:                      # an evaluation between steps leaves the carried work be
-            return {}, {}
-        carried, self.carried = self.carried, ({}, {})
-        return carried
-
-    def end_batch(self, saved, inbox, training):
-        if not training:
-            return super().end_batch(saved, inbox, training)
-        self.carried = tuple({key[:-2] + (key[-2] - self.m, key[-1]): value for key, value in kept.items()}
-                             for kept in (saved, inbox))   # keys (..., microbatch, chunk or stage)
-        self.warm = True
-
-    def key_masks_to(self, mb, step=None):
-        if mb < self.m or self.step is None:
-            return super().key_masks_to(mb)
-        super().key_masks_to(mb - self.m, step=self.step + 1)   # the next batch's microbatch mb - m
-
-    def call(self, chunk, mb, x, training):
-        """The version of mb's batch (an evaluation: the newest)."""
-        return self.versions.run(chunk, x, newer=mb >= self.m or not training)
-
-    def parameters(self):
-        return self.versions.trained()        # the older version: this step's backwards differentiate it
-
-    def update(self, optimizer):
-        self.versions.step(optimizer)         # the new version goes into the older's buffer
 
 
 def pipedream_inputs(x, data, step, args, pos, replicas, device):

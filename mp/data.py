@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import NUM_CLASSES, awaiting, fail, to_device
+from mp.dist import awaiting
+from mp.errors import fail
+from mp.models import NUM_CLASSES
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -259,6 +261,14 @@ def agree_on_data(data, args, env):
         print(f"note: --data auto uses the SYNTHETIC data{ranks}: {data.note}", flush=True)
     args.data = data.name
     return data
+
+
+def to_device(tensor, device):
+    """A batch onto the rank's device. On a GPU through pinned (page-locked) host memory, which lets
+    the copy run asynchronously: the CPU goes on queueing kernels, which the copy precedes on the stream."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def test_batches(data, batch_size):

@@ -6,19 +6,18 @@ own run of the 64 tokens, [B, 64/t, H], through the LayerNorms, dropouts and res
     patches -> [B,64,H]   [B,64/t,H] -LN-> all-gather -> attention | MLP          [B,64/t,H] -LN-> my share
     keep my 64/t tokens              (column ... row) -> reduce-scatter -> +x      of the mean -> all-reduce
 
-The operators (gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region) and
-the sequence-parallel column and row layers are tensor_parallel.py's; this module splits the sequence
+The operators (gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region) are
+mp.tp.mappings'; the sequence-parallel column and row layers are tensor_parallel.py's; this module splits the sequence
 after the embedding, ends it in the head, keys the dropouts to my tokens, and marks the replicated
 parameters that see my tokens only, whose gradients are then summed over the group (SummedGradients).
 """
 import torch
 import torch.nn as nn
 
-from common import PatchEmbed
-from keyed_dropout import KeyedDropout
-from tensor_parallel import reduce_from_tp_region
-from tp_collectives import tp_rank, tp_size
-from tp_replicas import SummedGradients
+from mp.models import PatchEmbed
+from mp.dropout import KeyedDropout
+from mp.tp.collectives import tp_rank, tp_size
+from mp.tp.replicas import SummedGradients
 
 VIT_TOKENS = (32 // 4) ** 2   # common.PatchEmbed: 4x4 patches of a 32x32 image
 
@@ -29,13 +28,14 @@ def my_tokens(group):
     return count * tp_rank(group), count
 
 
-def shard_sequence(i, block, group, n_blocks):
+def shard_sequence(i, block, group, n_blocks, reduce_from_tp_region):
     """Block i of the vit, already tensor-parallel, on my tokens: the embedding keeps my run of them,
-    the head ends the sequence, and a transformer block's norms and dropouts see my tokens only."""
+    the head ends the sequence, and a transformer block's norms and dropouts see my tokens only.
+    reduce_from_tp_region: the lesson's g (tensor_parallel.py), which sums the head's shares."""
     if i == 0:
         return SequenceParallelEmbed(block, group)
     if i == n_blocks - 1:
-        return SequenceParallelHead(block, group)
+        return SequenceParallelHead(block, group, reduce_from_tp_region)
     partial_gradients(block.ln1, block.ln2)   # each rank normalises other tokens
     for drop in (block.drop1, block.drop2):
         if isinstance(drop, KeyedDropout):
@@ -72,14 +72,15 @@ class SequenceParallelHead(nn.Module):
     mean is the head's only mix of tokens, so it is where the sequence ends; reducing the pooled
     B x H moves 64 times fewer elements than gathering the B x 64 x H tokens first."""
 
-    def __init__(self, full, group):
+    def __init__(self, full, group, reduce_from_tp_region):
         super().__init__()
         self.ln, self.fc, self.group = full.ln, full.fc, group   # Head's names
+        self.reduce = reduce_from_tp_region
         partial_gradients(self.ln)
 
     def forward(self, x):
         share = self.ln(x).sum(dim=1) / VIT_TOKENS
-        return self.fc(reduce_from_tp_region(share, self.group))
+        return self.fc(self.reduce(share, self.group))
 
 
 def sum_sequence_parallel_grads(model, group, per_backward=True):

@@ -12,31 +12,14 @@ weights and little of the compute, so they stay tensor-parallel. One all-gather 
 
 The conv weights' gradients are summed over the ranks in one all-reduce after backward.
 
-The tensor-parallel layers and operators are tensor_parallel.py's; this module adds the switch
-(gather_from_dp_region), the model that runs it (HybridCNN) and its flag check.
+The tensor-parallel layers are tensor_parallel.py's; this module adds the switch (gather_from_dp_region)
+and the model that runs it (HybridCNN); its flag check is mp.tp.flags.validate_hybrid.
 """
 import torch.nn as nn
 
-from common import fail
-from tensor_parallel import gather_from_tp_region
-from tp_collectives import split_sizes, tp_rank, tp_size
-from tp_replicas import SummedGradients
-
-
-def validate_hybrid(args, degree):
-    """--hybrid: the cnn's batch splits evenly over the ranks, and fc3 has a neuron for every rank."""
-    if args.model != "cnn":
-        has = "no convolutions" if args.model == "mlp" else "only its patch embedding as a convolution"
-        fail(f"--hybrid runs the cnn's convolutions data-parallel, and --model {args.model} has {has}: "
-             f"use --model cnn, or drop --hybrid")
-    if args.batch_size % degree:
-        low = args.batch_size // degree * degree
-        fail(f"--batch-size {args.batch_size} is not divisible by the tensor-parallel degree {degree}; under "
-             f"--hybrid every rank runs the convolutions on an equal slice of the batch: use a multiple of "
-             f"{degree}, e.g. {low + degree}" + (f" or {low}" if low else ""))
-    if degree > 10:
-        fail(f"the tensor-parallel degree {degree} exceeds the 10 outputs of cnn fc3; every rank needs at "
-             f"least one: use at most 10 ranks")
+from mp.tp.collectives import split_sizes, tp_rank, tp_size
+from mp.tp.mappings import gather_from_tp_region
+from mp.tp.replicas import SummedGradients
 
 
 def gather_from_dp_region(x, group, sizes):

@@ -1,0 +1,103 @@
+"""--check, for every parallel program, and the end-of-run report on replicas.
+
+--check runs one step on the first batch twice: with this rank's part of the model (the program's own
+forward and backward) and with the full model in this process. It compares, with
+torch.testing.assert_close, the output and the loss where this rank has them, every local gradient
+(against the matching slice of the full model's, after clipping to the full model's norm) and every
+weight after one optimizer step, prints what it compared and the largest difference, and exits 0 on a
+match and 1 on a mismatch, naming the tensor and the rank.
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mp.clipping import clip_global
+from mp.data import dp_slice
+from mp.dist import awaiting, replicas_identical
+from mp.models import build_model
+from mp.optim import make_optimizer
+from mp.tp.replicas import full_slice
+
+
+def compare(what, got, want, results):
+    """Record (what, largest difference, error message or None) for one tensor."""
+    diff = (got.detach() - want.detach()).abs().max().item() if got.numel() else 0.0
+    try:
+        torch.testing.assert_close(got, want)
+        results.append((what, diff, None))
+    except AssertionError as e:
+        results.append((what, diff, " ".join(str(e).split())[:200]))
+
+
+def whole_model_step(model):
+    """check_one_step's step for a model that takes the whole batch (tensor parallelism)."""
+    def step(x, y):
+        with model.dropout_keys.training(0):      # step 0's masks, as in training
+            logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        return logits, loss
+    return step
+
+
+def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), reference=None):
+    """step(x, y) -> (logits, loss), or (None, None) where this rank has neither: the program's forward
+    and backward of one batch on this rank's part of the model, with step 0's dropout masks and every
+    gradient synchronised as its training step does (None: whole_model_step). replica = (dp_rank, dp): with data parallelism
+    this rank runs, and is compared on, its slice of the batch. norm: the gradient norm's groups and
+    counted() (mp.clipping). Returns [(what, largest difference, error or None)], one per tensor."""
+    reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
+    with reference.dropout_keys.training(0):
+        ref_logits = reference(x)
+    F.cross_entropy(ref_logits, y).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
+    make_optimizer(reference.parameters(), args).step()
+    x, y, ref_logits = (dp_slice(t, *replica) for t in (x, y, ref_logits.detach()))
+    results = []
+    logits, loss = (step or whole_model_step(model))(x, y)
+    if logits is not None:
+        compare("output", logits.detach(), ref_logits, results)
+        compare("loss", loss.detach(), F.cross_entropy(ref_logits, y), results)
+    local = list(model.named_parameters())
+    clip_global([p for _, p in local], args.clip_grad_norm, *norm)
+    ref = dict(reference.named_parameters())
+    for name, p in local:
+        compare(f"gradient of {name}", p.grad, full_slice(model, name, ref[name].grad), results)
+    make_optimizer([p for _, p in local], args).step()
+    for name, p in local:
+        compare(f"weight of {name} after one step", p.detach(), full_slice(model, name, ref[name].detach()), results)
+    return results
+
+
+def check_and_exit(env, args, what, *one_step, **options):
+    """--check on every rank (check_one_step's arguments); rank 0 prints each mismatch, naming its rank,
+    and one summary line; all ranks agree on the exit status (0 match, 1 mismatch)."""
+    results = check_one_step(args, *one_step, **options)
+    errors = [f"{name} differs (largest difference {diff:.3g}): {error}" for name, diff, error in results if error]
+    grads = sum(name.startswith("gradient") for name, _, _ in results)
+    every = [None] * env.world_size
+    dist.all_gather_object(every, (len(results), max(d for _, d, _ in results), grads, errors[:1]))
+    if env.rank == 0:
+        for rank, (_, _, _, error) in enumerate(every):
+            if error:
+                print(f"check: rank {rank}: MISMATCH: {error[0]}", file=sys.stderr, flush=True)
+        bad = sum(bool(error) for *_, error in every)
+        print(f"--check, {what} on {env.world_size} ranks, model {args.model}: {sum(e[0] for e in every)} tensors "
+              f"compared with the full model (the output and the loss where a rank has them; rank 0: {every[0][2]} "
+              f"local gradients and {every[0][2]} weights after one step); largest difference "
+              f"{max(e[1] for e in every):.2e}: "
+              f"{f'MISMATCH on {bad} rank(s)' if bad else 'all tensors match the full model'}", flush=True)
+    return 1 if any(error for *_, error in every) else 0
+
+
+def report_replicas(params, group, what, env, timeout_s):
+    """End of a run: the tensors that several ranks hold (data-parallel replicas of a stage, tensors
+    every tensor-parallel rank holds whole) must be bit-identical across `group`: same start, same
+    gradient, same update. what: the claim rank 0 prints, answered yes or NO. Returns 0 if so, else 1."""
+    with awaiting(f"rank {env.rank} waited to compare the replicas ({what})", timeout_s):
+        same = replicas_identical(params, group, env.device)
+    if env.rank == 0:
+        print(f"{what}: {'yes' if same else 'NO'}", flush=True)
+    return 0 if same else 1

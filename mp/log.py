@@ -1,0 +1,130 @@
+"""The metrics log (JSON lines from the rank that owns the loss), the console progress line and the
+summary record's memory figures."""
+import json
+import math
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+from mp.errors import fail
+from mp.models import param_mb
+
+
+class MetricsLog:
+    """JSON lines, one record per event, flushed at once so a crash leaves a valid prefix.
+    Only the rank that owns the loss writes (enabled=True); the others hold a no-op log."""
+
+    def __init__(self, path, enabled, resuming=False):
+        self.file, self.earlier = None, []
+        if enabled:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            if resuming and os.path.exists(path):   # a resumed run keeps the earlier steps' records
+                with open(path) as f:
+                    self.earlier = [r for r in map(parse_record, f) if r]
+            self.file = open(path, "w")
+
+    def begin(self, program, args, env, start=0, layout=None):
+        """The config record; for a run resumed at step `start`, then the earlier run's train and
+        eval records of the steps before it (the dead attempt's later ones are dropped: they are
+        trained again) and a resume record."""
+        self.config(program, args, env)
+        if start:
+            for record in self.earlier:
+                if record.get("event") in ("train", "eval") and record.get("step", start) < start:
+                    self.write(record.pop("event"), **record)
+            self.write("resume", step=start, **{"from": layout})
+
+    def write(self, event, **fields):
+        if self.file:
+            self.file.write(json.dumps({"event": event, **fields}) + "\n")
+            self.file.flush()
+
+    def config(self, program, args, env):
+        self.write("config", program=program, args=vars(args), world_size=env.world_size,
+                   backend=env.backend, device=str(env.device))
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+def parse_record(line):
+    try:
+        return json.loads(line)
+    except ValueError:    # a line cut short by a crash
+        return None
+
+
+class Progress:
+    """A short console line every few seconds, and the step times for the summary. Steps are
+    numbered from 0 here as in the metrics log and the plots: the last of 300 is `step 299 (of 0-299)`."""
+
+    def __init__(self, total_steps, enabled, every_s=5.0):
+        self.total, self.enabled, self.every_s = total_steps, enabled, every_s
+        self.step_times = []
+        self.last_print = time.perf_counter()
+
+    def update(self, step, loss, step_time, samples):
+        self.step_times.append(step_time)
+        now = time.perf_counter()
+        if self.enabled and (now - self.last_print >= self.every_s or step == self.total - 1):
+            print(f"step {step} (of 0-{self.total - 1})  loss {loss:.4f}  {samples / step_time:.0f} samples/s",
+                  flush=True)
+            self.last_print = now
+
+    def median_step_time(self):
+        times = sorted(self.step_times[1:] or self.step_times)  # step 0 pays warm-up costs
+        return times[len(times) // 2] if times else float("nan")
+
+
+def check_finite(loss, step):
+    if not math.isfinite(loss):
+        fail(f"the loss became {loss} at step {step}; training stopped (try a smaller --lr)", seen_by="this rank")
+
+
+def start_memory_count(device):
+    """Call after set-up: on a GPU the peak counts from here (the CPU's peak RSS cannot be reset,
+    so it includes set-up: see memory_fields' label)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device, kind="allocated"):
+    """This process's peak resident set (CPU), or the peak of GPU memory held by tensors
+    (allocated) or by PyTorch's caching allocator (reserved, what the GPU actually lost), in MB."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_reserved if kind == "reserved" else torch.cuda.max_memory_allocated
+        return peak(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KB
+
+
+def gather_per_rank(env, value, digits=1):
+    """{rank: value} from every rank (a collective: every rank must call it)."""
+    mine = torch.tensor([value], dtype=torch.float64, device=env.device)
+    if env.world_size == 1:
+        return {0: round(mine.item(), digits)}
+    every = [torch.zeros_like(mine) for _ in range(env.world_size)]
+    dist.all_gather(every, mine)
+    return {r: round(t.item(), digits) for r, t in enumerate(every)}
+
+
+def gather_peak_memory(env, kind="allocated"):
+    return gather_per_rank(env, peak_memory_mb(env.device, kind))
+
+
+def memory_fields(env, params, model_param_mb):
+    """The summary record's memory, labelled so that CPU and GPU tables are not mixed up:
+    peak_memory_mb is peak RSS on the CPU, peak allocated on a GPU (plus peak_reserved_mb).
+    param_mb: what each rank's parameters take (gradients and momentum take as much again each);
+    model_param_mb: the whole model's, which a pipeline's stages sum to."""
+    fields = {"param_mb": gather_per_rank(env, param_mb(params), digits=4), "model_param_mb": round(model_param_mb, 4)}
+    if env.device.type != "cuda":
+        return {"peak_memory_mb": gather_peak_memory(env),
+                "peak_memory_kind": "cpu peak RSS of the process (includes set-up)", **fields}
+    return {"peak_memory_mb": gather_peak_memory(env), "peak_reserved_mb": gather_peak_memory(env, "reserved"),
+            "peak_memory_kind": "cuda peak allocated by tensors since set-up (peak_reserved_mb: by the allocator)",
+            **fields}

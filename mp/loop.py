@@ -1,0 +1,102 @@
+"""The one training loop, which every program runs with its own step, and the one evaluation.
+
+A program builds what it holds of the model and hands train() a Job: its step (draw the batch, forward,
+backward, clip, update: the lesson), and what the loop needs to know around it (what the optimizer
+steps, who writes the log, how to evaluate, what a checkpoint holds). The loop does the rest the same
+way for every program: resume from a checkpoint, time each step from the batch's drawing on, log it,
+evaluate every --eval-every steps, save every --save-every, and write the summary record.
+"""
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mp import checkpoint
+from mp.data import test_batches
+from mp.dist import clock
+from mp.log import MetricsLog, Progress, check_finite, memory_fields, start_memory_count
+from mp.optim import make_optimizer
+
+
+@dataclass
+class Job:
+    """What one program hands the loop."""
+    program: str                    # the name in the log's config record
+    model: nn.Module                # what this rank holds, named as in the full model (checkpoints)
+    step: Callable                  # step(k, optimizer) -> (step k's loss on the rank that owns it, else None; grad norm)
+    params: list                    # what the optimizer steps
+    layout: dict                    # checkpoint.layout_of(...): the layout a checkpoint says wrote it
+    owner: bool = True              # this rank writes the log and the console lines
+    evaluate: Callable = None       # () -> (test loss, test accuracy), or None where this rank does not report
+    versions: Callable = lambda: None   # () -> the weights a checkpoint holds (2bw, --delay 1), None: the model's
+    held: Callable = None           # () -> the parameters this rank holds (the summary's param_mb; default: params)
+    summary: dict = field(default_factory=dict)   # more fields for the summary record
+    awaited: Callable = lambda step: "the step's queued work"   # what a GPU step that never ends waited for
+    after_step: Callable = lambda step: None     # after the step's clock stopped (the pipeline's timeline)
+
+
+def train(args, env, job):
+    """Train job from its checkpoint (or step 0) to --steps; returns the exit status (0)."""
+    optimizer = make_optimizer(job.params, args)
+    first, written_by = checkpoint.resume(args, job.model, optimizer, env.rank, job.versions())
+    log = MetricsLog(args.log_file, enabled=job.owner, resuming=first > 0)
+    log.begin(job.program, args, env, first, written_by)
+    progress = Progress(args.steps, enabled=job.owner)
+    start_memory_count(env.device)
+    for step in range(first, args.steps):
+        start = time.perf_counter()           # every program times its step from the batch's drawing on
+        loss, norm = job.step(step, optimizer)
+        # the optimizer step's kernels included; on a GPU the step's one (bounded) CPU wait
+        step_time = clock(env.device, args.timeout_s, lambda: job.awaited(step)) - start
+        job.after_step(step)
+        if job.owner:
+            check_finite(loss, step)
+            log.write("train", step=step, loss=loss, grad_norm=norm, step_time_s=step_time,
+                      samples_per_s=args.batch_size / step_time)
+            progress.update(step, loss, step_time, args.batch_size)
+        if job.evaluate and args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+            result = job.evaluate()           # the weights after step's update
+            if job.owner and result:
+                log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
+                print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
+        checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions())
+    held = job.held() if job.held else job.params
+    log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
+              **memory_fields(env, held, job.model.full_param_mb), **job.summary)
+    log.close()
+    if job.owner:
+        print(f"wrote {args.log_file}", flush=True)
+    return 0
+
+
+@torch.no_grad()
+def evaluate(data, device, run, batch=500):
+    """Mean test loss and accuracy over the whole test split. run(batches, score) sends a list of
+    equal-size (inputs, labels) batches through the model and calls score(i, logits) with batch i's
+    logits where they are whole (a pipeline: on its last stage). The full batches go in one call, a
+    smaller last batch in a second: a pipeline's messages have one shape per call."""
+    batches, totals = test_batches(data, batch), [0.0, 0]
+    full = [b for b in batches if len(b[1]) == len(batches[0][1])]
+    for part in (full, batches[len(full):]):
+        if not part:
+            continue
+
+        def score(i, logits, part=part):
+            labels = part[i][1].to(device)
+            totals[0] += F.cross_entropy(logits, labels, reduction="sum").item()
+            totals[1] += (logits.argmax(1) == labels).sum().item()
+
+        run(part, score)
+    n = sum(len(y) for _, y in batches)
+    return totals[0] / n, totals[1] / n
+
+
+def whole_model_run(model, device):
+    """evaluate()'s run for a model that takes whole batches (the baseline, tensor parallelism)."""
+    def run(batches, score):
+        for i, (x, _) in enumerate(batches):
+            score(i, model(x.to(device)))
+    return run

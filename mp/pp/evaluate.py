@@ -1,0 +1,13 @@
+"""Evaluation through a pipeline: the test split, forwards only, on the runner of pipeline_microbatch.py
+(the schedule is schedules.eval_actions); the last stage scores the logits (mp.loop.evaluate)."""
+from mp.loop import evaluate
+from mp.pp.schedules import eval_actions
+
+
+def evaluate_pipeline(runner, pos, data, device):
+    """(test loss, accuracy) on the last stage (the other stages' figures mean nothing). Every
+    message has the shape both sides expect: evaluate() sends batches of one size per call."""
+    def run(batches, score):
+        inputs = [x.to(device) for x, _ in batches] if pos.is_first_stage else None
+        runner.run(eval_actions(pos, len(batches)), inputs, score, len(batches[0][1]))
+    return evaluate(data, device, run)
