@@ -44,24 +44,25 @@ import math
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
-from mp.check import check_and_exit, report_replicas
+from mp.check import report_replicas
 from mp.data import agree_on_data, load_data
 from mp.dist import distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import fail, note_one_rank
 from mp.flags import base_parser, validate_common
 from mp.loop import train
-from mp.models import build_model, num_blocks
+from mp.models import num_blocks
 from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline
-from mp.pp.training import check_step, pipeline_job
+from mp.pp.training import pipeline_check, pipeline_job
 from mp.tp.collectives import split_sizes, tp_rank, tp_size
 from mp.tp.flags import validate_degree, validate_sequence_parallel
 from mp.tp.mappings import gather_from_tp_region
 from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import sum_sequence_parallel_grads
 # the three programs it composes: the grid's replicas, a pipeline's stages, the tensor-parallel layers
-from pipeline_dp_joint import DataParallelReplicas, Grid
-from pipeline_microbatch import partition, schedule_actions, setup_stage, train_step
+from pipeline_dp_joint import DataParallelReplicas
+from pipeline_microbatch import PipelineRank, partition, setup_stage, train_step
 from tensor_parallel import (ColumnParallelConv2d, ColumnParallelLinear, RowParallelConv2d, RowParallelLinear,
                              parallelize_block)
 
@@ -107,6 +108,36 @@ def tp_fix(args, world, tp):
     """How to ask for tp ranks per stage: the same replicas and stages, so the world size follows."""
     n = args.dp * (world // (args.dp * args.tp)) * tp
     return f"--tp {tp} with {n} ranks (torchrun --nproc-per-node {n})"
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+class Grid:
+    """Who am I on the dp x pp x tp grid, and the process group of each axis through me (the 2-D
+    program's Grid, pipeline_dp_joint.py, with the third, innermost axis)."""
+
+    AXES = ("dp", "pp", "tp")
+
+    def __init__(self, rank, world, dp, tp, timeout=None):
+        self.ranks = torch.arange(world).view(dp, world // (dp * tp), tp)   # print it: rows are pipelines
+        self.dp_size, self.pp_size, self.tp_size = self.ranks.shape
+        self.dp_rank, self.pp_rank, self.tp_rank = (self.ranks == rank).nonzero()[0].tolist()
+        # new_group is itself a collective over all ranks: every rank creates every group of every
+        # axis, in the same order, even the groups it is not in; otherwise the creations pair up wrongly and hang
+        self.lines, groups = {}, {}
+        for axis, name in enumerate(self.AXES):
+            # the lines of the grid along this axis: the ranks that differ only in this coordinate
+            self.lines[name] = self.ranks.movedim(axis, -1).reshape(-1, self.ranks.shape[axis]).tolist()
+            made = [dist.new_group(line, timeout=timeout) for line in self.lines[name]]   # timeout: as the 2-D grid's
+            groups[name] = next(g for g, line in zip(made, self.lines[name]) if rank in line)
+        self.dp_group, self.pp_group, self.tp_group = (groups[name] for name in self.AXES)
+        self.dp_peers = self.ranks[:, self.pp_rank, self.tp_rank].tolist()   # same stage, same tp rank
+
+    def pipeline(self, virtual):
+        """My place in my pipeline (my replica, my tp rank), its peers addressed by global rank."""
+        peers = self.ranks[self.dp_rank, :, self.tp_rank].tolist()
+        return PipelineRank(self.pp_rank, self.pp_size, peers, virtual, self.pp_group)
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -252,11 +283,7 @@ def main(argv=None):
         replicas = SequenceParallelReplicas(grid, args.timeout_s, env.device, partial_sums) if partial_sums \
             else DataParallelReplicas(grid, args.timeout_s, env.device)
         if args.check:   # my shards against the matching slices of a full model in this process
-            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-            step = check_step(runner, schedule_actions(args.schedule, pos, args.microbatches), args.microbatches,
-                              train_step, replicas)
-            status = check_and_exit(env, args, args.schedule, model, step, x, y, replica=(grid.dp_rank, grid.dp_size),
-                                    norm=(runner.norm_groups, runner.counted), reference=build_model(args).to(env.device))
+            status = pipeline_check(env, args, model, runner, data, train_step, replicas)
         else:
             status = train(args, env, pipeline_job(args, env, pos, model, runner, data, train_step, replicas, PROGRAM))
             # both reports are collectives: every rank runs both

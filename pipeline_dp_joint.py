@@ -26,21 +26,21 @@ A pipeline's ranks are consecutive, so torchrun puts a whole pipeline on one nod
 --nproc-per-node is a multiple of the stage count: the chatty point-to-point traffic (activations
 and gradients of every microbatch) stays inside the machine, and only the once-per-step gradient
 all-reduce crosses nodes. Adding tensor parallelism makes a third, innermost axis
-(arange(world).view(dp, pp, tp), parallel_3d.py; Grid takes it here already): the tp ranks of one
+(arange(world).view(dp, pp, tp), parallel_3d.py, whose Grid adds it): the tp ranks of one
 stage exchange activations inside every layer, so they belong on the fastest links of all.
 """
 import torch
 import torch.distributed as dist
 
-from mp.check import check_and_exit, report_replicas
+from mp.check import report_replicas
 from mp.data import agree_on_data, dp_slice, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import fail, note_one_rank
 from mp.flags import base_parser, validate_common
 from mp.loop import train
 from mp.pp.flags import add_pipeline_flags, validate_pipeline
-from mp.pp.training import check_step, pipeline_job
-from pipeline_microbatch import PipelineRank, schedule_actions, setup_stage, train_step   # one pipeline, composed
+from mp.pp.training import pipeline_check, pipeline_job
+from pipeline_microbatch import PipelineRank, setup_stage, train_step   # one pipeline, composed
 
 PROGRAM = "pipeline_dp_joint"
 
@@ -70,31 +70,25 @@ def parse_args(argv=None):
 
 
 class Grid:
-    """Who am I on the dp x pp (x tp) grid, and the process group of each axis through me.
-    This program's grid has tp = 1; parallel_3d.py adds the third, innermost axis."""
+    """Who am I on the dp x pp grid, and the process group of each axis through me."""
 
-    AXES = ("dp", "pp", "tp")
-
-    def __init__(self, rank, world, dp, tp=1, timeout=None):
-        self.ranks = torch.arange(world).view(dp, world // (dp * tp), tp)   # print it: rows are pipelines
-        self.dp_size, self.pp_size, self.tp_size = self.ranks.shape
-        self.dp_rank, self.pp_rank, self.tp_rank = (self.ranks == rank).nonzero()[0].tolist()
-        # new_group is itself a collective over all ranks: every rank creates every group of every
-        # axis, in the same order, even the groups it is not in; otherwise the creations pair up wrongly and hang
-        self.lines, groups = {}, {}
-        for axis, name in enumerate(self.AXES):
-            # the lines of the grid along this axis: the ranks that differ only in this coordinate
-            self.lines[name] = self.ranks.movedim(axis, -1).reshape(-1, self.ranks.shape[axis]).tolist()
-            # timeout: the default group's (common.group_timeout); new_group's own default is 30 minutes,
-            # so a rank waiting on a stopped peer in its data-parallel all-reduce would hang that long
-            made = [dist.new_group(line, timeout=timeout) for line in self.lines[name]]
-            groups[name] = next(g for g, line in zip(made, self.lines[name]) if rank in line)
-        self.dp_group, self.pp_group, self.tp_group = (groups[name] for name in self.AXES)
+    def __init__(self, rank, world, dp, timeout=None):
+        self.ranks = torch.arange(world).view(dp, world // dp)   # print it: rows are pipelines
+        self.dp_size, self.pp_size = self.ranks.shape
+        self.dp_rank, self.pp_rank = divmod(rank, self.pp_size)
+        self.tp_rank = 0                      # no tensor parallelism here (parallel_3d.py adds that axis)
+        pipelines, columns = self.ranks.tolist(), self.ranks.T.tolist()
+        # new_group is itself a collective over all ranks: every rank creates every group, in the same
+        # order, even the groups it is not in; otherwise the creations pair up wrongly and hang.
+        # timeout: the default group's (mp.dist.group_timeout); new_group's own default is 30 minutes,
+        # so a rank waiting on a stopped peer in its data-parallel all-reduce would hang that long
+        self.pp_group = [dist.new_group(ranks, timeout=timeout) for ranks in pipelines][self.dp_rank]
+        self.dp_group = [dist.new_group(ranks, timeout=timeout) for ranks in columns][self.pp_rank]
+        self.dp_peers = columns[self.pp_rank]  # my stage's replicas: the gradient all-reduce's ranks
 
     def pipeline(self, virtual):
-        """My place in my pipeline (my replica, my tp rank), its peers addressed by global rank."""
-        peers = self.ranks[self.dp_rank, :, self.tp_rank].tolist()
-        return PipelineRank(self.pp_rank, self.pp_size, peers, virtual, self.pp_group)
+        """My place in my pipeline, its peers addressed by global rank."""
+        return PipelineRank(self.pp_rank, self.pp_size, self.ranks[self.dp_rank].tolist(), virtual, self.pp_group)
 
 
 class DataParallelReplicas:
@@ -104,7 +98,7 @@ class DataParallelReplicas:
     def __init__(self, grid, timeout_s, device):
         self.dp_rank, self.dp_size, self.group, self.device = grid.dp_rank, grid.dp_size, grid.dp_group, device
         self.waiting = (f"stage {grid.pp_rank} of pipeline {grid.dp_rank} waited for the all-reduce with its "
-                        f"data-parallel group, ranks {grid.ranks[:, grid.pp_rank, grid.tp_rank].tolist()}", timeout_s)
+                        f"data-parallel group, ranks {grid.dp_peers}", timeout_s)
         self.tp_rank = grid.tp_rank    # the loss is logged by tp rank 0 of replica 0's last stage
 
     def slice(self, tensor):
@@ -136,17 +130,12 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         grid = Grid(env.rank, env.world_size, args.dp, timeout=group_timeout(env, args.timeout_s))
         if env.rank == 0:
-            grid_2d = grid.ranks[..., 0]                 # the tp axis has one rank here
-            print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid_2d}", flush=True)
+            print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)
         pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
         model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
         replicas = DataParallelReplicas(grid, args.timeout_s, env.device)
-        if args.check:
-            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-            step = check_step(runner, schedule_actions(args.schedule, pos, args.microbatches), args.microbatches,
-                              train_step, replicas)
-            status = check_and_exit(env, args, args.schedule, model, step, x, y, replica=(grid.dp_rank, grid.dp_size),
-                                    norm=(runner.norm_groups, runner.counted))
+        if args.check:   # each replica checks its slice of the first batch
+            status = pipeline_check(env, args, model, runner, data, train_step, replicas)
         else:
             status = train(args, env, pipeline_job(args, env, pos, model, runner, data, train_step, replicas, PROGRAM))
             same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across the "

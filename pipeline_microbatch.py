@@ -17,18 +17,16 @@ GPipe, the default, per clock tick on 4 stages x 4 microbatches (F2: forward of 
     stage 2: .  .  F0 F1 F2 F3 .  .  B0 B1 B2 B3            recv_forward), its gradient back up
     stage 3: .  .  .  F0 F1 F2 F3 B0 B1 B2 B3               (send_backward -> recv_backward)
 
-This file is, in order: the stage (each rank builds and keeps only its blocks), the four
-point-to-point cases over isend/irecv (every shape known up front), the executor that plays a
-schedule's actions (F, B, and the exchanges between them), and the training step (only the last
-stage sees labels). A schedule is data (mp/pp/schedules.py: gpipe, 1f1b, interleaved, zb, 2bw); what a
-student may skip sits behind one name each: zb's split backward (mp.pp.zero_bubble), 2bw's two weight
-versions (mp.pp.pipedream), --recompute (Saved/recompute below), the loop (mp.loop), --check (mp.check).
+In order: the stage (each rank keeps only its blocks), the four point-to-point cases over
+isend/irecv, the executor that plays a schedule's actions (F, B and the exchanges between them),
+the training step (only the last stage sees labels). Schedules are data (mp/pp/schedules.py); what a
+student may skip has one name each: zb's split backward (mp.pp.zero_bubble), 2bw's two weight
+versions (mp.pp.pipedream), --recompute, the loop (mp.loop, mp.pp.training), --check (mp.check).
 
-No deadlock on gloo, whose send completes only once the peer posts the receive: between two
-actions a rank posts the send of what it just computed together with the receive its next action
-needs, as one batch (send_forward_recv_backward, ...), so two neighbours that cross have each
-posted both halves. schedules.dry_run() plays every rank's actions with blocking sends and names
-any cycle, for many (p, m, v) in the tests (docs/pipeline.md tells the story).
+No deadlock on gloo, whose send completes only once the peer posts the receive: a rank posts the
+send of what it just computed together with the receive its next action needs, as one batch
+(send_forward_recv_backward, ...), so two neighbours that cross have each posted both halves
+(schedules.dry_run() checks every rank's actions for cycles; docs/pipeline.md tells the story).
 """
 import contextlib
 import datetime
@@ -40,7 +38,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mp.check import check_and_exit
 from mp.data import StreamedInputs, agree_on_data, load_data
 from mp.dist import distributed, exit_now, torchrun_env
 from mp.dropout import DropoutKeys
@@ -50,9 +47,9 @@ from mp.loop import train
 from mp.models import build_model, num_blocks
 from mp.pp.flags import add_pipeline_flags, validate_pipeline
 from mp.pp.pipedream import TwoVersions
-from mp.pp.schedules import flow_name, schedule_actions
+from mp.pp.schedules import flow_name
 from mp.pp.timeline import TimelineRecorder
-from mp.pp.training import check_step, pipeline_job
+from mp.pp.training import pipeline_check, pipeline_job
 from mp.pp.zero_bubble import split_weight_grads
 from mp.tp.collectives import split_sizes
 
@@ -96,8 +93,7 @@ class PipelineRank:
     def next_rank(self):                  # global rank of the stage after mine (None: I am the last)
         return None if self.is_last_stage else self.ranks[self.pp_rank + 1]
 
-    def peer(self, chunk, step):
-        """Global rank and chunk of the virtual stage `step` (+1 or -1) away from my `chunk`."""
+    def peer(self, chunk, step):              # global rank and chunk of the virtual stage `step` (+-1) away
         v = chunk * self.pp_size + self.pp_rank + step   # virtual stage index, p*V of them in a ring
         return self.ranks[v % self.pp_size], v // self.pp_size
 
@@ -166,9 +162,7 @@ class Messenger:
     def recv_backward(self, peer, msg, mb_size):  # my output's gradient, from the next stage
         return dist.P2POp(dist.irecv, self.buffer(msg, mb_size), peer, None, self.tag(msg))
 
-    def buffer(self, msg, mb_size):
-        """An empty tensor of the message's shape: an activation enters its receiver's virtual stage,
-        a gradient the shape of what that stage sent on."""
+    def buffer(self, msg, mb_size):           # an activation: its receiver's input; a gradient: its output
         what, _, vstage = msg
         return torch.empty((mb_size, *self.shapes[vstage + (what == "grad")]), device=self.device)
 
@@ -177,11 +171,10 @@ class Messenger:
         return (mb * self.pos.pp_size * self.pos.virtual + vstage) * 2 + (what == "grad")
 
     def exchange(self, parts, outbox, mb_size, record=None):
-        """Post every part (send or recv, peer, message) at once, then wait for the receives only.
-        A gloo send completes once the peer posts its receive: waiting here would hold my next
-        compute in lock step with the next stage. So the sends (and their tensors) wait until just
-        before the next exchange that sends, as torch.distributed.pipelining's 1F1B does. That
-        cannot deadlock: every rank still posts the same messages in the same order."""
+        """Post every part (send or recv, peer, message) at once, then wait for the receives only: a
+        gloo send completes once the peer posts its receive, and waiting for it here would hold my
+        next compute in lock step with the next stage. The sends wait until just before the next
+        exchange that sends (as torch.distributed.pipelining's 1F1B): no deadlock, same order."""
         start = time.perf_counter()           # the timeline's wait includes the posting
         if any(kind == "send" for kind, _, _ in parts):
             self.finish()                     # the previous exchange's sends
@@ -234,7 +227,7 @@ class Messenger:
                                 f"{self.timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
 
 
-class PipelineError(CommError):
+class PipelineError(CommError):              # mp.dist.distributed() prints it as one error: line
     pass
 
 
@@ -254,17 +247,15 @@ class StageRunner(TimelineRecorder):
     """Runs one rank's action list for one global batch. Saved activations live only between a
     microbatch's forward and its backward, and sent tensors only until their send completes.
 
-    split (--schedule zb): the chunks' Linear and Conv2d layers defer their weight gradients from
-    B to W (mp.pp.zero_bubble). recompute (--recompute, GPipe's re-materialisation): F runs without
-    autograd and keeps only the chunk's input; B first re-runs the forward under autograd.
-    versions (--schedule 2bw): mp.pp.pipedream.TwoVersions, which says which weights each forward
-    runs with, what the optimizer steps, and what a step leaves in flight for the next."""
+    split (zb): the chunks' Linear and Conv2d layers defer their weight gradients from B to W
+    (mp.pp.zero_bubble). recompute (GPipe's re-materialisation): F runs without autograd and keeps
+    only the chunk's input; B first re-runs the forward. versions (2bw): mp.pp.pipedream.TwoVersions
+    says which weights a forward runs with, what the optimizer steps, what a step leaves in flight."""
 
-    def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None):
+    def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None, keys=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
-        self.stashes = [split_weight_grads(chunk) for chunk in chunks] if split else None
-        self.versions = versions
-        self.keys = DropoutKeys(seed=0)       # replaced by the model's own (setup_stage): its dropout reads them
+        self.stashes, self.versions = [split_weight_grads(chunk) for chunk in chunks] if split else None, versions
+        self.keys = keys or DropoutKeys(seed=0)   # the model's (setup_stage): its dropout layers read them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
 
     def run(self, actions, inputs, head, mb_size, first_sample=0):
@@ -356,11 +347,10 @@ class StageRunner(TimelineRecorder):
 
 
 def train_step(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None):
-    """One global batch (or this replica's slice of it) through the pipeline; the accumulated
-    gradients are the batch-mean gradient. x: inputs (first stage), y: labels (last stage), samples:
-    the batch size, which every stage must know; first_sample: the slice's offset in the global
-    batch; outputs: a dict that keeps each microbatch's logits (--check). Returns the batch-mean
-    loss on the last stage (a tensor: read it after the update), else None."""
+    """One global batch (or this replica's slice) through the pipeline; the accumulated gradients are
+    the batch-mean gradient. x: inputs (first stage), y: labels (last stage), samples: the batch size
+    (every stage must know it), first_sample: the slice's offset in the global batch, outputs: a dict
+    to keep each microbatch's logits in (--check). Returns the mean loss on the last stage, else None."""
     losses = []
 
     def head(mb, logits):
@@ -370,10 +360,9 @@ def train_step(runner, actions, x, y, m, samples=None, first_sample=0, outputs=N
             outputs[mb] = logits.detach()
         return loss
 
-    x_mb = None
-    if runner.pos.is_first_stage:                                # only the first stage reads inputs,
-        x_mb = x if isinstance(x, (StreamedInputs, list)) else x.chunk(m)
-    y_mb = y.chunk(m) if runner.pos.is_last_stage else None      # only the last stage reads labels
+    x_mb = None if not runner.pos.is_first_stage else \
+        x if isinstance(x, (StreamedInputs, list)) else x.chunk(m)   # only the first stage reads inputs,
+    y_mb = y.chunk(m) if runner.pos.is_last_stage else None          # only the last stage reads labels
     samples = samples or len(x if x is not None else y)
     runner.run(actions, x_mb, head, samples // m, first_sample)
     return torch.stack(losses).sum() if losses else None
@@ -388,10 +377,8 @@ def setup_stage(args, env, pos, shard=None):
     model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
     versions = TwoVersions(chunks, pos, args.microbatches) if args.schedule == "2bw" else None
-    runner = StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
-                         recompute=getattr(args, "recompute", False), versions=versions)
-    runner.keys = model.dropout_keys
-    return model, runner
+    return model, StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
+                              recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)
 
 
 def main(argv=None):
@@ -402,12 +389,8 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages)
         model, runner = setup_stage(args, env, pos)
-        if args.check:
-            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-            actions = schedule_actions(args.schedule, pos, args.microbatches)
-            step = check_step(runner, actions, args.microbatches, train_step)
-            status = check_and_exit(env, args, args.schedule, model, step, x, y,
-                                    norm=(runner.norm_groups, runner.counted))
+        if args.check:   # one step against the full model in this process (mp.check)
+            status = pipeline_check(env, args, model, runner, data, train_step)
         else:   # a PipelineError ends the run in distributed(), which reports it
             status = train(args, env, pipeline_job(args, env, pos, model, runner, data, train_step))
     exit_now(status)

@@ -5,7 +5,7 @@ Launched by benchmarks/report.py (which writes docs/benchmarks.md); by hand:
     torchrun --standalone --nproc-per-node 4 -- benchmarks/bench.py pipeline --out logs/bench/pp.json
     torchrun --standalone --nproc-per-node 2 -- benchmarks/bench.py tp --out logs/bench/tp2.json
 
-Every engine trains its own copy of the same model (common.build_model, same --seed) on the same
+Every engine trains its own copy of the same model (mp.models.build_model, same --seed) on the same
 sequence of global batches, so the losses of the engines must agree step by step (a sanity check
 reported as max_loss_diff). A timed step is: barrier, start clock, one optimizer step, barrier, stop
 clock (rank 0's clock), so every engine pays the same two barriers. The engines take turns step by
@@ -69,7 +69,7 @@ def model_args(args, model, schedule="1f1b", m=1):
 
 def timed(fn, device):
     """One step between two barriers; returns (seconds, fn's result). On a GPU the clock stops after
-    the queued kernels have run (common.clock)."""
+    the queued kernels have run (mp.dist.clock)."""
     dist.barrier()
     start = clock(device)
     result = fn()
@@ -269,7 +269,7 @@ def main():
                            "device": env.device.type, **result}, f, indent=1)
         dist.barrier()
     sys.stdout.flush()
-    os._exit(0)  # skip gloo's destructors (common.exit_now)
+    os._exit(0)  # skip gloo's destructors (mp.dist.exit_now)
 
 
 if __name__ == "__main__":

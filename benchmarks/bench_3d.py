@@ -39,7 +39,7 @@ def traffic_worker(argv):
     """Run parallel_3d.main(argv) on this rank with the collectives counted during train()."""
     import torch.distributed as dist
 
-    from mp import common
+    from mp.dist import exit_now
     import parallel_3d
     args = parallel_3d.parse_args(argv)
     world, counts, counting = int(os.environ["WORLD_SIZE"]), Counter(), [False]
@@ -75,8 +75,9 @@ def traffic_worker(argv):
     dist.all_reduce, dist.all_gather = tally(dist.all_reduce, "all_reduce"), tally(dist.all_gather, "all_gather")
     dist.reduce_scatter = tally(dist.reduce_scatter, "reduce_scatter")
     batch_isend_irecv, dist.batch_isend_irecv = dist.batch_isend_irecv, batch
+    assert callable(parallel_3d.train) and callable(parallel_3d.exit_now), "the names patched here moved"
     real_train, parallel_3d.train = parallel_3d.train, train
-    real_exit, parallel_3d.exit_now = common.exit_now, leave
+    real_exit, parallel_3d.exit_now = exit_now, leave
     parallel_3d.main(argv)
 
 

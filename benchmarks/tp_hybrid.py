@@ -112,4 +112,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_now(main())  # skip gloo's destructors (common.exit_now)
+    exit_now(main())  # skip gloo's destructors (mp.dist.exit_now)

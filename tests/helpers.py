@@ -81,7 +81,7 @@ def _rank_main(rank, world, init_file, module, name):
     getattr(importlib.import_module(module), name)(rank, world, dist.group.WORLD)
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # see common.exit_now: skip the C++ teardown that may abort on gloo
+    os._exit(0)  # see mp.dist.exit_now: skip the C++ teardown that may abort on gloo
 
 
 def run_ranks(case, world, tmp_path):

@@ -13,11 +13,12 @@ import torch
 import parallel_3d
 import pipeline_microbatch as pm
 import tensor_parallel as tp
-from mp.tp import replicas as tp_replicas
 from mp.models import build_model
 from mp.data import load_data
 from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
-from mp.check import run_check
+from mp.check import check_one_step
+from mp.dist import torchrun_env
+from mp.pp.training import check_step
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_3d  # noqa: E402
@@ -194,25 +195,29 @@ def test_a_bad_grid_under_torchrun_fails_on_every_rank(tmp_path):
     assert "exitcode  : 2" in run.stderr and 'parallel_3d.py", line' not in run.stderr
 
 
-def test_check_compares_each_tensor_with_the_slice_it_is_given(monkeypatch):
-    """In one process (tp 1, one stage): run_check passes with tp_replicas.full_slice, and names a
-    gradient when the slice of the full model it is handed is the wrong one."""
+def test_check_compares_each_tensor_with_the_slice_it_holds(monkeypatch):
+    """In one process (tp 1, one stage): check_one_step passes on tensor-parallel blocks, each compared
+    with its slice of the full model (mp.tp.replicas.full_slice), and names a gradient that differs
+    when the reference's weights are not the ones the stage started from."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = parallel_3d.parse_args(MLP + ["--layers", "3", "--dp", "1", "--tp", "1", "--microbatches", "2"])
     x, y = load_data(args).batch(0, args.batch_size)
     pos = pm.PipelineRank(0, 1, [0])
 
-    def check(slicer):
+    def check(reference):
         shard = partial(tp.parallelize_block, model_name="mlp", group=None, n_blocks=3)
-        model, chunks, shapes = pm.build_stage_model(args, pos, torch.device("cpu"), shard)
-        runner = pm.StageRunner(chunks, pos, pm.Messenger(pos, shapes, torch.device("cpu"), 10))
-        return run_check(runner, pm.schedule_actions("1f1b", pos, 2), model, args, x, y,
-                            reference=build_model(args), full_slice=slicer(model))
+        env = torchrun_env("gloo")
+        model, runner = pm.setup_stage(args, env, pos, shard)
+        step = check_step(runner, pm.schedule_actions("1f1b", pos, 2), 2, pm.train_step)
+        return check_one_step(args, model, step, x, y, reference=reference)
 
-    count, worst = check(lambda model: partial(tp_replicas.full_slice, model))
-    assert count == 2 + 2 * 6 and worst < 1e-5
-    with pytest.raises(AssertionError, match="gradient of 0.1.weight differs"):
-        check(lambda model: lambda name, full: full.flip(0))
+    results = check(build_model(args))
+    assert len(results) == 2 + 2 * 6 and max(d for _, d, _ in results) < 1e-5
+    assert not [what for what, _, error in results if error]
+    wrong = build_model(args)
+    with torch.no_grad():
+        wrong.get_parameter("2.0.weight").mul_(1.01)     # the last layer: block 0's gradient differs through it
+    assert "gradient of 0.1.weight" in [what for what, _, error in check(wrong) if error]
 
 
 @pytest.mark.parametrize("args,extra", [(MLP + ["--layers", "4"], []), (VIT, ["--sequence-parallel"]),

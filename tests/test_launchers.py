@@ -75,11 +75,11 @@ def test_an_extra_flag_the_baseline_does_not_take_is_refused_before_anything_tra
 
 
 def test_recompute_gets_its_own_logs_legend_and_titles_and_the_help_names_real_files(tmp_path):
-    """The default run's files are the ones plot_curves.py's help names; RECOMPUTE=1 writes beside them."""
+    """The default run's files are the ones mp.tools.plot_curves's help names; RECOMPUTE=1 writes beside them."""
     run = launcher("run_pipeline.sh", tmp_path, STEPS="2")
     assert run.returncode == 0, run.stderr[-2000:]
     logs = tmp_path / "logs"
-    named = [word for line in plot_curves.__doc__.splitlines() if "plot_curves.py" in line
+    named = [word for line in plot_curves.__doc__.replace("\\\n", " ").splitlines() if "mp.tools.plot_curves" in line
              for word in line.split() if word.startswith("logs/") and word.endswith((".json", ".jsonl"))]
     assert len(named) == 4
     for path in named:

@@ -3,6 +3,7 @@ import pytest
 
 import pipeline_microbatch as pm
 from mp.pp import schedules
+from mp.tools import schedule as schedule_tool
 from pipeline_microbatch import PipelineRank, partition
 from mp.pp.schedules import compute_order, dry_run, eval_actions, schedule_actions
 
@@ -214,12 +215,12 @@ def test_zb_sends_the_input_gradient_before_the_weight_gradient_runs():
 
 def test_the_command_line_prints_and_draws_the_planned_table(tmp_path, capsys):
     out = tmp_path / "zb.png"
-    schedules.main(["--schedule", "zb", "--stages", "4", "--microbatches", "4", "-o", str(out)])
+    schedule_tool.main(["--schedule", "zb", "--stages", "4", "--microbatches", "4", "-o", str(out)])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "zb: 4 stages, 4 microbatches; 15 ticks, idle 20.0% of the table = bubble_theory 20.0%"
     assert lines[1:5] == schedules.clock_table("zb", 4, 4) and lines[5] == f"wrote {out}"
     assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000
-    schedules.main(["--schedule", "interleaved", "--stages", "2", "--microbatches", "4", "--virtual-stages", "3"])
+    schedule_tool.main(["--schedule", "interleaved", "--stages", "2", "--microbatches", "4", "--virtual-stages", "3"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("interleaved: 2 stages, 4 microbatches, v=3 chunks per rank") and "7.7%" in lines[0]
     assert lines[1:] == schedules.clock_table("interleaved", 2, 4, 3)
@@ -234,6 +235,6 @@ def test_the_command_line_prints_and_draws_the_planned_table(tmp_path, capsys):
 ])
 def test_the_command_line_refuses_bad_sizes_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        schedules.main(argv)
+        schedule_tool.main(argv)
     err = capsys.readouterr().err.splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(message), err

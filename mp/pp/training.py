@@ -6,6 +6,7 @@ import time
 import torch
 
 from mp import checkpoint
+from mp.check import check_and_exit
 from mp.clipping import clip_global
 from mp.data import next_batch
 from mp.dist import awaiting
@@ -66,6 +67,16 @@ def pipeline_job(args, env, pos, model, runner, data, train_step, replicas=OneRe
                held=runner.versions.held if runner.versions else None,
                summary=dict(schedule=args.schedule, microbatches=args.microbatches),
                awaited=lambda k: f"step {k} (last exchange: {runner.messenger.last})", after_step=timeline.end)
+
+
+def pipeline_check(env, args, model, runner, data, train_step, replicas=OneReplica(), reference=None):
+    """--check for a pipeline program (mp.check): the lesson's train_step on the first batch, keeping
+    the logits, with the gradients synchronised over the replicas as in training."""
+    x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+    step = check_step(runner, schedule_actions(args.schedule, runner.pos, args.microbatches), args.microbatches,
+                      train_step, replicas)
+    return check_and_exit(env, args, args.schedule, model, step, x, y, replica=(replicas.dp_rank, replicas.dp_size),
+                          norm=(runner.norm_groups, runner.counted), reference=reference)
 
 
 def check_step(runner, actions, m, train_step, replicas=OneReplica()):

@@ -1,8 +1,8 @@
 """Draw what the programs logged: loss curves against the baseline, and pipeline timelines.
 
-    python plot_curves.py logs/single_baseline_cnn_b64.jsonl logs/pipeline_cnn_1f1b_p4_m4_b64.jsonl -o loss.png
-    python plot_curves.py --timeline logs/timeline_cnn_gpipe_p4_m4_b64.json logs/timeline_cnn_1f1b_p4_m4_b64.json \
-        -o timeline.png
+    python -m mp.tools.plot_curves logs/single_baseline_cnn_b64.jsonl logs/pipeline_cnn_1f1b_p4_m4_b64.jsonl -o loss.png
+    python -m mp.tools.plot_curves --timeline logs/timeline_cnn_gpipe_p4_m4_b64.json \
+        logs/timeline_cnn_1f1b_p4_m4_b64.json -o timeline.png
 
 (the files `bash run_pipeline.sh` writes at its defaults; `python single_baseline.py` alone writes
 logs/single_baseline.jsonl, and every program takes --log-file and --timeline PATH).
@@ -393,7 +393,7 @@ def save(fig, out, record=None):
     fig.tight_layout()
     title = fig._suptitle.get_text() if fig._suptitle else " / ".join(a.get_title() for a in fig.axes if a.get_title())
     fig.savefig(out, dpi=110, metadata={"Title": title, "Description": json.dumps(record or {}),
-                                        "Software": "plot_curves.py"})
+                                        "Software": "mp.tools.plot_curves"})
     plt.close(fig)
     print(f"wrote {out}")
 
