@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mp.models import cnn_blocks
+from mp.models import cnn_blocks  # noqa: E402
 
 
 def saved_bytes(blocks, n):

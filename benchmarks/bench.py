@@ -29,15 +29,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 import pipeline_microbatch as pm  # noqa: E402
-from mp.pp.timeline import gather_timeline
+from mp.pp.timeline import gather_timeline  # noqa: E402
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
-from mp.dist import clock, distributed
-from mp.errors import fail
-from mp.flags import base_parser
-from mp.models import build_model
-from mp.optim import make_optimizer
-from mp.data import SyntheticData
+from mp.dist import clock, distributed  # noqa: E402
+from mp.errors import fail  # noqa: E402
+from mp.flags import base_parser  # noqa: E402
+from mp.models import build_model  # noqa: E402
+from mp.optim import make_optimizer  # noqa: E402
+from mp.data import SyntheticData  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -21,8 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mp.pp.balance import best_split, block_flops, split_sizes, stage_max  # split_sizes: the even split
-from mp.models import build_model
+from mp.pp.balance import best_split, block_flops, split_sizes, stage_max  # split_sizes: the even split  # noqa: E402
+from mp.models import build_model  # noqa: E402
 
 
 def block_times(blocks, x, repeat):

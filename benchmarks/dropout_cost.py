@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mp.dropout import DropoutKeys, KeyedDropout
+from mp.dropout import DropoutKeys, KeyedDropout  # noqa: E402
 
 
 def median_ms(fn, runs=50):

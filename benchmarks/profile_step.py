@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
-from mp.dist import distributed
-from mp.data import SyntheticData
+from mp.dist import distributed  # noqa: E402
+from mp.data import SyntheticData  # noqa: E402
 
 
 def split(profile):

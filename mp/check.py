@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from mp.clipping import clip_global
 from mp.data import dp_slice
 from mp.dist import awaiting, replicas_identical
-from mp.models import build_model
+from mp.models import build_model, full_slice
 from mp.optim import make_optimizer
-from mp.tp.replicas import full_slice
 
 
 def compare(what, got, want, results):
@@ -84,7 +83,7 @@ def check_and_exit(env, args, what, *one_step, **options):
             if error:
                 print(f"check: rank {rank}: MISMATCH: {error[0]}", file=sys.stderr, flush=True)
         bad = sum(bool(error) for *_, error in every)
-        print(f"--check, {what} on {env.world_size} ranks, model {args.model}: {sum(e[0] for e in every)} tensors "
+        print(f"--check, {what} on {env.world_size} rank{'s' * (env.world_size > 1)}, model {args.model}: {sum(e[0] for e in every)} tensors "
               f"compared with the full model (the output and the loss where a rank has them; rank 0: {every[0][2]} "
               f"local gradients and {every[0][2]} weights after one step); largest difference "
               f"{max(e[1] for e in every):.2e}: "

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from mp.errors import fail
-from mp.tp.replicas import shard_of
+from mp.models import shard_of
 
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
 SETTINGS = ("model", "layers", "hidden", "heads", "activation", "data", "seed", "batch_size", "lr", "momentum",

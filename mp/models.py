@@ -166,3 +166,19 @@ def build_model(args, keep=None, device="cpu"):
 
 def param_mb(params):
     return sum(p.numel() * p.element_size() for p in params) / 2**20
+
+
+# ----------------------------------------------------------------------------- a rank's part in the full model's coordinates
+
+
+def shard_of(model, name):
+    """(dim, start, length) of parameter `name` in the full model's parameter (a tensor-parallel layer
+    records it in its `shards`); None where the rank holds the whole tensor."""
+    module_name, _, param_name = name.rpartition(".")
+    return getattr(model.get_submodule(module_name), "shards", {}).get(param_name)
+
+
+def full_slice(model, name, full):
+    """The part of the full model's tensor for parameter `name` that this rank's parameter holds."""
+    spec = shard_of(model, name)
+    return full.narrow(*spec) if spec else full

@@ -197,7 +197,7 @@ def test_a_bad_grid_under_torchrun_fails_on_every_rank(tmp_path):
 
 def test_check_compares_each_tensor_with_the_slice_it_holds(monkeypatch):
     """In one process (tp 1, one stage): check_one_step passes on tensor-parallel blocks, each compared
-    with its slice of the full model (mp.tp.replicas.full_slice), and names a gradient that differs
+    with its slice of the full model (mp.models.full_slice), and names a gradient that differs
     when the reference's weights are not the ones the stage started from."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = parallel_3d.parse_args(MLP + ["--layers", "3", "--dp", "1", "--tp", "1", "--microbatches", "2"])

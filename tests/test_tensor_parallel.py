@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import tensor_parallel as tp
-from mp.tp import replicas as tp_replicas
 from mp.check import check_one_step
+from mp import models
 from mp.models import build_model
 from helpers import FAST, ROOT, assert_same_losses, launch, run_ranks
 
@@ -43,7 +43,7 @@ def check_layer(full, layer, x, split_input, split_output, dim, group):
     assert_close(x_local.grad, x_full.grad.narrow(dim, start, n) if split_input else x_full.grad,
                  msg="input gradient")
     for name, p in layer.named_parameters():
-        assert_close(p.grad, tp_replicas.full_slice(layer, name, full.get_parameter(name).grad), msg=f"{name} gradient")
+        assert_close(p.grad, models.full_slice(layer, name, full.get_parameter(name).grad), msg=f"{name} gradient")
 
 
 def case_layers(rank, world, group):
@@ -87,7 +87,7 @@ def case_dtensor(rank, world, group):
     assert_close(x_mine.grad, x_torch.grad, msg="input gradient")
     for name, p in mine.named_parameters():
         want = full.get_parameter(name).grad.full_tensor()  # DTensor: the whole gradient, however it shards
-        assert_close(p.grad, tp_replicas.full_slice(mine, name, want), msg=f"{name} gradient")
+        assert_close(p.grad, models.full_slice(mine, name, want), msg=f"{name} gradient")
 
 
 def test_matches_torch_distributed_tensor_parallel(tmp_path):
@@ -163,7 +163,7 @@ def case_replicated(rank, world, group):
     gradients and so stay identical on every rank without any all-reduce of their own."""
     args = tp.parse_args(FAST + ["--model", "vit", "--layers", "2", "--hidden", "32", "--lr", "0.05"])
     model = tp.parallelize(build_model(args), args.model, group)
-    replicated = [(n, p) for n, p in model.named_parameters() if tp_replicas.shard_of(model, n) is None]
+    replicated = [(n, p) for n, p in model.named_parameters() if models.shard_of(model, n) is None]
     assert any("ln1" in n for n, _ in replicated) and any("proj.bias" in n for n, _ in replicated)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(3):

@@ -1,0 +1,1 @@
+"""Tensor parallelism beyond the lesson (tensor_parallel.py): collectives, operators, replicas, sequence parallel, hybrid."""

@@ -11,19 +11,8 @@ partial sum that the ranks add up (SummedGradients: --hybrid's convolutions, the
 import torch.distributed as dist
 
 from mp.dist import all_reduce_flat
+from mp.models import shard_of
 from mp.tp.collectives import tp_rank, tp_size
-
-
-def shard_of(model, name):
-    """(dim, start, length) of parameter `name` in the full model's parameter; None if replicated."""
-    module_name, _, param_name = name.rpartition(".")
-    return getattr(model.get_submodule(module_name), "shards", {}).get(param_name)
-
-
-def full_slice(model, name, full):
-    """The part of the full model's tensor for parameter `name` that this rank's parameter holds."""
-    spec = shard_of(model, name)
-    return full.narrow(*spec) if spec else full
 
 
 def replicated_parameters(model):
