@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Data x pipeline x tensor parallelism against the single-process baseline: train both on the same
-# global batch, plot both into $PLOTS/3d_loss.png; plot_curves.py prints the largest per-step
+# global batch, plot both into $PLOTS/3d_loss.png; mp.tools.plot_curves prints the largest per-step
 # |loss difference| (the equivalence contract wants <= 1e-4). The parallel program's arguments
 # are checked first.
 #
@@ -23,7 +23,7 @@ NPROC=${NPROC:-8}                      # ranks; stages = NPROC / (DP x TP)
 MICROBATCHES=${MICROBATCHES:-4}        # per replica, per step
 SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved | zb (2bw runs in the pipeline and joint programs only)
 RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
-BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,4, or auto (balance.py); empty: even
+BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,4, or auto (mp/pp/balance.py); empty: even
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}                     # auto | cifar10 | synthetic

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Data + pipeline parallelism against the single-process baseline: train both on the same global
-# batch, plot both into $PLOTS/joint_loss.png; plot_curves.py prints the largest per-step
+# batch, plot both into $PLOTS/joint_loss.png; mp.tools.plot_curves prints the largest per-step
 # |loss difference| (the equivalence contract wants <= 1e-4). The parallel program's arguments
 # are checked first.
 #
@@ -19,7 +19,7 @@ trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc;
 DP=${DP:-2}                            # data-parallel pipelines
 NPROC=${NPROC:-6}                      # ranks; stages = NPROC / DP
 MICROBATCHES=${MICROBATCHES:-3}        # per pipeline, per step
-BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,1,3, or auto (balance.py); empty: even
+BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,1,3, or auto (mp/pp/balance.py); empty: even
 SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved (2 chunks per stage: more blocks than the cnn's 5,
                                        #   e.g. SCHEDULE=interleaved MODEL=vit bash run_joint.sh --layers 4) | zb
                                        #   | 2bw (PipeDream-2BW; the baseline then runs --delay 1, its reference)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pipeline parallelism against the single-process baseline: train the baseline and one pipeline run
-# per schedule, plot the loss curves and the measured timelines into $PLOTS; plot_curves.py prints
+# per schedule, plot the loss curves and the measured timelines into $PLOTS; mp.tools.plot_curves prints
 # the largest per-step |loss difference| of each schedule (the equivalence contract wants <= 1e-4).
 # The parallel program's arguments are checked first, for every schedule.
 #
@@ -26,7 +26,7 @@ MICROBATCHES=${MICROBATCHES:-4}
 SCHEDULES=${SCHEDULES:-"gpipe 1f1b 2bw"}   # any of gpipe 1f1b interleaved zb 2bw (2bw: MICROBATCHES >= NPROC)
 RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
 VIRTUAL_STAGES=${VIRTUAL_STAGES:-2}    # interleaved only
-BALANCE=${BALANCE:-}                   # blocks per stage (chunk), e.g. 1,1,1,2, or auto (balance.py); empty: even
+BALANCE=${BALANCE:-}                   # blocks per stage (chunk), e.g. 1,1,1,2, or auto (mp/pp/balance.py); empty: even
 BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
 BATCH_SIZE=${BATCH_SIZE:-64}
 SEED=${SEED:-0}

@@ -3,7 +3,7 @@
 # the nodes and runs this script on the first of them. It trains the single-process baseline
 # there; then `srun` starts one torchrun agent on each node, the agents meet at a rendezvous on the
 # first node and start NPROC ranks each, so the program sees one world of nodes x NPROC ranks.
-# Last, plot_curves.py draws both runs into $PLOTS/slurm_loss.png and prints the largest per-step
+# Last, mp.tools.plot_curves draws both runs into $PLOTS/slurm_loss.png and prints the largest per-step
 # |loss difference| (the equivalence contract wants <= 1e-4), as the other run_*.sh launchers do.
 #
 #   sbatch run_slurm.sh                                        # 2 nodes x 2 ranks: a 4-stage pipeline
@@ -40,7 +40,7 @@ NPROC=${NPROC:-2}                      # ranks per node (GPUs per node on a GPU 
 MICROBATCHES=${MICROBATCHES:-4}        # pipelines: microbatches per global batch (per replica)
 SCHEDULE=${SCHEDULE:-1f1b}             # pipelines: gpipe | 1f1b | interleaved (2 chunks per rank) | zb | 2bw
                                        # (2bw: pipeline_microbatch.py; the baseline then runs --delay 1, its reference)
-BALANCE=${BALANCE:-}                   # pipelines: blocks per stage, e.g. 1,1,1,2, or auto (balance.py); empty: even
+BALANCE=${BALANCE:-}                   # pipelines: blocks per stage, e.g. 1,1,1,2, or auto (mp/pp/balance.py); empty: even
 ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
 DP=${DP:-2}                            # pipeline_dp_joint.py, parallel_3d.py: data-parallel replicas
 TP=${TP:-2}                            # parallel_3d.py: tensor-parallel ranks per stage

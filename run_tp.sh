@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor parallelism against the single-process baseline: train both, plot both into
-# $PLOTS/tp_loss.png; plot_curves.py prints the largest per-step |loss difference| (the
+# $PLOTS/tp_loss.png; mp.tools.plot_curves prints the largest per-step |loss difference| (the
 # equivalence contract wants <= 1e-4). The parallel program's arguments are checked first.
 #
 #   bash run_tp.sh                                   # cnn, degree 2, CIFAR-10

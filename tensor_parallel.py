@@ -6,7 +6,7 @@ features (row-parallel), and the pair needs one all-reduce in forward and one in
 degree is the world size; every rank sees the whole global batch and logs the baseline's losses.
 
 What this adds to single_baseline.py (whose train_step and evaluate it imports unchanged), in
-order: the conjugate operators (autograd functions around one collective of tp_collectives.py),
+order: the conjugate operators (autograd functions around one collective of mp/tp/collectives.py),
 the sharded layers (ColumnParallelLinear, RowParallelLinear and their conv and attention kin), and
 parallelize(), which slices the baseline's model into them block by block.
 
@@ -35,9 +35,9 @@ backward split), so that the logits are whole on every rank.
 --sequence-parallel (the vit; Korthikanti et al. 2022) splits g's all-reduce into its two halves: a
 reduce-scatter after the row-parallel layer, so that LayerNorm, dropout and the residual add run
 on 1/t of the tokens, and an all-gather before the next column-parallel layer. The same bytes,
-those activations t times smaller; the operators are here, the rest in tp_sequence.py.
---hybrid (data-parallel convolutions, a tensor-parallel classifier) is hybrid.py; --check and the
-report on the replicated parameters tp_check.py and tp_replicas.py.
+those activations t times smaller; f, g and the layers are here, the rest in mp/tp/sequence.py.
+--hybrid (data-parallel convolutions, a tensor-parallel classifier) is mp/tp/hybrid.py; --check is
+mp/check.py, the replicated parameters mp/tp/replicas.py.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
 """
@@ -89,7 +89,7 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- the conjugate operators
-# each wraps one collective of tp_collectives.py; forward and backward are each other's conjugate
+# each wraps one collective of mp/tp/collectives.py; forward and backward are each other's conjugate
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -206,7 +206,7 @@ class RowParallelConv2d(_RowParallel):
 
 
 class ParallelAttention(Attention):
-    """common.Attention on this rank's whole heads: q, k, v column-parallel, proj row-parallel.
+    """mp.models.Attention on this rank's whole heads: q, k, v column-parallel, proj row-parallel.
     Attention reads the head count off its weights, so its forward runs unchanged on the local heads."""
 
     def __init__(self, full, group, sizes, sequence_parallel=False):
@@ -258,7 +258,7 @@ def parallel_mlp_block(i, block, group, n_blocks):
 
 def shard_dropout(block, column):
     """A dropout after a column-parallel layer sees only this rank's output features, start.. of
-    the full layer's: it must draw those elements' masks, not the first ones' (keyed_dropout.py)."""
+    the full layer's: it must draw those elements' masks, not the first ones' (mp/dropout.py)."""
     _, start, _ = column.shards["weight"]
     for m in block:
         if isinstance(m, KeyedDropout) and not column.gather_output:

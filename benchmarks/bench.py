@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 import pipeline_microbatch as pm  # noqa: E402
+from mp.pp.schedules import schedule_actions  # noqa: E402
 from mp.pp.timeline import gather_timeline  # noqa: E402
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
@@ -107,7 +108,7 @@ def loss_diff(a, b):
 
 def ours_pipeline(margs, env, pos):
     model, runner = pm.setup_stage(margs, env, pos)
-    actions = pm.schedule_actions(margs.schedule, pos, margs.microbatches)
+    actions = schedule_actions(margs.schedule, pos, margs.microbatches)
     params = [p for chunk in runner.chunks for p in chunk.parameters()]
     opt = make_optimizer(params, margs)
 
@@ -235,7 +236,7 @@ def ours_tp(margs, env):
 
 
 def torch_tp(margs, env):
-    """torch.distributed.tensor.parallel with the same column | row pairs as tensor_parallel.parallel_mlp."""
+    """torch.distributed.tensor.parallel with the same column | row pairs as tensor_parallel.parallelize (parallel_mlp_block)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     model = build_model(margs).to(env.device)

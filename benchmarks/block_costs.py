@@ -9,7 +9,7 @@ runs of its forward and of the backward from a gradient of ones, with its input 
 on every stage but the first (block 0's input needs no gradient, as on stage 0). The suggested
 split is one of consecutive blocks whose slowest stage costs least by these times (where several
 tie, the one the search meets first); pipeline_microbatch.py's --balance takes it (e.g. 1,1,1,2).
-The last column and line: the flops balance.py counts per block, and the split --balance auto
+The last column and line: the flops mp/pp/balance.py counts per block, and the split --balance auto
 makes from them, costed by the times measured here.
 """
 import argparse
@@ -21,7 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mp.pp.balance import best_split, block_flops, split_sizes, stage_max  # split_sizes: the even split  # noqa: E402
+from mp.pp.balance import best_split, block_flops, stage_max  # noqa: E402
+from mp.tp.collectives import split_sizes  # noqa: E402  (the even split)
 from mp.models import build_model  # noqa: E402
 
 

@@ -134,7 +134,7 @@ def weights_of(model, versions):
     """[(name, current, stale, stepped)] per parameter: the tensor holding its current weights, the
     one holding the weights before the last update (None but under 2BW's rule), and the tensor the
     optimizer steps (its momentum's key). versions: the program's own list (single_baseline.py
-    --delay 1, pipedream.TwoVersionRunner), else each parameter of model, alone."""
+    --delay 1, mp.pp.pipedream.TwoVersions), else each parameter of model, alone."""
     return versions if versions is not None else [(name, p, None, p) for name, p in model.named_parameters()]
 
 

@@ -131,7 +131,7 @@ def model_blocks(args, keys):
     seed_everything(args.seed)
     layers = itertools.count()
 
-    def dropout():   # keyed masks (keyed_dropout.py): every layout draws the baseline's
+    def dropout():   # keyed masks (mp/dropout.py): every layout draws the baseline's
         return KeyedDropout(getattr(args, "dropout", 0.0), next(layers), keys)
 
     act = ACTIVATIONS[getattr(args, "activation", "gelu")]   # benchmarks' hand-made args may predate the flag

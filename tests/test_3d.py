@@ -12,6 +12,7 @@ import torch
 
 import parallel_3d
 import pipeline_microbatch as pm
+from mp.pp.schedules import schedule_actions
 import tensor_parallel as tp
 from mp.models import build_model
 from mp.data import load_data
@@ -208,7 +209,7 @@ def test_check_compares_each_tensor_with_the_slice_it_holds(monkeypatch):
         shard = partial(tp.parallelize_block, model_name="mlp", group=None, n_blocks=3)
         env = torchrun_env("gloo")
         model, runner = pm.setup_stage(args, env, pos, shard)
-        step = check_step(runner, pm.schedule_actions("1f1b", pos, 2), 2, pm.train_step)
+        step = check_step(runner, schedule_actions("1f1b", pos, 2), 2, pm.train_step)
         return check_one_step(args, model, step, x, y, reference=reference)
 
     results = check(build_model(args))

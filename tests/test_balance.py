@@ -1,4 +1,4 @@
-"""--balance auto (balance.py): a split computed from counted flops per block, the same on every call
+"""--balance auto (mp/pp/balance.py): a split computed from counted flops per block, the same on every call
 and every rank, whose slowest stage is never worse than the even split's, resolved before any
 collective into the explicit list the programs already take; the losses stay the baseline's."""
 import argparse
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mp.pp import balance
+from mp.tp.collectives import split_sizes
 import pipeline_microbatch as pm
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch
 
@@ -36,7 +37,7 @@ def test_auto_is_never_slower_than_even_by_the_count(model, layers, hidden, stag
     costs = balance.block_flops(model_args(model, layers, hidden))
     slowest, split = balance.best_split(costs, stages)
     assert split == want and slowest == balance.stage_max(costs, split)
-    even = balance.stage_max(costs, balance.split_sizes(len(costs), stages))
+    even = balance.stage_max(costs, split_sizes(len(costs), stages))
     assert slowest <= even
     if model == "cnn":
         assert slowest < 0.6 * even          # both convolutions apart: the slowest stage nearly halves

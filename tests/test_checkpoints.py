@@ -1,4 +1,4 @@
-"""Checkpoints (checkpoint.py): resume in any layout with the uninterrupted baseline's losses,
+"""Checkpoints (mp/checkpoint.py): resume in any layout with the uninterrupted baseline's losses,
 survive a killed rank under torchrun --max-restarts, and refuse what they cannot load."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""Dropout and gradient clipping, exact under every layout (keyed_dropout.py, clipping.py).
+"""Dropout and gradient clipping, exact under every layout (mp/dropout.py, mp/clipping.py).
 
 Every run here has dropout 0.1 and a clipping norm that the gradient exceeds at most steps, and
 must log the baseline's per-step loss and gradient norm within 1e-4."""

@@ -48,7 +48,7 @@ def test_the_command_rewrites_the_committed_figures_and_nothing_else_does():
 
 def loss_record(figure):
     title, record = plot_curves.png_record(os.path.join(ROOT, "plots", figure))
-    assert record.get("kind") == "curves", f"plots/{figure} was not drawn by this plot_curves.py: redraw it"
+    assert record.get("kind") == "curves", f"plots/{figure} was not drawn by this mp.tools.plot_curves: redraw it"
     return title, record["runs"]
 
 
@@ -89,7 +89,7 @@ def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
 def test_the_timeline_figure_shows_the_documented_schedules():
     s = settings("run_pipeline", documented_command()[1])
     _, record = plot_curves.png_record(os.path.join(ROOT, "plots", "pipeline_timeline.png"))
-    assert record.get("kind") == "timeline", "plots/pipeline_timeline.png was not drawn by this plot_curves.py"
+    assert record.get("kind") == "timeline", "plots/pipeline_timeline.png was not drawn by this mp.tools.plot_curves"
     traces = record["traces"]
     assert [t["schedule"] for t in traces] == s["SCHEDULES"].split()
     for t in traces:

@@ -7,7 +7,7 @@ Messenger.exchange posts each action's parts in their listed order, which is wha
 import pytest
 
 import pipeline_microbatch as pm
-from mp.pp.schedules import SCHEDULES, eval_actions
+from mp.pp.schedules import SCHEDULES, eval_actions, schedule_actions
 
 
 def posting_orders(all_actions):
@@ -43,7 +43,7 @@ def test_every_schedule_posts_sends_in_the_order_the_peer_posts_receives(schedul
             for v in ((2, 3) if schedule == "interleaved" else (1,)):
                 if schedule == "interleaved" and m % p or schedule == "2bw" and m < p:
                     continue
-                assert_same_order([pm.schedule_actions(schedule, pos, m) for pos in ranks(p, v)],
+                assert_same_order([schedule_actions(schedule, pos, m) for pos in ranks(p, v)],
                                   f"{schedule}, p={p}, m={m}, v={v}")
                 cases += 1
     assert cases >= 20
@@ -56,7 +56,7 @@ def test_2bw_posts_in_matching_order_across_step_boundaries():
     for p in range(2, 6):
         for m in range(p, p + 5):
             for steps in (2, 3, 5):
-                runs = [[a for t in range(steps) for a in pm.schedule_actions("2bw", pos, m, first=t == 0,
+                runs = [[a for t in range(steps) for a in schedule_actions("2bw", pos, m, first=t == 0,
                                                                               last=t == steps - 1)]
                         for pos in ranks(p, 1)]
                 assert_same_order(runs, f"2bw, p={p}, m={m}, {steps} steps")
@@ -71,7 +71,7 @@ def test_evaluation_posts_sends_in_the_order_the_peer_posts_receives(p, v, n):
 
 def test_the_check_can_fail():
     """Swapping two of one rank's sends to the same peer is caught."""
-    actions = [pm.schedule_actions("1f1b", pos, 4) for pos in ranks(2, 1)]
+    actions = [schedule_actions("1f1b", pos, 4) for pos in ranks(2, 1)]
     comms = [i for i, a in enumerate(actions[0]) if a[0] == "comm" and any(k == "send" for k, _, _ in a[1])]
     first, second = comms[0], comms[1]
     actions[0][first], actions[0][second] = actions[0][second], actions[0][first]

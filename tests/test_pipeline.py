@@ -14,7 +14,7 @@ from mp.models import build_model
 from mp.data import Cifar10Data, SyntheticData, load_data, next_batch
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks
 from mp.check import check_one_step
-from mp.pp.schedules import SCHEDULES
+from mp.pp.schedules import SCHEDULES, schedule_actions
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
 
@@ -110,7 +110,7 @@ def _sends_in_flight_case(rank, world, group):
             assert all(part in last_sends for part in in_flight), (schedule, in_flight, last_sends)
             return inbox
         messenger.exchange = watched
-        pm.train_step(runner, pm.schedule_actions(schedule, pos, 4), x, y, 4)
+        pm.train_step(runner, schedule_actions(schedule, pos, 4), x, y, 4)
         assert messenger.sending == [], f"{schedule}: sends left in flight after the step"
         assert last_sends, f"{schedule}: no exchange sent anything"
 
@@ -141,12 +141,12 @@ def test_check_fails_naming_a_tensor_that_differs():
     env, pos = torchrun_env("gloo"), pm.PipelineRank(0, 1, [0])
     x, y = load_data(args).batch(0, args.batch_size)
     model, runner = pm.setup_stage(args, env, pos)
-    results = check_one_step(args, model, check_step(runner, pm.schedule_actions("1f1b", pos, 2), 2, pm.train_step), x, y)
+    results = check_one_step(args, model, check_step(runner, schedule_actions("1f1b", pos, 2), 2, pm.train_step), x, y)
     assert len(results) == 2 + 2 * len(list(model.parameters())) and max(d for _, d, _ in results) < 1e-5
     assert not [what for what, _, error in results if error]
     model, runner = pm.setup_stage(args, env, pos)
     runner.chunks[0] = torch.nn.Sequential(runner.chunks[0], Scale(1.001))   # not in the reference copy
-    results = check_one_step(args, model, check_step(runner, pm.schedule_actions("1f1b", pos, 2), 2, pm.train_step), x, y)
+    results = check_one_step(args, model, check_step(runner, schedule_actions("1f1b", pos, 2), 2, pm.train_step), x, y)
     assert "output" in [what for what, _, error in results if error], results
 
 
@@ -261,7 +261,7 @@ def plain_gpipe_step(chunk, pos, x_mb, head, m, in_shape):
 
 
 def test_plain_gpipe_equals_the_executors_gpipe(tmp_path):
-    """GPipe written out as a plain loop and the executor playing schedules.py's gpipe: the same
+    """GPipe written out as a plain loop and the executor playing mp.pp.schedules' gpipe: the same
     loss and the same gradients, bit for bit, on 3 spawned ranks (the cnn: convolutions and linears)."""
     run_ranks(_plain_gpipe_case, 3, tmp_path)
 
@@ -284,7 +284,7 @@ def _plain_gpipe_case(rank, world, group):
             plain_gpipe_step(runner.chunks[0], pos, x.chunk(4), head, 4, (3, *runner.messenger.shapes[rank]))
             losses.append(torch.stack(mine).sum().item() if mine else None)
         else:
-            loss = pm.train_step(runner, pm.schedule_actions("gpipe", pos, 4), x, y, 4)
+            loss = pm.train_step(runner, schedule_actions("gpipe", pos, 4), x, y, 4)
             losses.append(None if loss is None else loss.item())
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert losses[0] == losses[1], losses

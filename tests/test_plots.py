@@ -1,4 +1,4 @@
-"""plot_curves.py draws loss curves and pipeline timelines to PNG files."""
+"""mp.tools.plot_curves draws loss curves and pipeline timelines to PNG files."""
 import json
 
 from helpers import FAST, launch

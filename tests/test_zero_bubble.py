@@ -1,4 +1,4 @@
-"""The B/W split of zero_bubble.py, layer by layer in one process: B gives the input gradient at
+"""The B/W split of mp/pp/zero_bubble.py, layer by layer in one process: B gives the input gradient at
 once, W gives the weight gradient later, and both equal autograd's on the plain layer."""
 import copy
 

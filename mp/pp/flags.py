@@ -15,7 +15,7 @@ def add_pipeline_flags(p):
                    help="interleaved only: model chunks per rank (default: 2; always 1 for the other schedules)")
     p.add_argument("--balance", default=None,
                    help="blocks per stage (per chunk when interleaved), e.g. 2,1,1,1; auto: the split whose slowest "
-                        "stage has the fewest flops, counted per block (balance.py) (default: even)")
+                        "stage has the fewest flops, counted per block (mp/pp/balance.py) (default: even)")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each microbatch's stage input between its forward and its backward, and "
                         "re-run the forward just before the backward (GPipe's re-materialisation)")
@@ -84,7 +84,7 @@ def validate_pipedream(args, stages):
 
 def refuse_pipedream(args, program):
     """parallel_3d.py does not run 2bw: its second weight version would be plain tensors, which
-    the tensor-parallel replicas' gradient hooks (tp_replicas.py) never see."""
+    the tensor-parallel replicas' gradient hooks (mp/tp/replicas.py) never see."""
     if args.schedule == "2bw":
         fail(f"--schedule 2bw runs in pipeline_microbatch.py and pipeline_dp_joint.py, not {program}.py; use "
              f"--schedule 1f1b here, or 2bw with one of those")

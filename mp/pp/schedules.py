@@ -130,7 +130,7 @@ def pipedream_actions(pos, m, first=True, last=True):
     next step's first input (posted here, so every message sent in a step is received in it: no
     send is left waiting across the optimizer step, the gradient-norm collective or an evaluation),
     and a later step does not post that receive again. The microbatches m .. 2m-1 of this step are
-    0 .. m-1 of the next one (pipedream.TwoVersionRunner renumbers what it carries over)."""
+    0 .. m-1 of the next one (mp.pp.pipedream.TwoVersions renumbers what it carries over)."""
     units = [[a] for unit in pipedream_units(pos.pp_size, m, pos.pp_rank, first, last) for a in unit]
     ahead = None if last else ("F", m + pos.pp_size - pos.pp_rank - 1, 0)   # the next step's first action
     actions = with_communication(units + ([[ahead]] if ahead else []), pos)

@@ -1,5 +1,5 @@
 """--timeline: every rank's forwards, backwards and waits of one step on one clock, written as a
-Chrome trace (Perfetto opens it; plot_curves.py --timeline draws it) with the measured and the
+Chrome trace (Perfetto opens it; python -m mp.tools.plot_curves --timeline draws it) with the measured and the
 theoretical bubble."""
 import json
 import os

@@ -71,7 +71,7 @@ def read_json_lines(path):
             fail(f"cannot read metrics log {path}: {e}")
     if records and isinstance(records[0], dict) and "traceEvents" in records[0]:
         fail(f"{path} is a pipeline timeline (a Chrome trace), not a metrics log; draw it with "
-             f"--timeline: python plot_curves.py --timeline {path} -o timeline.png")
+             f"--timeline: python -m mp.tools.plot_curves --timeline {path} -o timeline.png")
     if not all(isinstance(r, dict) and "event" in r for r in records):
         fail(f"{path} is not a metrics log (JSON lines with an \"event\" key, as the programs' --log-file writes)")
     return records
@@ -240,7 +240,7 @@ def read_trace(path):
         first = text.lstrip().split("\n", 1)[0]
         if first.startswith("{") and '"event"' in first:
             fail(f"{path} is a metrics log, not a timeline; draw it without --timeline: "
-                 f"python plot_curves.py BASELINE_LOG {path} -o loss.png")
+                 f"python -m mp.tools.plot_curves BASELINE_LOG {path} -o loss.png")
         fail(f"cannot read timeline {path}: {e}")
     if not isinstance(trace, dict) or "traceEvents" not in trace:
         fail(f"{path} is not a pipeline timeline (a Chrome trace with \"traceEvents\", as --timeline writes)")
