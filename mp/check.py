@@ -44,9 +44,10 @@ def whole_model_step(model):
 def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), reference=None):
     """step(x, y) -> (logits, loss), or (None, None) where this rank has neither: the program's forward
     and backward of one batch on this rank's part of the model, with step 0's dropout masks and every
-    gradient synchronised as its training step does (None: whole_model_step). replica = (dp_rank, dp): with data parallelism
-    this rank runs, and is compared on, its slice of the batch. norm: the gradient norm's groups and
-    counted() (mp.clipping). Returns [(what, largest difference, error or None)], one per tensor."""
+    gradient synchronised as its training step does (None: whole_model_step). replica = (dp_rank, dp):
+    with data parallelism this rank runs, and is compared on, its slice of the batch. norm: the
+    gradient norm's groups and counted() (mp.clipping). reference: the full model (None: built here).
+    Returns [(what, largest difference, error or None)], one per tensor."""
     reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
     with reference.dropout_keys.training(0):
         ref_logits = reference(x)
@@ -70,24 +71,24 @@ def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), ref
     return results
 
 
-def check_and_exit(env, args, what, *one_step, **options):
+def check_and_exit(env, args, what, model, step, x, y, **options):
     """--check on every rank (check_one_step's arguments); rank 0 prints each mismatch, naming its rank,
-    and one summary line; all ranks agree on the exit status (0 match, 1 mismatch)."""
-    results = check_one_step(args, *one_step, **options)
+    and one summary line (what: the layout checked); all ranks agree on the exit status (0 match, 1 mismatch)."""
+    results = check_one_step(args, model, step, x, y, **options)
     errors = [f"{name} differs (largest difference {diff:.3g}): {error}" for name, diff, error in results if error]
     grads = sum(name.startswith("gradient") for name, _, _ in results)
     every = [None] * env.world_size
-    dist.all_gather_object(every, (len(results), max(d for _, d, _ in results), grads, errors[:1]))
+    dist.all_gather_object(every, (len(results), max((d for _, d, _ in results), default=0.0), grads, errors[:1]))
     if env.rank == 0:
         for rank, (_, _, _, error) in enumerate(every):
             if error:
                 print(f"check: rank {rank}: MISMATCH: {error[0]}", file=sys.stderr, flush=True)
-        bad = sum(bool(error) for *_, error in every)
-        print(f"--check, {what} on {env.world_size} rank{'s' * (env.world_size > 1)}, model {args.model}: {sum(e[0] for e in every)} tensors "
-              f"compared with the full model (the output and the loss where a rank has them; rank 0: {every[0][2]} "
-              f"local gradients and {every[0][2]} weights after one step); largest difference "
-              f"{max(e[1] for e in every):.2e}: "
-              f"{f'MISMATCH on {bad} rank(s)' if bad else 'all tensors match the full model'}", flush=True)
+        bad, ranks = sum(bool(error) for *_, error in every), f"{env.world_size} rank{'s' * (env.world_size > 1)}"
+        verdict = f"MISMATCH on {bad} rank(s)" if bad else "all tensors match the full model"
+        print(f"--check, {what} on {ranks}, model {args.model}: {sum(e[0] for e in every)} tensors compared with the "
+              f"full model (the output and the loss where a rank has them; rank 0: {every[0][2]} local gradients "
+              f"and {every[0][2]} weights after one step); largest difference {max(e[1] for e in every):.2e}: "
+              f"{verdict}", flush=True)
     return 1 if any(error for *_, error in every) else 0
 
 

@@ -34,8 +34,9 @@ class OneReplica:
 
 def pipeline_job(args, env, pos, model, runner, data, train_step, replicas=OneReplica(), program="pipeline_microbatch"):
     """The training loop's Job for a pipeline (mp.loop): each step draws its batch, runs the lesson's
-    train_step (pipeline_microbatch.py) on the schedule, lets the data-parallel replicas average their gradients, clips by the global
-    norm and updates. The loss is logged by the last stage of replica 0 (its tp rank 0)."""
+    train_step (pipeline_microbatch.py) on the schedule, lets the data-parallel replicas average
+    their gradients, clips by the global norm and updates. The loss is logged by the last stage of
+    replica 0 (its tp rank 0)."""
     actions = runner.versions.step_actions(args.steps) if runner.versions else \
         schedule_actions(args.schedule, pos, args.microbatches)   # 2bw: its first step warms up, its last drains
     owner = pos.is_last_stage and replicas.dp_rank == 0 and replicas.tp_rank == 0
