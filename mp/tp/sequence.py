@@ -19,7 +19,7 @@ from mp.dropout import KeyedDropout
 from mp.tp.collectives import tp_rank, tp_size
 from mp.tp.replicas import SummedGradients
 
-VIT_TOKENS = (32 // 4) ** 2   # common.PatchEmbed: 4x4 patches of a 32x32 image
+VIT_TOKENS = (32 // 4) ** 2   # mp.models.PatchEmbed: 4x4 patches of a 32x32 image
 
 
 def my_tokens(group):
