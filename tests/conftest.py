@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 
 import pytest
@@ -6,9 +7,20 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from helpers import launch  # noqa: E402
+from helpers import USE_ZYGOTE, launch, start_zygote  # noqa: E402
 
 _baselines = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote():
+    """The process every launch forks its ranks from (tests/zygote.py), for the whole session."""
+    proc = start_zygote() if USE_ZYGOTE else None
+    yield proc
+    if proc:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(os.path.dirname(os.environ.pop("TESTS_ZYGOTE")), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,19 @@
 """Launch a program as a user would (python, or torchrun for several ranks) and read its log; or run
-a test's function on several spawned gloo ranks."""
-import importlib
+a test's function on several gloo ranks. Both go through tests/zygote.py, which forks the ranks from a
+process that has imported torch once, with torchrun's environment; TESTS_LAUNCHER=torchrun sends
+every launch through the real python, torchrun and torch.multiprocessing instead (slower, the same
+assertions)."""
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.multiprocessing as torch_mp
+
+import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--data", "synthetic", "--eval-every", "0", "--threads", "1"]  # what most tests add
@@ -37,20 +40,50 @@ def read_log(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def launch(program, args, tmp_path, nproc=1, timeout=240, log_name=None):
-    """Run `program` (a file in the repository root) with `args`; nproc > 1 goes through
-    `torchrun --standalone`. The log goes to tmp_path; returns a Run with its records."""
+USE_ZYGOTE = os.environ.get("TESTS_LAUNCHER") != "torchrun"
+# what the launchers' tests set PYTHON to: the zygote's stand-in, or the real interpreter
+PYTHON = os.path.join(ROOT, "tests", "python") if USE_ZYGOTE else sys.executable
+
+
+def start_zygote():
+    """Start tests/zygote.py (conftest.py does, once per session); its socket goes in $TESTS_ZYGOTE,
+    which child processes (tests/python, the launchers' $PYTHON) inherit. Returns its process."""
+    path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), path],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.stdout.readline().strip() == "ready", "tests/zygote.py did not start"
+    os.environ.update(TESTS_ZYGOTE=path, TESTS_REAL_PYTHON=sys.executable)
+    return proc
+
+
+def forked(request, cwd, timeout, env):
+    """Run a request on the zygote; returns (status as python or torchrun gives it, stdout, stderr)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        reply = zygote.ask(dict(request, cwd=cwd, timeout=timeout, env=env), out.fileno(), err.fileno())
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(request.get("script", request.get("name")), timeout, stdout, stderr)
+    codes = reply["codes"]
+    return (zygote.torchrun_status(codes) if request.get("torchrun") else codes[0]), stdout, stderr
+
+
+def launch(program, args, tmp_path, nproc=1, timeout=240, log_name=None, real=False):
+    """Run `program` (a file in the repository root) with `args` as `python program` or, for nproc > 1,
+    `torchrun --standalone`, on the zygote; real=True: the real python or torchrun (for a test of what
+    torchrun itself prints). The log goes to tmp_path; returns a Run with its records."""
     log = os.path.join(str(tmp_path), log_name or f"{os.path.splitext(program)[0]}-{nproc}.jsonl")
     script = os.path.join(ROOT, program)
-    if nproc == 1:
-        cmd = [sys.executable, script]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "--", script]  # "--": torchrun 2.13 would take --log for its --log-dir
+    argv = list(args) + ["--log-file", log]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd + list(args) + ["--log-file", log], cwd=str(tmp_path), env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    return Run(proc.returncode, proc.stdout, proc.stderr, read_log(log))
+    if not USE_ZYGOTE or real:
+        cmd = [sys.executable, script] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--", script]
+        proc = subprocess.run(cmd + argv, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=timeout)
+        return Run(proc.returncode, proc.stdout, proc.stderr, read_log(log))
+    request = {"kind": "script", "script": script, "argv": argv, "nproc": nproc, "torchrun": nproc > 1}
+    code, stdout, stderr = forked(request, str(tmp_path), timeout, env)
+    return Run(code, stdout, stderr, read_log(log))
 
 
 def assert_same_losses(run, reference, atol=1e-4):
@@ -74,17 +107,22 @@ def assert_one_error_line(parse_args, argv, world, message, monkeypatch, capsys)
     assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
 
 
-def _rank_main(rank, world, init_file, module, name):
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))   # as torchrun would: parse_args reads them
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    getattr(importlib.import_module(module), name)(rank, world, dist.group.WORLD)
-    dist.destroy_process_group()
+def run_ranks(case, world, tmp_path, timeout=240):
+    """Run case(rank, world, group), a module-level function of a test file, on `world` gloo ranks
+    (RANK, WORLD_SIZE and LOCAL_RANK set as torchrun would: parse_args reads them); an assertion on
+    any rank fails the test with that rank's traceback."""
+    request = {"kind": "call", "module": case.__module__, "name": case.__name__, "nproc": world,
+               "init_file": str(tmp_path / "rendezvous")}
+    if not USE_ZYGOTE:
+        torch_mp.spawn(_spawned_rank, args=(world, request), nprocs=world)
+        return
+    code, stdout, stderr = forked(request, str(tmp_path), timeout, dict(os.environ, OMP_NUM_THREADS="1"))
+    assert code == 0, f"{case.__name__} failed on a rank (exit status {code}):\n{stderr[-4000:]}"
+
+
+def _spawned_rank(rank, world, request):
+    """TESTS_LAUNCHER=torchrun: the same call in a rank started by torch.multiprocessing.spawn."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    zygote._call(request, rank)
     sys.stdout.flush()
     os._exit(0)  # see mp.dist.exit_now: skip the C++ teardown that may abort on gloo
-
-
-def run_ranks(case, world, tmp_path):
-    """Run case(rank, world, group), a module-level function, on `world` spawned gloo ranks; an
-    assertion on any rank fails the test."""
-    mp.spawn(_rank_main, args=(world, str(tmp_path / "rendezvous"), case.__module__, case.__name__), nprocs=world)

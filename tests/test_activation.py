@@ -5,7 +5,6 @@ Bad values fail as every flag does; the launchers take it as the ACTIVATION knob
 import argparse
 import os
 import subprocess
-import sys
 
 import pytest
 import torch.nn as nn
@@ -14,7 +13,7 @@ import pipeline_microbatch
 from mp.tools import plot_curves
 import tensor_parallel
 from mp.models import build_model
-from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
+from helpers import FAST, PYTHON, ROOT, assert_one_error_line, assert_same_losses, launch
 
 COURSE = FAST + ["--model", "mlp", "--layers", "2", "--hidden", "64", "--activation", "relu", "--steps", "12"]
 CNN = FAST + ["--activation", "relu", "--batch-size", "16", "--steps", "8"]
@@ -63,7 +62,7 @@ def test_joint_and_3d_relu_log_the_baseline_losses(tmp_path, baseline):
 
 
 def launcher(script, tmp_path, args=(), **knobs):
-    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic", OMP_NUM_THREADS="1",
+    env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path / "logs"), DATA="synthetic", OMP_NUM_THREADS="1",
                **knobs)
     return subprocess.run(["bash", os.path.join(ROOT, script), *args], env=env, capture_output=True, text=True,
                           timeout=120)

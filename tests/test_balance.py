@@ -10,7 +10,7 @@ import torch
 from mp.pp import balance
 from mp.tp.collectives import split_sizes
 import pipeline_microbatch as pm
-from helpers import FAST, assert_one_error_line, assert_same_losses, launch
+from helpers import FAST, PYTHON, assert_one_error_line, assert_same_losses, launch
 
 
 def model_args(model="cnn", layers=4, hidden=128):
@@ -82,9 +82,8 @@ def test_auto_logs_the_baseline_losses(tmp_path, baseline, schedule, nproc, extr
 def test_the_pipeline_launcher_takes_balance_as_a_knob_and_names_the_runs_by_it(tmp_path):
     import os
     import subprocess
-    import sys
     from helpers import ROOT
-    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path), DATA="synthetic", EVAL_EVERY="0",
+    env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path), DATA="synthetic", EVAL_EVERY="0",
                OMP_NUM_THREADS="1", NPROC="2", SCHEDULES="1f1b", STEPS="2")
     run = subprocess.run(["bash", os.path.join(ROOT, "run_pipeline.sh")], env=dict(env, BALANCE="4,x"),
                          capture_output=True, text=True, timeout=120)

@@ -11,7 +11,7 @@ import torch
 import cifar_mirror as cm
 from mp.dist import Env
 from mp.data import Cifar10Data, SyntheticData, agree_on_data
-from helpers import ROOT, launch, read_log, run_ranks
+from helpers import PYTHON, ROOT, launch, read_log, run_ranks
 
 ARGS = ["--model", "mlp", "--layers", "4", "--hidden", "32", "--steps", "4", "--batch-size", "16",
         "--threads", "1"]
@@ -93,7 +93,7 @@ def test_run_tp_with_no_knobs_runs_offline_and_plots(offline, tmp_path):
     """The defaults (300 steps of the cnn: about 40 s on two shared cores, hardly more than 20 steps,
     as start-up dominates); only where outputs go is set, and --data-dir keeps the test out of the
     repository's data/ (the launcher runs in its own folder)."""
-    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), PLOTS=str(tmp_path / "plots"),
+    env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path / "logs"), PLOTS=str(tmp_path / "plots"),
                OMP_NUM_THREADS="1")
     for knob in ("DATA", "STEPS", "MODEL", "NPROC", "EVAL_EVERY", "BATCH_SIZE"):
         env.pop(knob, None)

@@ -4,11 +4,10 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import PYTHON, ROOT
 
 
 def examples():
@@ -31,6 +30,6 @@ def test_each_example_prints_its_error_line(command, line):
     env = dict(os.environ, WORLD_SIZE=str(world))
     if world == 1:
         env.pop("WORLD_SIZE")
-    run = subprocess.run([sys.executable, "-c", f"import sys, {program} as p; p.parse_args(sys.argv[1:])", *args],
+    run = subprocess.run([PYTHON, "-c", f"import sys, {program} as p; p.parse_args(sys.argv[1:])", *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.splitlines() == [line], run.stderr

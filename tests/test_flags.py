@@ -4,14 +4,13 @@ import importlib
 import io
 import os
 import subprocess
-import sys
 from contextlib import redirect_stderr
 
 import pytest
 from torch.distributed.run import get_args_parser
 
 from mp import flags as mp_flags
-from helpers import ROOT
+from helpers import PYTHON, ROOT
 
 PROGRAMS = ["single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel", "parallel_3d"]
 
@@ -58,7 +57,7 @@ def test_the_old_log_flag_would_have_been_taken():
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_help_at_world_size_1_shows_every_default(program, monkeypatch):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    run = subprocess.run([sys.executable, os.path.join(ROOT, f"{program}.py"), "--help"], env=env,
+    run = subprocess.run([PYTHON, os.path.join(ROOT, f"{program}.py"), "--help"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     text = " ".join(run.stdout.split())              # help wraps lines anywhere

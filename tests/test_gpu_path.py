@@ -23,7 +23,7 @@ from mp.tp import replicas as tp_replicas
 from mp.dist import Env
 from mp.models import build_model
 from mp.data import SyntheticData
-from helpers import FAST, ROOT, run_ranks
+from helpers import FAST, PYTHON, ROOT, run_ranks
 from mp.pp.schedules import SCHEDULES, schedule_actions
 
 MLP = FAST + ["--model", "mlp", "--hidden", "16", "--layers", "4", "--batch-size", "8"]
@@ -152,7 +152,7 @@ mp_dist.exit_now(0)
 def test_an_exception_leaves_without_draining_the_process_group(tmp_path, body, status, says):
     """destroy_process_group (on nccl it waits for pending work) runs only after a clean exit."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(body=body)], cwd=ROOT, env=env,
+    proc = subprocess.run([PYTHON, "-c", SCRIPT.format(body=body)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == status, proc.stderr[-2000:]
     assert says in proc.stdout + proc.stderr

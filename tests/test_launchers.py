@@ -3,14 +3,13 @@ nothing is plotted after it."""
 import json
 import os
 import subprocess
-import sys
 
 from mp.tools import plot_curves
-from helpers import ROOT
+from helpers import PYTHON, ROOT
 
 
 def launcher(script, tmp_path, args=(), **knobs):
-    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
+    env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
                OMP_NUM_THREADS="1", **knobs)   # PLOTS left to its default, $LOGS/plots
     return subprocess.run(["bash", os.path.join(ROOT, script), *args], env=env, capture_output=True,
                           text=True, timeout=240)

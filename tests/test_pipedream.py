@@ -2,7 +2,6 @@
 hand-computed example, --schedule 2bw against that reference on real runs, and its bad input."""
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 import parallel_3d
 import pipeline_microbatch as pm
 import single_baseline
-from helpers import FAST, ROOT, Run, assert_one_error_line, assert_same_losses, launch, read_log
+from helpers import FAST, PYTHON, ROOT, Run, assert_one_error_line, assert_same_losses, launch, read_log
 from mp.dropout import DropoutKeys
 from mp.pp.schedules import clock_table, dry_run, pipedream_units, schedule_actions
 
@@ -182,7 +181,7 @@ def test_2bw_is_refused_by_the_3d_program(monkeypatch, capsys):
 def test_2bw_in_the_joint_launcher_logs_its_delay_1_reference(tmp_path):
     """run_joint.sh SCHEDULE=2bw: 2 pipelines of 2 stages, each running 2bw on its slice of the batch
     (dropout and clipping on), against the baseline it then runs with --delay 1."""
-    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
+    env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
                OMP_NUM_THREADS="1", SCHEDULE="2bw", DP="2", NPROC="4", MICROBATCHES="2", MODEL="mlp", STEPS="6",
                BATCH_SIZE="24", DROPOUT="0.1", CLIP="0.5")
     run = subprocess.run(["bash", os.path.join(ROOT, "run_joint.sh"), "--hidden", "32", "--layers", "4"], env=env,
