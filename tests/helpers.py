@@ -25,6 +25,13 @@ class Run:
     stdout: str
     stderr: str
     records: list
+    codes: list = None      # each rank's exit status, where the launch went through the zygote
+
+    def exited(self, status):
+        """Whether a rank exited with this status: the zygote's per-rank statuses, or torchrun's report."""
+        if self.codes is not None:
+            return status in self.codes
+        return f"exitcode  : {status}" in self.stderr
 
     def losses(self):
         return [r["loss"] for r in self.records if r["event"] == "train"]
@@ -57,7 +64,8 @@ def start_zygote():
 
 
 def forked(request, cwd, timeout, env):
-    """Run a request on the zygote; returns (status as python or torchrun gives it, stdout, stderr)."""
+    """Run a request on the zygote; returns (status as python or torchrun gives it, stdout, stderr,
+    each rank's status)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         reply = zygote.ask(dict(request, cwd=cwd, timeout=timeout, env=env), out.fileno(), err.fileno())
         out.seek(0), err.seek(0)
@@ -65,7 +73,7 @@ def forked(request, cwd, timeout, env):
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(request.get("script", request.get("name")), timeout, stdout, stderr)
     codes = reply["codes"]
-    return (zygote.torchrun_status(codes) if request.get("torchrun") else codes[0]), stdout, stderr
+    return (zygote.torchrun_status(codes) if request.get("torchrun") else codes[0]), stdout, stderr, codes
 
 
 def launch(program, args, tmp_path, nproc=1, timeout=240, log_name=None, real=False):
@@ -82,8 +90,8 @@ def launch(program, args, tmp_path, nproc=1, timeout=240, log_name=None, real=Fa
         proc = subprocess.run(cmd + argv, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=timeout)
         return Run(proc.returncode, proc.stdout, proc.stderr, read_log(log))
     request = {"kind": "script", "script": script, "argv": argv, "nproc": nproc, "torchrun": nproc > 1}
-    code, stdout, stderr = forked(request, str(tmp_path), timeout, env)
-    return Run(code, stdout, stderr, read_log(log))
+    code, stdout, stderr, codes = forked(request, str(tmp_path), timeout, env)
+    return Run(code, stdout, stderr, read_log(log), codes)
 
 
 def assert_same_losses(run, reference, atol=1e-4):
@@ -116,7 +124,7 @@ def run_ranks(case, world, tmp_path, timeout=240):
     if not USE_ZYGOTE:
         torch_mp.spawn(_spawned_rank, args=(world, request), nprocs=world)
         return
-    code, stdout, stderr = forked(request, str(tmp_path), timeout, dict(os.environ, OMP_NUM_THREADS="1"))
+    code, stdout, stderr, _ = forked(request, str(tmp_path), timeout, dict(os.environ, OMP_NUM_THREADS="1"))
     assert code == 0, f"{case.__name__} failed on a rank (exit status {code}):\n{stderr[-4000:]}"
 
 

@@ -177,6 +177,8 @@ def test_bad_input_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world
 
 
 def test_bad_input_under_torchrun_fails_on_every_rank(tmp_path):
+    """Under the real torchrun (not the tests' zygote): its report names our exit status 2 and no line
+    of our code."""
     run = launch("pipeline_microbatch.py", MLP + ["--microbatches", "5"], tmp_path, nproc=2, timeout=60, real=True)
     assert run.returncode != 0
     assert run.stderr.count("error: --batch-size 24 is not divisible by 1 replica(s) x --microbatches 5") == 1

@@ -29,6 +29,16 @@ import traceback
 GRACE_S = 5   # after a rank fails: how long the others get after SIGTERM before SIGKILL
 
 
+def die_with_parent():
+    """Ask Linux to SIGKILL this process when its parent ends, so that no rank, session or server
+    outlives the test run that started it (pytest killed, a session killed on a timeout)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)    # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass                                                        # not Linux: the fixture still kills the server
+
+
 def preload():
     """Import what every rank imports. It must leave this process with one thread: fork copies only
     the calling thread, so a lock another thread held would stay locked forever in every rank."""
@@ -101,6 +111,7 @@ def _rank(request, rank, env, fds):
     """The forked rank: never returns."""
     status = 1
     try:
+        die_with_parent()
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
@@ -133,6 +144,7 @@ def _store_host():
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
+        die_with_parent()
         import torch.distributed as dist
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         os.write(write, str(store.port).encode())
@@ -241,6 +253,7 @@ def torchrun_status(codes):
 # --- the server ----------------------------------------------------------------------------------
 
 def main(path):
+    die_with_parent()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     preload()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -252,6 +265,7 @@ def main(path):
         if os.fork() == 0:              # a session per launch: launches may overlap
             server.close()
             try:
+                die_with_parent()
                 _session(conn)
             finally:
                 os._exit(0)
