@@ -94,6 +94,11 @@ def launch(program, args, tmp_path, nproc=1, timeout=240, log_name=None, real=Fa
     return Run(code, stdout, stderr, read_log(log), codes)
 
 
+def slow(*values):
+    """One case of a parametrized test that `-m "not slow"` leaves out (its siblings stay in)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def assert_same_losses(run, reference, atol=1e-4):
     """The equivalence contract: the same per-step loss as the baseline, within atol, every step."""
     assert run.returncode == 0, run.stderr[-3000:]

@@ -16,7 +16,7 @@ from mp.pp.schedules import schedule_actions
 import tensor_parallel as tp
 from mp.models import build_model
 from mp.data import load_data
-from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch
+from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch, slow
 from mp.check import check_one_step
 from mp.dist import torchrun_env
 from mp.pp.training import check_step
@@ -42,6 +42,7 @@ def assert_replicas_identical(run, dp, tp):
         assert line.format(dp=dp, tp=tp) in run.stdout, run.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_2x2x2_cnn_sends_shards_equals_the_baseline_and_moves_the_bytes_of_the_formula(tmp_path, baseline,
                                                                                         monkeypatch):
     """5 blocks over 2 stages: the cut falls after fc1, column-parallel: each tp rank sends its 60 of 120.
@@ -79,11 +80,11 @@ def test_2x2x2_cnn_sends_shards_equals_the_baseline_and_moves_the_bytes_of_the_f
      ["--sequence-parallel", "--schedule", "interleaved", "--microbatches", "2"],
      "[32, 16], [32, 16], [32, 16]"),
     # 2x1x2 mlp with an odd layer count: the classifier is column-parallel with a gather; one stage, no messages
-    (MLP + ["--layers", "3"], 2, 1, 2, ["--microbatches", "2"], "none (one stage)"),
+    slow(MLP + ["--layers", "3"], 2, 1, 2, ["--microbatches", "2"], "none (one stage)"),
     # 2x2x1: the joint program's grid with a tp axis of one; interleaved, 2 chunks per rank
-    (MLP + ["--layers", "4"], 2, 2, 1, ["--schedule", "interleaved", "--microbatches", "2"], "[32], [32], [32]"),
+    slow(MLP + ["--layers", "4"], 2, 2, 1, ["--schedule", "interleaved", "--microbatches", "2"], "[32], [32], [32]"),
     # 1x2x3 mlp, cut after the first (column-parallel) layer: uneven shards 11, 11, 10 sent tp rank to tp rank
-    (MLP + ["--layers", "4"], 1, 2, 3, ["--balance", "1,3"], "[11]"),
+    slow(MLP + ["--layers", "4"], 1, 2, 3, ["--balance", "1,3"], "[11]"),
 ])
 def test_grids_and_models_equal_the_baseline(tmp_path, baseline, args, dp, pp, tp, extra, message):
     run = run_grid(tmp_path, args, dp, pp, tp, extra)
@@ -102,10 +103,10 @@ def test_grids_and_models_equal_the_baseline(tmp_path, baseline, args, dp, pp, t
 
 @pytest.mark.parametrize("args,extra,formula,message", [
     (VIT, ["--sequence-parallel"], partial(bench_3d.vit_formula, 8, 2, 16, 2, sequence_parallel=True), "[32, 16]"),
-    (VIT, [], partial(bench_3d.vit_formula, 8, 2, 16, 2), "[512]"),
-    (VIT, ["--no-scatter-gather"], partial(bench_3d.vit_formula, 8, 2, 16, 2, scatter_gather=False), "[64, 16]"),
+    slow(VIT, [], partial(bench_3d.vit_formula, 8, 2, 16, 2), "[512]"),
+    slow(VIT, ["--no-scatter-gather"], partial(bench_3d.vit_formula, 8, 2, 16, 2, scatter_gather=False), "[64, 16]"),
     (MLP + ["--layers", "4"], [], partial(bench_3d.mlp_formula, 16, 2, 32), "[16]"),
-    (MLP + ["--layers", "4"], ["--no-scatter-gather"], partial(bench_3d.mlp_formula, 16, 2, 32, scatter_gather=False),
+    slow(MLP + ["--layers", "4"], ["--no-scatter-gather"], partial(bench_3d.mlp_formula, 16, 2, 32, scatter_gather=False),
      "[32]"),
 ])
 def test_each_cut_moves_the_bytes_of_the_formula_and_keeps_the_baseline(tmp_path, baseline, monkeypatch, args,

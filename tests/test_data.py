@@ -39,6 +39,7 @@ def torchrun(program, args, tmp_path, nproc):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_four_ranks_download_once_train_evaluate_and_match_the_baseline(mirror, tmp_path, fake):
     data_dir = str(tmp_path / "data")
     args = ARGS + ["--data", "cifar10", "--data-dir", data_dir, "--eval-every", "2"]
@@ -89,6 +90,7 @@ def test_offline_auto_falls_back_to_synthetic_with_one_note_and_cifar10_fails(of
     assert len(lines) == 1 and lines[0].startswith("error: CIFAR-10 is not in --data-dir"), strict.stderr
 
 
+@pytest.mark.slow
 def test_run_tp_with_no_knobs_runs_offline_and_plots(offline, tmp_path):
     """The defaults (300 steps of the cnn: about 40 s on two shared cores, hardly more than 20 steps,
     as start-up dominates); only where outputs go is set, and --data-dir keeps the test out of the
@@ -104,6 +106,7 @@ def test_run_tp_with_no_knobs_runs_offline_and_plots(offline, tmp_path):
     assert (tmp_path / "plots" / "tp_loss.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_two_jobs_on_one_empty_data_dir_download_once(mirror, tmp_path):
     data_dir = str(tmp_path / "data")
     env = dict(os.environ, OMP_NUM_THREADS="1")

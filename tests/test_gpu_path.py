@@ -88,6 +88,7 @@ def _timeout_case(rank, world, group):
     os._exit(0)                               # gloo closed the pair: no teardown to wait for
 
 
+@pytest.mark.slow
 def test_a_wait_gives_up_after_the_timeout_with_its_name(tmp_path):
     run_ranks(_timeout_case, 2, tmp_path)
 

@@ -1,13 +1,13 @@
 """pipeline_dp_joint.py: D pipelines x P stages reproduce the baseline; replicas stay identical."""
 import pytest
 
-from helpers import FAST, assert_same_losses, launch
+from helpers import FAST, assert_same_losses, launch, slow
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "6", "--batch-size", "24", "--steps", "20"]
 
 
 @pytest.mark.parametrize("dp,stages,microbatches,schedule", [
-    (2, 3, 3, "1f1b"), (3, 2, 2, "gpipe"), (2, 2, 4, "1f1b"), (2, 2, 2, "interleaved"), (2, 2, 3, "zb")])
+    (2, 3, 3, "1f1b"), slow(3, 2, 2, "gpipe"), slow(2, 2, 4, "1f1b"), slow(2, 2, 2, "interleaved"), (2, 2, 3, "zb")])
 def test_per_step_loss_equals_the_baseline_and_replicas_stay_identical(tmp_path, baseline, dp, stages,
                                                                        microbatches, schedule):
     run = launch("pipeline_dp_joint.py", MLP + ["--dp", str(dp), "--microbatches", str(microbatches),

@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from mp.tools import plot_curves
 from helpers import PYTHON, ROOT
 
@@ -73,6 +75,7 @@ def test_an_extra_flag_the_baseline_does_not_take_is_refused_before_anything_tra
         run.stderr
 
 
+@pytest.mark.slow
 def test_recompute_gets_its_own_logs_legend_and_titles_and_the_help_names_real_files(tmp_path):
     """The default run's files are the ones mp.tools.plot_curves's help names; RECOMPUTE=1 writes beside them."""
     run = launcher("run_pipeline.sh", tmp_path, STEPS="2")

@@ -12,7 +12,7 @@ from mp.loop import evaluate, whole_model_run
 from mp.dist import Env, torchrun_env
 from mp.models import build_model
 from mp.data import Cifar10Data, SyntheticData, load_data, next_batch
-from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks
+from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks, slow
 from mp.check import check_one_step
 from mp.pp.schedules import SCHEDULES, schedule_actions
 
@@ -20,8 +20,8 @@ MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size
 
 
 @pytest.mark.parametrize("schedule,stages,microbatches,extra", [
-    ("gpipe", 4, 4, []), ("gpipe", 3, 1, []), ("1f1b", 4, 2, []), ("1f1b", 4, 6, ["--balance", "1,1,1,5"]),
-    ("interleaved", 2, 4, []), ("zb", 4, 2, []), ("zb", 3, 3, ["--recompute"]), ("gpipe", 2, 4, ["--recompute"])])
+    ("gpipe", 4, 4, []), slow("gpipe", 3, 1, []), slow("1f1b", 4, 2, []), ("1f1b", 4, 6, ["--balance", "1,1,1,5"]),
+    ("interleaved", 2, 4, []), ("zb", 4, 2, []), slow("zb", 3, 3, ["--recompute"]), slow("gpipe", 2, 4, ["--recompute"])])
 def test_per_step_loss_equals_the_baseline(tmp_path, baseline, schedule, stages, microbatches, extra):
     args = MLP + ["--steps", "20"]
     run = launch("pipeline_microbatch.py", args + extra + ["--schedule", schedule, "--microbatches", str(microbatches)],
@@ -30,7 +30,7 @@ def test_per_step_loss_equals_the_baseline(tmp_path, baseline, schedule, stages,
 
 
 @pytest.mark.parametrize("model,extra,schedule,ours", [
-    ("cnn", [], "1f1b", []), ("vit", ["--hidden", "16", "--layers", "6", "--heads", "2"], "interleaved", []),
+    ("cnn", [], "1f1b", []), slow("vit", ["--hidden", "16", "--layers", "6", "--heads", "2"], "interleaved", []),
     ("cnn", [], "zb", ["--recompute"])])      # zb splits the convolutions' backward too
 def test_cnn_and_vit_with_eval_match_the_baseline(tmp_path, baseline, model, extra, schedule, ours):
     args = ["--data", "synthetic", "--model", model, "--steps", "12", "--batch-size", "16", "--eval-every", "6"] + extra

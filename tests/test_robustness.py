@@ -11,6 +11,8 @@ import pytest
 
 from helpers import FAST, ROOT, launch, read_log
 
+pytestmark = pytest.mark.slow   # each waits for a real torchrun through a fault: 7-15 s
+
 PIPELINE = FAST + ["--model", "mlp", "--hidden", "32", "--batch-size", "16", "--microbatches", "4"]
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, Run, read_log
+from helpers import PYTHON, ROOT, Run, read_log
 
 INSTALL = "apt-get install slurmctld slurmd slurm-client munge (.ci/run does it)"
 TOOLS = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel", "unshare"]
@@ -249,7 +249,7 @@ def test_knobs_reach_both_programs_and_2bw_is_drawn_on_its_delay_1_reference(tmp
                  NPROC="2", MODEL="mlp", SCHEDULE="2bw", MICROBATCHES="2", ACTIVATION="relu", BALANCE="auto",
                  DATA="synthetic", STEPS="6", EVAL_EVERY="0")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), **knobs)
+    env.update(PYTHON=PYTHON, LOGS=str(tmp_path / "logs"), **knobs)   # torchrun --nnodes: the real one
     run = subprocess.run(["bash", os.path.join(ROOT, "run_slurm.sh"), "--layers", "4"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]

@@ -15,7 +15,7 @@ import tensor_parallel as tp
 from mp.check import check_one_step
 from mp import models
 from mp.models import build_model
-from helpers import FAST, ROOT, assert_same_losses, launch, run_ranks
+from helpers import FAST, ROOT, assert_same_losses, launch, run_ranks, slow
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from sequence_parallel import collectives_of_one_step  # noqa: E402
@@ -215,7 +215,8 @@ SMALL = {"cnn": [], "mlp4": ["--model", "mlp", "--hidden", "64", "--layers", "4"
          "vit": ["--model", "vit", "--hidden", "32", "--layers", "2", "--heads", "4"]}
 
 
-@pytest.mark.parametrize("model,nproc", [("cnn", 2), ("cnn", 4), ("mlp4", 2), ("mlp3", 4), ("vit", 2), ("vit", 4)])
+@pytest.mark.parametrize("model,nproc", [("cnn", 2), slow("cnn", 4), slow("mlp4", 2), slow("mlp3", 4), slow("vit", 2),
+                                         ("vit", 4)])
 def test_program_logs_the_baseline_losses(tmp_path, baseline, model, nproc):
     args = FAST + SMALL[model] + ["--steps", "12"]
     run = launch("tensor_parallel.py", args, tmp_path, nproc=nproc)
