@@ -1,5 +1,8 @@
 """mp.tools.plot_curves draws loss curves and pipeline timelines to PNG files."""
 import json
+import os
+
+import pytest
 
 from helpers import FAST, launch
 
@@ -60,6 +63,14 @@ def drawn_figure(monkeypatch):
     return kept
 
 
+def measured_axes(fig):
+    return [a for a in fig.axes if a.get_label().startswith("measured")]
+
+
+def planned_axes(fig):
+    return [a for a in fig.axes if a.get_label().startswith("planned")]
+
+
 def test_runs_with_different_settings_are_named_not_compared_silently(tmp_path, monkeypatch, capsys):
     kept = drawn_figure(monkeypatch)
     base = fake_log(tmp_path / "base.jsonl", batch_size=32, steps=5)
@@ -101,13 +112,13 @@ def test_timelines_share_one_axis_and_name_chunks_and_new_categories(tmp_path, m
             "bubble_theory": 0.4, "device": "cpu", "cpu_cores": 2}}))
         paths.append(str(path))
     plot_curves.plot_timelines(paths, str(tmp_path / "t.png"))
-    top, bottom = kept["fig"].axes
+    top, bottom = measured_axes(kept["fig"])
     assert top.get_xlim() == bottom.get_xlim()                       # the shorter schedule looks shorter
     assert {"F0", "B0", "W0"} <= {t.get_text() for t in top.texts}
     assert {"F0a", "B0b", "W0a", "F1b"} <= {t.get_text() for t in bottom.texts}
-    legend = [t.get_text() for t in top.get_legend().get_texts()]
-    assert legend[:3] == ["forward", "backward", "weight gradient (W)"] and "blank: not timed" in legend[-1], legend
-    assert "4 ranks shared 2 CPU cores" in top.get_title()
+    legend = [t.get_text() for t in planned_axes(kept["fig"])[0].get_legend().get_texts()]
+    assert legend[:3] == ["forward", "backward", "weight gradient (W)"] and "measured: not timed" in legend[-1], legend
+    assert "the 4 ranks shared 2 CPU cores" in kept["fig"]._suptitle.get_text()
 
 
 def fake_trace(path, busy_per_rank, chunks=1, dur_wait=2000, **other):
@@ -147,10 +158,10 @@ def test_unequal_stages_are_named_in_the_title_and_equal_ones_are_not(tmp_path, 
     unequal = fake_trace(tmp_path / "u.json", [6, 2, 2, 2])
     equal = fake_trace(tmp_path / "e.json", [2, 2, 2.2, 2], recompute=True)
     plot_curves.plot_timelines([unequal, equal], str(tmp_path / "t.png"))
-    top, bottom = kept["fig"].axes
+    top, bottom = measured_axes(kept["fig"])
     assert "stages unequal: rank 0 computes 6.0 ms a step, rank 1 2.0 ms (3.0x)" in top.get_title(), top.get_title()
     assert "unequal" not in bottom.get_title() and bottom.get_title().startswith("1f1b, --recompute: 4 stages")
-    assert "CPU cores" not in top.get_title()                        # 4 ranks on 8 cores: no core contention
+    assert "CPU cores" not in kept["fig"]._suptitle.get_text()      # 4 ranks on 8 cores: no core contention
 
 
 def test_interleaved_chunks_are_hatched_and_names_that_do_not_fit_are_left_out(tmp_path, monkeypatch):
@@ -158,7 +169,7 @@ def test_interleaved_chunks_are_hatched_and_names_that_do_not_fit_are_left_out(t
     # rank 0's boxes are 100 times shorter than rank 1's, on a one-step axis of about 2 s
     path = fake_trace(tmp_path / "i.json", [0.04, 4], chunks=2, dur_wait=2_000_000)
     plot_curves.plot_timelines([path], str(tmp_path / "t.png"))
-    ax, = kept["fig"].axes
+    ax, = measured_axes(kept["fig"])
     boxes = [p for p in ax.patches if p.get_height() == 0.8]
     assert {str(p.get_hatch() or "") for p in boxes} == {"", plot_curves.HATCHES[1]}   # chunk a plain, b hatched
     texts = {(t.get_text(), round(t.get_position()[1])) for t in ax.texts}
@@ -166,8 +177,73 @@ def test_interleaved_chunks_are_hatched_and_names_that_do_not_fit_are_left_out(t
     path = fake_trace(tmp_path / "j.json", [0.04, 4], chunks=2, dur_wait=2000)
     kept.clear()
     plot_curves.plot_timelines([path], str(tmp_path / "t.png"))
-    ax, = kept["fig"].axes
+    ax, = measured_axes(kept["fig"])
     texts = {(t.get_text(), round(t.get_position()[1])) for t in ax.texts}
     assert texts == {("F0a", 1), ("B0a", 1), ("F0b", 1), ("B0b", 1)}, texts   # rank 1's fit, rank 0's do not
-    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    legend = [t.get_text() for t in planned_axes(kept["fig"])[0].get_legend().get_texts()]
     assert any(x.startswith("hatched") and "chunk b" in x for x in legend), legend
+
+
+def test_each_timeline_is_drawn_beside_its_plan_and_the_title_says_why_they_differ(tmp_path, monkeypatch):
+    from mp.pp.schedules import clock_cells
+    trace = fake_trace(tmp_path / "g.json", [1, 1, 1, 1], schedule="gpipe", microbatches=4, bubble_measured=0.85,
+                       bubble_theory=3 / 7, cpu_cores=2)
+    out = tmp_path / "t.png"
+    plot_curves.main(["--timeline", trace, "-o", str(out)])
+    _, record = plot_curves.png_record(str(out))
+    assert record["traces"][0]["planned"] == {"ticks": 14, "idle": pytest.approx(3 / 7)}
+    kept = drawn_figure(monkeypatch)
+    plot_curves.plot_timelines([trace], str(out))
+    plan, = planned_axes(kept["fig"])
+    cells = [cell for row in clock_cells("gpipe", 4, 4) for cell in row if cell != "."]
+    assert len([p for p in plan.patches if round(p.get_height(), 9) == 0.8]) == len(cells) == 32   # a box per F and B
+    assert sorted(t.get_text() for t in plan.texts) == sorted(cells)                    # each named
+    assert plan.get_xlim() == (0, 14) and "idle 42.9%" in plan.get_title(), plan.get_title()
+    title = kept["fig"]._suptitle.get_text().replace("\n", " ")
+    assert "gpipe 85% measured against 43% planned" in title, title
+    assert "the 4 ranks shared 2 CPU cores" in title and "waited for a free core" in title, title
+
+
+def test_2bw_gets_a_time_axis_of_its_own_and_does_not_squeeze_the_others(tmp_path, monkeypatch):
+    kept = drawn_figure(monkeypatch)
+    short = fake_trace(tmp_path / "a.json", [1, 1, 1, 1])
+    longer = fake_trace(tmp_path / "b.json", [2, 2, 2, 2])
+    pipedream = fake_trace(tmp_path / "c.json", [20, 20, 20, 20], schedule="2bw", microbatches=4, steps=2)
+    plot_curves.plot_timelines([short, longer, pipedream], str(tmp_path / "t.png"))
+    a, b, c = measured_axes(kept["fig"])
+    spans = [plot_curves.span_ms(plot_curves.read_trace(t)) for t in (short, longer, pipedream)]
+    assert a.get_xlim() == b.get_xlim() == pytest.approx((-0.02 * spans[1], 1.02 * spans[1]))   # one-step charts
+    assert c.get_xlim() == pytest.approx((-0.02 * spans[2], 1.02 * spans[2])) and spans[2] > 3 * spans[1]
+    assert "its own axis" in c.get_xlabel() and "steady" in planned_axes(kept["fig"])[2].get_title()
+
+
+def test_loss_axes_show_whole_steps(tmp_path, monkeypatch):
+    kept = drawn_figure(monkeypatch)
+    base = fake_log(tmp_path / "base.jsonl", steps=3, evals=[2])
+    other = fake_log(tmp_path / "pp.jsonl", steps=3, evals=[2], program="pipeline_microbatch")
+    plot_curves.plot_curves([base, other], str(tmp_path / "x.png"))
+    for ax in kept["fig"].axes:        # a 3-step run would get ticks at 0.25, 0.5, ... without the locator
+        assert all(float(t).is_integer() for t in ax.get_xticks()), (ax.get_title(), ax.get_xticks())
+
+
+def test_ctrl_c_while_drawing_keeps_the_old_png_and_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
+    import matplotlib.figure
+    base = fake_log(tmp_path / "base.jsonl")
+    out = tmp_path / "x.png"
+    out.write_bytes(b"the figure of an earlier run")
+
+    def interrupted(fig, path, **kwargs):      # half a PNG written, then Ctrl-C
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        plot_curves.main([base, "-o", str(out)])
+    err = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 130 and err == [f"interrupted: {out} not written"], err
+    assert out.read_bytes() == b"the figure of an earlier run"
+    assert sorted(os.listdir(tmp_path)) == ["base.jsonl", "x.png"]              # no partial file left
+    monkeypatch.undo()
+    plot_curves.main([base, "-o", str(out)])
+    assert out.read_bytes()[:4] == b"\x89PNG" and sorted(os.listdir(tmp_path)) == ["base.jsonl", "x.png"]

@@ -14,18 +14,24 @@ where logged. Steps are numbered from 0, as in the logs and on the programs' con
 settings differ (model, data, seed, batch size, lr, momentum, steps, sizes) are not comparable
 step by step: each difference is named on stderr and in the title.
 Timelines: the Chrome-trace files that `pipeline_microbatch.py --timeline` writes, drawn as Gantt
-charts on one time axis, one above the other: a row per rank, a colour per event category (forward,
-recomputed forward, backward, weight gradient, and any other the trace carries), waits for a
-message as thin grey bars, an interleaved rank's chunk b, c, ... hatched, and the action's name
-(F3, R3, B3, W3, F1b) on each box wide enough to hold it. A title names the schedule and its
-bubble, then why the measured bubble exceeds the formula's where the trace shows why: more ranks
-than CPU cores, or stages whose compute differs by 1.25x or more. Every PNG records its title and
+charts one above the other, each beside the planned clock table of its schedule, stages and
+microbatches (mp.pp.schedules.clock_cells, as python -m mp.tools.schedule draws it). Measured: a
+row per rank, a colour per event category (forward, recomputed forward, backward, weight gradient,
+and any other the trace carries), waits for a message as thin grey bars, an interleaved rank's
+chunk b, c, ... hatched, and the action's name (F3, R3, B3, W3, F1b) on each box wide enough to
+hold it; the one-step schedules share one time axis, and 2bw (two steps) has its own. The title
+gives each schedule's measured and planned bubble and why they differ (more ranks than CPU cores:
+a rank waiting for a core is idle on the trace, not in the plan); a chart's own title names stages
+whose compute differs by 1.25x or more. Every PNG is written whole or not at all (a temporary
+name, then a rename; Ctrl-C exits 130 with one line) and records its title and
 the settings and results it drew in its text chunks (png_record reads them).
 """
 import argparse
 import json
 import os
 import sys
+import tempfile
+import textwrap
 
 import matplotlib
 import matplotlib.lines
@@ -34,11 +40,14 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # no screen on the machines that draw these
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mp.pp.schedules import SCHEDULES, bubble_theory, clock_cells  # noqa: E402
+
 TOLERANCE = 1e-4  # the equivalence contract: |loss - baseline loss| <= 1e-4 at every step
 COLOURS = {"forward": "#4C72B0", "recompute": "#8FB0DD", "backward": "#DD8452", "weight": "#55A868",
            "wait": "#C0C0C0"}
 MEANINGS = {"forward": "forward", "recompute": "forward again (R, --recompute)", "backward": "backward",
             "weight": "weight gradient (W)", "wait": "waiting for a message"}   # zb's B: input gradient only
+HATCHES = ["", "////", "....", "xxxx"]   # chunk a, b, c, d of an interleaved rank
 SPARE = ["#8172B3", "#C44E52", "#937860", "#DA8BC3", "#CCB974"]  # categories a trace adds later
 # the settings two runs must share for their losses to be compared step by step
 SAME = ("model", "activation", "data", "seed", "batch_size", "lr", "momentum", "steps", "dropout", "clip_grad_norm")
@@ -198,6 +207,7 @@ def plot_curves(paths, out, beside=()):
         ax["acc"].set(xlabel="step (from 0)", ylabel="test accuracy", title="test accuracy", ylim=(0, 1),
                       xlim=ax["loss"].get_xlim())     # one evaluation is a point on the run's step axis
     for a in ax.values():
+        a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # whole steps: no step 2.5
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.suptitle(title_of(runs, mismatches), color="red" if mismatches else "black")
@@ -248,19 +258,53 @@ def read_trace(path):
 
 
 def plot_timelines(paths, out):
+    """Each measured timeline (left, ms) beside the planned clock table of the same schedule, stages
+    and microbatches (right, ticks: mp.pp.schedules.clock_cells); the title says why they differ."""
     traces = [read_trace(path) for path in paths]
     for trace, path in zip(traces, paths):
         if not any(e.get("ph") == "X" for e in trace["traceEvents"]):
             fail(f"the timeline {path} has no events")
-    # one time axis for all: a slower schedule is a longer row of boxes
-    fig, axes = plt.subplots(len(paths), 1, figsize=(13, 1.2 + 0.9 * 4 * len(paths)), squeeze=False, sharex=True)
+    fig = plt.figure(figsize=(20, 1.6 + 3.4 * len(paths)))
+    grid = fig.add_gridspec(len(paths), 2, width_ratios=(3, 2))
+    measured = [fig.add_subplot(grid[i, 0], label=f"measured {i}") for i in range(len(paths))]
+    planned = [fig.add_subplot(grid[i, 1], label=f"planned {i}") for i in range(len(paths))]
     present = {e.get("cat", "wait") for t in traces for e in t["traceEvents"] if e.get("ph") == "X"} - {"step"}
     added = sorted(present - set(COLOURS))                  # e.g. a later schedule's weight-gradient pass
-    categories = [c for c in COLOURS if c in present] + added
     colours = {**dict(zip(added, SPARE)), **COLOURS}
-    longest = max(span_ms(t) for t in traces)
-    for ax, trace in zip(axes[:, 0], traces):
-        draw_gantt(ax, trace, colours, POINTS_ACROSS / longest)
+    for group in time_axes(traces):   # one time axis per group: a slower schedule is a longer row of boxes
+        longest = max(span_ms(traces[i]) for i in group)
+        for i in group:
+            draw_gantt(measured[i], traces[i], colours, points_across(fig, measured[i]) / longest)
+            measured[i].set_xlim(-0.02 * longest, 1.02 * longest)
+            measured[i].set_xlabel(time_label(traces[i], len(group) > 1), fontsize=8)
+    plans = [draw_plan(ax, trace["otherData"] if "otherData" in trace else {}, fig) for ax, trace in zip(planned, traces)]
+    handles, labels = timeline_legend(traces, [c for c in COLOURS if c in present] + added, colours)
+    planned[0].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.suptitle(why_measured_exceeds_plan([t.get("otherData", {}) for t in traces]), fontsize=10)
+    save(fig, out, {"kind": "timeline", "traces": [
+        dict(t.get("otherData", {}), title=ax.get_title(), planned=plan) for t, ax, plan in zip(traces, measured, plans)]})
+
+
+def time_axes(traces):
+    """Groups of traces drawn on one time axis: every one-step schedule together, and a trace of
+    several steps (2bw records two) on its own, so its longer span does not squeeze the others."""
+    one_step = [i for i, t in enumerate(traces) if t.get("otherData", {}).get("steps", 1) == 1]
+    return [g for g in [one_step] + [[i] for i in range(len(traces)) if i not in one_step] if g]
+
+
+def time_label(trace, shared):
+    steps = trace.get("otherData", {}).get("steps", 1)
+    what = "the recorded step's" if steps == 1 else f"the {steps} recorded steps'"
+    return f"measured: ms from {what} start" + (", one axis for the one-step charts" if shared else ", its own axis")
+
+
+def points_across(fig, ax):
+    """The axis's width in points, about 90% of its share of the figure (tight_layout takes the rest)."""
+    return 0.9 * ax.get_position().width * fig.get_figwidth() * 72
+
+
+def timeline_legend(traces, categories, colours):
+    """(handles, labels) of the colours, hatches, step marks and blanks every chart uses."""
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours.get(c, "#999999")) for c in categories]
     labels = [MEANINGS.get(c, c) for c in categories]
     chunks = max(t.get("otherData", {}).get("virtual_stages", 1) for t in traces)
@@ -271,15 +315,9 @@ def plot_timelines(paths, out):
         handles.append(matplotlib.lines.Line2D([], [], color="black", lw=1.5))
         labels.append("a step begins on that rank\n(2bw: no flush before it)")
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", lw=0.5))
-    labels.append("blank: not timed (Python between\nactions, optimizer step, or a\nrank waiting for a free core)")
-    axes[0, 0].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    axes[-1, 0].set_xlabel("time from the recorded step's start (ms; 2bw: two steps), one axis for every chart")
-    save(fig, out, {"kind": "timeline", "traces": [dict(t.get("otherData", {}), title=ax.get_title())
-                                                   for t, ax in zip(traces, axes[:, 0])]})
-
-
-POINTS_ACROSS = 13 * 72 * 0.7   # the time axis spans about 70% of the 13-inch figure (the legend takes the rest)
-HATCHES = ["", "////", "....", "xxxx"]   # chunk a, b, c, d of an interleaved rank
+    labels.append("blank, measured: not timed (Python\nbetween actions, optimizer step, or\na rank waiting "
+                  "for a free core);\nplanned: idle, the bubble")
+    return handles, labels
 
 
 def span_ms(trace):
@@ -341,10 +379,6 @@ def gantt_title(other, busy=None):
     title = (f"{other.get('schedule', '?')}{recompute}: {other.get('stages', '?')} stages, "
              f"{other.get('microbatches', '?')} microbatches{chunks}; bubble measured "
              f"{other.get('bubble_measured', float('nan')):.1%}, theory {other.get('bubble_theory', float('nan')):.1%}")
-    cores, stages = other.get("cpu_cores"), other.get("stages", 0)
-    if other.get("device", "cpu") == "cpu" and cores and stages > cores:
-        title += (f"\nmeasured > theory: {stages} ranks shared {cores} CPU cores, so a rank often waited "
-                  f"for a core, not for its neighbour")
     if busy and min(busy.values()) > 0 and max(busy.values()) >= IMBALANCE * min(busy.values()):
         slow, fast = max(busy, key=busy.get), min(busy, key=busy.get)
         steps = other.get("steps", 1)
@@ -354,27 +388,104 @@ def gantt_title(other, busy=None):
     return title
 
 
-def plot_clock_table(rows, title, out):
-    """schedules.clock_cells() drawn: a row per stage, a box per tick, coloured as the measured
-    timelines (F forward, B backward, W weight gradient), chunk b, c, ... hatched; white: idle."""
-    kinds = {"F": "forward", "B": "backward", "W": "weight"}
+def planned_cells(other):
+    """The clock table of a trace's schedule, stages, microbatches and chunks; None where the trace
+    does not record them, or records a split the programs refuse (2bw with m < p, interleaved with
+    m not a multiple of p)."""
+    s, p, m = other.get("schedule"), other.get("stages") or 0, other.get("microbatches") or 0
+    v = other.get("virtual_stages", 1) if s == "interleaved" else 1
+    if s not in SCHEDULES or p < 1 or m < 1 or (s == "2bw" and m < p) or (s == "interleaved" and (p < 2 or m % p)):
+        return None
+    return clock_cells(s, p, m, v)
+
+
+def idle_share(rows):
+    """The planned bubble: the share of the table's (stage, tick) cells that are idle."""
     ticks = max(len(row) for row in rows)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.32 * ticks + 2), 1.4 + 0.5 * len(rows)))
+    return sum(row.count(".") + ticks - len(row) for row in rows) / (len(rows) * ticks)
+
+
+def plan_title(schedule, p, m, v):
+    """The heading of a planned table: the sizes, the ticks and the bubble of the formula (its idle share)."""
+    rows = clock_cells(schedule, p, m, v)
+    ticks, idle = max(len(row) for row in rows), idle_share(rows)
+    chunks = f", v={v} chunks per rank (a tick is 1/{v} of a stage's F or B)" if v > 1 else ""
+    if schedule == "2bw":
+        chunks = " per step, two steps drawn (the second's microbatches numbered from m; no flush between)"
+    steps = 2 if schedule == "2bw" else None
+    return (f"{schedule}: {p} stages, {m} microbatches{chunks}; {ticks} ticks, "
+            f"idle {idle:.1%} of the table = bubble_theory {bubble_theory(p, m, v, schedule, steps):.1%}")
+
+
+def draw_plan(ax, other, fig):
+    """The planned chart beside a measured one; returns what it drew ({"ticks", "idle"}, or None)."""
+    rows = planned_cells(other)
+    if rows is None:
+        ax.set_axis_off()
+        ax.set_title("no plan: the trace does not record a schedule mp.pp.schedules can draw", fontsize=9)
+        return None
+    ticks, idle = max(len(row) for row in rows), idle_share(rows)
+    draw_clock_table(ax, rows, points_across(fig, ax) / ticks)
+    title = f"planned {other['schedule']} (mp.pp.schedules): {ticks} ticks, idle {idle:.1%}"
+    if other["schedule"] == "2bw":
+        title += "\nits first two steps, with fill and drain;\nthe measured steps are steady ones: planned 0%"
+    else:
+        v = other.get("virtual_stages", 1) if other["schedule"] == "interleaved" else 1
+        title += "\nevery F, B and W one tick" + (f" (1/{v} of a stage)" if v > 1 else "") + ", messages free"
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("planned: clock tick (white: idle, the bubble)", fontsize=8)
+    return {"ticks": ticks, "idle": idle}
+
+
+def why_measured_exceeds_plan(others):
+    """The timeline figure's title: each schedule's measured and planned bubble, and why they differ."""
+    numbers = "; ".join(f"{o.get('schedule', '?')} {o.get('bubble_measured', float('nan')):.0%} measured "
+                        f"against {o.get('bubble_theory', float('nan')):.0%} planned"
+                        + (" (steady steps)" if o.get("schedule") == "2bw" else "") for o in others)
+    ranks = max(o.get("stages", 0) for o in others)
+    cores = min((o["cpu_cores"] for o in others if o.get("cpu_cores")), default=0)
+    if all(o.get("device", "cpu") == "cpu" for o in others) and 0 < cores < ranks:
+        why = (f"Why measured > planned: the {ranks} ranks shared {cores} CPU cores, so at most {cores} computed at "
+               f"once; a rank whose message had arrived still waited for a free core, and the trace counts that "
+               f"wait as idle. The plan gives every stage a processor of its own; with a core or GPU per rank the "
+               f"gap shrinks to what unequal stages and messages add.")
+    else:
+        why = ("Why measured > planned: the plan counts every F, B and W as one equal tick and messages as free; "
+               "measured, stages differ in cost, and messages and Python between actions take time.")
+    return "\n".join(textwrap.wrap(f"Measured timelines (left) beside the planned schedules (right). Bubble: {numbers}.", 170)
+                     + textwrap.wrap(why, 170))
+
+
+def draw_clock_table(ax, rows, points_per_tick=None):
+    """schedules.clock_cells() drawn on ax: a row per stage, a box per tick, coloured as the measured
+    timelines (F forward, B backward, W weight gradient), chunk b, c, ... hatched; white: idle. A
+    box's name is written where it fits at points_per_tick (None: always)."""
+    kinds = {"F": "forward", "B": "backward", "W": "weight"}
     for stage, row in enumerate(rows):
         for tick, cell in enumerate(row):
             if cell == ".":
                 continue
             chunk = ord(cell[-1]) - ord("a") if cell[-1].isalpha() else 0
-            ax.barh(stage, 1, left=tick, height=0.8, color=COLOURS[kinds[cell[0]]], edgecolor="white",
-                    linewidth=0.8, hatch=HATCHES[chunk % len(HATCHES)] or None)
-            ax.text(tick + 0.5, stage, cell, ha="center", va="center", fontsize=7 if len(cell) < 4 else 6,
-                    color="white", bbox={"facecolor": COLOURS[kinds[cell[0]]], "edgecolor": "none", "pad": 0.3}
-                    if chunk else None)
+            colour = COLOURS[kinds[cell[0]]]
+            ax.barh(stage, 1, left=tick, height=0.8, color=colour, edgecolor="white", linewidth=0.8,
+                    hatch=HATCHES[chunk % len(HATCHES)] or None)
+            size = 7 if len(cell) < 4 else 6
+            if points_per_tick is None or points_per_tick > 0.65 * size * len(cell) + 2:
+                ax.text(tick + 0.5, stage, cell, ha="center", va="center", fontsize=size, color="white",
+                        bbox={"facecolor": colour, "edgecolor": "none", "pad": 0.3} if chunk else None)
     ax.set_yticks(range(len(rows)), [f"stage {r}" for r in range(len(rows))])
-    ax.set_xlim(0, ticks)
+    ax.set_xlim(0, max(len(row) for row in rows))
     ax.set_ylim(len(rows) - 0.5, -0.5)     # stage 0 on top
-    ax.set_xlabel("clock tick (every F, B and W one tick; white: idle, the bubble)")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+
+
+def plot_clock_table(rows, title, out):
+    """One planned table in a PNG of its own (python -m mp.tools.schedule -o)."""
+    kinds = {"F": "forward", "B": "backward", "W": "weight"}
+    ticks = max(len(row) for row in rows)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.32 * ticks + 2), 1.4 + 0.5 * len(rows)))
+    draw_clock_table(ax, rows)
+    ax.set_xlabel("clock tick (every F, B and W one tick; white: idle, the bubble)")
     ax.set_title(title.replace("; ", "\n", 1), fontsize=9)
     present = sorted({cell[0] for row in rows for cell in row if cell != "."}, key="FBW".index)
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[kinds[k]]) for k in present]
@@ -388,13 +499,23 @@ def plot_clock_table(rows, title, out):
 
 def save(fig, out, record=None):
     """The PNG, with the figure's title and `record` (the settings and numbers drawn, as JSON) in
-    its text chunks, so a test can check a committed figure against the command said to make it."""
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    its text chunks, so a test can check a committed figure against the command said to make it.
+    Written under a temporary name in the same folder, then renamed: a figure is whole or absent
+    under its name, even when the drawing is interrupted (Ctrl-C) or fails."""
+    folder = os.path.dirname(out) or "."
+    os.makedirs(folder, exist_ok=True)
     fig.tight_layout()
     title = fig._suptitle.get_text() if fig._suptitle else " / ".join(a.get_title() for a in fig.axes if a.get_title())
-    fig.savefig(out, dpi=110, metadata={"Title": title, "Description": json.dumps(record or {}),
-                                        "Software": "mp.tools.plot_curves"})
-    plt.close(fig)
+    fd, partial = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(out)}.", suffix=".partial")
+    os.close(fd)
+    try:
+        fig.savefig(partial, format="png", dpi=110, metadata={
+            "Title": title, "Description": json.dumps(record or {}), "Software": "mp.tools.plot_curves"})
+        os.replace(partial, out)          # atomic on one file system: readers see the old PNG or the new
+    finally:
+        plt.close(fig)
+        if os.path.exists(partial):       # interrupted or failed: leave no half-written file behind
+            os.remove(partial)
     print(f"wrote {out}")
 
 
@@ -410,11 +531,15 @@ def main(argv=None):
     for path in args.files + args.beside:
         if not os.path.exists(path):
             fail(f"{path} does not exist; run the program that writes it first")
-    if args.timeline:
-        plot_timelines(args.files, args.out)
-        return
-    for label, diff in plot_curves(args.files, args.out, args.beside).items():
-        print(f"largest |loss - baseline| for {label}: {diff:.3g}")
+    try:
+        if args.timeline:
+            plot_timelines(args.files, args.out)
+            return
+        for label, diff in plot_curves(args.files, args.out, args.beside).items():
+            print(f"largest |loss - baseline| for {label}: {diff:.3g}")
+    except KeyboardInterrupt:   # Ctrl-C: one line, no traceback; save() has removed its partial file
+        print(f"interrupted: {args.out} not written", file=sys.stderr)
+        sys.exit(130)
 
 
 def png_record(path):

@@ -3,12 +3,14 @@
     python -m mp.tools.schedule --schedule zb --stages 4 --microbatches 4
     python -m mp.tools.schedule --schedule interleaved --stages 4 --microbatches 8 --virtual-stages 2 -o plan.png
 
-The tables are mp.pp.schedules' clock_table; run_pipeline.sh draws one beside the measured timeline.
+The tables are mp.pp.schedules' clock_table; the drawing is mp.tools.plot_curves', which also draws
+the planned chart beside each measured timeline (python -m mp.tools.plot_curves --timeline, as
+run_pipeline.sh calls it).
 """
 import argparse
 import sys
 
-from mp.pp.schedules import SCHEDULES, bubble_theory, clock_cells, clock_table
+from mp.pp.schedules import SCHEDULES, clock_cells, clock_table
 from mp.tools import plot_curves
 
 
@@ -51,16 +53,9 @@ def bad(message):
 
 
 def describe(schedule, p, m, v):
-    """The heading of a printed or drawn table: the sizes, the ticks and the bubble of the formula."""
-    rows = clock_cells(schedule, p, m, v)
-    ticks = max(len(row) for row in rows)
-    idle = sum(row.count(".") + ticks - len(row) for row in rows) / (p * ticks)
-    chunks = f", v={v} chunks per rank (a tick is 1/{v} of a stage's F or B)" if v > 1 else ""
-    if schedule == "2bw":
-        chunks = " per step, two steps drawn (the second's microbatches numbered from m; no flush between)"
-    steps = 2 if schedule == "2bw" else None
-    return (f"{schedule}: {p} stages, {m} microbatches{chunks}; {ticks} ticks, "
-            f"idle {idle:.1%} of the table = bubble_theory {bubble_theory(p, m, v, schedule, steps):.1%}")
+    """The heading of a printed or drawn table: the sizes, the ticks and the bubble of the formula
+    (plot_curves.plan_title, which also heads the planned chart beside each measured timeline)."""
+    return plot_curves.plan_title(schedule, p, m, v)
 
 
 def main(argv=None):
