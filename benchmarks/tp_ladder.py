@@ -155,10 +155,16 @@ def print_table(result, degree):
               f"{result['losses'][name][-1]:.4f} (full: {full[-1]:.4f})")
 
 
+CONTRACT = 1e-4   # the programs' equivalence contract: |loss - baseline loss| <= 1e-4 at every step
+
+
 def plot(result, args, out):
+    """Loss curves (left) and |loss - full model's| (right) with the contract's 1e-4 line: ReLU's
+    kinks let the rounding difference cross it where GELU's model stays far below."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     from mp.tools.plot_curves import save
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     full = result["losses"]["full"]
@@ -167,14 +173,19 @@ def plot(result, args, out):
         losses = result["losses"][name]
         left.plot(losses, ls=style, lw=1.2, label=f"{name}, {args.nproc} ranks")
         right.semilogy([max(abs(a - b), 1e-9) for a, b in zip(losses, full)], ls=style, label=name)
-    left.set(xlabel="step", ylabel="training loss", title="loss")
-    right.set(xlabel="step", ylabel="|loss - full model's| (floor 1e-9)", title="difference")
+    right.axhline(CONTRACT, color="red", lw=1, ls="-.", label="1e-4: the programs' equivalence contract")
+    left.set(xlabel="step (from 0)", ylabel="training loss", title="loss")
+    right.set(xlabel="step (from 0)", ylabel="|loss - full model's| (floor 1e-9)", title="difference")
     for ax in (left, right):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # whole steps
         ax.legend()
     fig.suptitle(f"the course's Sequential(linear1, relu, linear2): mlp --layers 2 --hidden {args.hidden} "
                  f"--activation relu\nSYNTHETIC data, batch {args.batch_size}, {args.steps} steps, lr {args.lr}, "
                  f"seed {args.seed}; degree {args.nproc}")
-    save(fig, out, {"kind": "tp_ladder", "args": vars(args), "table": result["table"]})
+    save(fig, out, {"kind": "tp_ladder", "args": vars(args), "table": result["table"], "contract": CONTRACT,
+                    "largest_difference": {n: max(abs(a - b) for a, b in zip(result["losses"][n], full))
+                                           for n in ("pair", "column-only")}})
+    return fig
 
 
 def ladder(args):

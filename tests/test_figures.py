@@ -153,3 +153,12 @@ def test_the_figures_numbers_the_readme_quotes_are_the_current_ones():
     quoted = set(MEASUREMENT.findall(read("README.md")))
     assert {n for n in figure_numbers() if n.endswith("%")} & quoted     # the test accuracy
     assert any(n in quoted for n in figure_numbers() if "e-" in n)        # a largest difference
+
+
+def test_the_committed_ladder_figure_draws_the_contract_line():
+    """plots/tp_ladder.png came from benchmarks/tp_ladder.py's plot(), which draws the 1e-4 line on
+    its difference panel and records it; an older drawing has no "contract" in its record."""
+    title, record = plot_curves.png_record(os.path.join(ROOT, "plots", "tp_ladder.png"))
+    assert record.get("kind") == "tp_ladder" and record.get("contract") == 1e-4, "redraw: " + OTHER_COMMANDS["tp_ladder.png"]
+    assert record["args"]["steps"] == 300 and "relu" in title
+    assert record["largest_difference"]["pair"] > record["contract"]    # ReLU crosses it (docs/tensor_parallel.md)
