@@ -36,10 +36,13 @@ backward, . idle: the bubble; drawn by clock_table() with B as long as F):
 
 GPipe and 1F1B take the same 2(m+p-1) ticks, a bubble of (p-1)/(m+p-1); but 1F1B holds at most
 p - r microbatches' activations on stage r instead of all m, so its memory does not grow with m.
-Interleaved 1F1B (Narayanan et al. 2021) gives each rank V chunks of the model (virtual stages r,
-r+p, r+2p, ...): 2(Vm+p-1) ticks of 1/V stage each, a bubble of (p-1)/(Vm+p-1), for V times the
-messages. ZB-H1 (Qi et al. 2024) takes 3m+p-1 ticks of F, B or W, a bubble of (p-1)/(3m+p-1):
-a third of 1F1B's for m >> p, with at most p microbatches in flight (F done, W not yet) on any stage.
+Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", arXiv 2104.04473; its Figure 4, bottom, draws this schedule, and its
+Figure 5 is tensor parallelism's f and g, in tensor_parallel.py) gives each rank V chunks of the
+model (virtual stages r, r+p, r+2p, ...): 2(Vm+p-1) ticks of 1/V stage each, a bubble of
+(p-1)/(Vm+p-1), for V times the messages. ZB-H1 (Qi et al. 2024) takes 3m+p-1 ticks of F, B or W,
+a bubble of (p-1)/(3m+p-1): a third of 1F1B's for m >> p, with at most p microbatches in flight
+(F done, W not yet) on any stage.
 """
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "2bw")
@@ -76,7 +79,9 @@ def compute_units(schedule, p, m, rank, v=1):
       gpipe:       F0 .. F(m-1), then B0 .. B(m-1)
       1f1b:        warm-up of p-rank-1 forwards, then F and B alternate, then the remaining B
       interleaved: the same three phases over m*v (microbatch, chunk) pairs, backwards through
-                   the chunks in reverse, warm-up 2(p-rank-1) + (v-1)p (Narayanan et al. 2021)"""
+                   the chunks in reverse, warm-up 2(p-rank-1) + (v-1)p (Narayanan et al. 2021,
+                   arXiv 2104.04473, Figure 4 bottom; Megatron-LM's
+                   forward_backward_pipelining_with_interleaving)"""
     fwd = forward_order(schedule, p, m, rank, v)
     bwd = [(mb, v - 1 - c) for mb, c in fwd]
     if schedule == "zb":
