@@ -15,6 +15,8 @@ Backend and device are the programs' (--backend, default auto): gloo on the CPU,
 every engine, batch and baseline on the rank's GPU; the output records which (backend, device).
 Only the CPU has been run (docs/gpu.md).
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -33,7 +35,7 @@ from mp.pp.schedules import schedule_actions  # noqa: E402
 from mp.pp.timeline import gather_timeline  # noqa: E402
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
-from mp.dist import clock, distributed  # noqa: E402
+from mp.dist import clock, distributed, torchrun_env  # noqa: E402
 from mp.errors import fail  # noqa: E402
 from mp.flags import base_parser  # noqa: E402
 from mp.models import build_model  # noqa: E402
@@ -49,15 +51,86 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--configs", default=None, help="pipeline: model:m:schedule,... (default: the issue's grid)")
     p.add_argument("--bubble", default="4,8,16,32", help="pipeline: microbatch counts for the bubble table ('' = none)")
+    # the configs name their models; --layers and --hidden size the mlp (the tp benchmark's model too)
+    p.set_defaults(model="mlp")
     args = p.parse_args(argv)
     args.data, args.eval_every = "synthetic", 0
-    counts = [int(c.split(":")[1]) for c in args.configs.split(",")] if args.configs else [8, 32]
-    counts = sorted(set(counts + [int(s) for s in args.bubble.split(",") if s]))
+    counts = sorted({split_config(c)[1] for c in pipeline_grid(args)} | set(bubble_counts(args)))
     uneven = [m for m in counts if args.batch_size % m]
     if args.what == "pipeline" and uneven:
         fail(f"--batch-size {args.batch_size} does not split into {uneven} microbatches; "
              f"use a multiple of {math.lcm(*counts)}")
+    validate_runs(args)
     return args
+
+
+def validate_runs(args):
+    """Every run the benchmark will make, checked by the program it stands for, as that program
+    checks its own flags (pipeline_microbatch.parse_args, tensor_parallel.parse_args, at this
+    WORLD_SIZE) before any engine is built: a config the program refuses (a 6-block mlp cut into
+    4 stages x 2 virtual stages) is one error line naming the config, not an IndexError mid-run."""
+    if args.what == "tp":
+        runs = [(f"mlp:tp{torchrun_env('gloo').world_size}", tp.parse_args, program_argv(args, "mlp"))]
+    else:
+        runs = [(f"--configs {c}", pm.parse_args, program_argv(args, *split_config(c))) for c in pipeline_grid(args)]
+        runs += [(f"--bubble {m} (mlp, {s})", pm.parse_args, program_argv(args, "mlp", m, s))
+                 for m in bubble_counts(args) for s in RACED]
+    for name, parse, argv in runs:
+        refusal = own_check(parse, argv)
+        if refusal is not None:
+            fail(f"{name}: {refusal}")
+
+
+def own_check(parse, argv):
+    """None if the program's parse_args accepts argv, else its error line (without "error: "); its
+    own line is kept back, so that the benchmark prints one line that names the config."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            parse(argv)
+    except SystemExit:
+        lines = said.getvalue().strip().splitlines() or ["refused (another rank says why)"]
+        return lines[-1].split("error: ", 1)[-1]
+    return None
+
+
+def program_argv(args, model, m=None, schedule=None):
+    """The program's flags for one run of the benchmark: the sizes and training settings given here."""
+    argv = ["--model", model, "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--lr", str(args.lr),
+            "--momentum", str(args.momentum), "--data", "synthetic", "--backend", args.backend]
+    for flag in SIZE_FLAGS[model]:        # only the sizes this model reads (the cnn has none)
+        argv += [f"--{flag}", str(getattr(args, flag))]
+    if schedule is not None:
+        argv += ["--microbatches", str(m), "--schedule", schedule]
+        argv += ["--virtual-stages", "2"] if schedule == "interleaved" else []   # as model_args sets it
+    return argv
+
+
+SIZE_FLAGS = {"cnn": (), "mlp": ("layers", "hidden"), "vit": ("layers", "hidden", "heads")}
+
+
+def split_config(config):
+    """model:m:schedule -> (model, m, schedule), or one error line saying what a config looks like."""
+    parts = config.split(":")
+    if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < 1 or parts[2] not in RACED:
+        fail(f"--configs {config!r}: a config is model:microbatches:schedule, microbatches positive, a schedule among "
+             f"{', '.join(RACED)}, e.g. mlp:8:1f1b")
+    return parts[0], int(parts[1]), parts[2]
+
+
+def pipeline_grid(args):
+    """The pipeline configs to race: --configs, or the issue's grid (no interleaved cnn: 5 blocks)."""
+    if args.configs:
+        return args.configs.split(",")
+    return [f"{model}:{m}:{s}" for model in ("mlp", "cnn") for m in (8, 32) for s in RACED
+            if not (model == "cnn" and s == "interleaved")]
+
+
+def bubble_counts(args):
+    counts = [s for s in args.bubble.split(",") if s]
+    if not all(s.isdigit() and int(s) > 0 for s in counts):
+        fail(f"--bubble {args.bubble!r} must be positive microbatch counts separated by commas, e.g. 4,8 ('' for none)")
+    return [int(s) for s in counts]
 
 
 def model_args(args, model, schedule="1f1b", m=1):
@@ -186,12 +259,10 @@ RACED = ("gpipe", "1f1b", "interleaved")   # the schedules raced against torch's
 
 def run_pipeline(args, env):
     batches = device_batches(args, env)
-    grid = args.configs or ",".join(f"{model}:{m}:{s}" for model in ("mlp", "cnn") for m in (8, 32)
-                                    for s in RACED if not (model == "cnn" and s == "interleaved"))
     rows = []
-    for config in grid.split(","):
-        model, m, schedule = config.split(":")
-        margs = model_args(args, model, schedule, int(m))
+    for config in pipeline_grid(args):
+        model, m, schedule = split_config(config)
+        margs = model_args(args, model, schedule, m)
         pos = pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
                               2 if schedule == "interleaved" else 1)
         engines = {"ours": ours_pipeline(margs, env, pos)[0], "torch": torch_pipeline(margs, env, pos),
@@ -201,7 +272,7 @@ def run_pipeline(args, env):
         if env.rank == 0:
             print(json.dumps(rows[-1]), flush=True)
     bubbles = []
-    for m in [int(s) for s in args.bubble.split(",") if s]:
+    for m in bubble_counts(args):
         for schedule in RACED:             # zb's bubble: benchmarks/zero_bubble.py
             margs = model_args(args, "mlp", schedule, m)
             pos = pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),

@@ -53,3 +53,24 @@ def test_block_costs_split_minimises_the_slowest_stage():
     for p in (1, 2, 3):                                           # no split of consecutive blocks does better
         every = [s for s in itertools.product(range(1, 6), repeat=p) if sum(s) == 5]
         assert bc.best_split(costs, p)[0] == pytest.approx(min(bc.stage_max(costs, s) for s in every))
+
+
+@pytest.mark.parametrize("what,flags,world,message", [
+    ("pipeline", ["--layers", "6", "--configs", "mlp:8:interleaved"], 4,
+     "error: --configs mlp:8:interleaved: 4 stages x 2 virtual stages = 8 chunks but the mlp has only 6 blocks"),
+    ("pipeline", ["--layers", "6", "--configs", "mlp:4:1f1b", "--bubble", "4"], 4,   # the bubble table's runs too
+     "error: --bubble 4 (mlp, interleaved): 4 stages x 2 virtual stages = 8 chunks but the mlp has only 6 blocks"),
+    ("pipeline", ["--configs", "mlp:8"], 4, "error: --configs 'mlp:8': a config is model:microbatches:schedule"),
+    ("tp", ["--hidden", "2"], 4, "error: mlp:tp4: the tensor-parallel degree 4 exceeds the 2 --hidden neurons"),
+])
+def test_a_config_the_program_refuses_is_one_error_line_before_any_engine_runs(what, flags, world, message,
+                                                                               monkeypatch, capsys):
+    """Each run is checked by the program's own parse_args at the world size, so a config it refuses
+    exits 2 with its reason (once an IndexError in the middle of the benchmark)."""
+    import os
+    import sys
+    from helpers import ROOT, assert_one_error_line
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench
+    argv = [what, "--out", "x.json", "--batch-size", "24", "--bubble", "", *flags]
+    assert_one_error_line(bench.parse_args, argv, world, message, monkeypatch, capsys)
