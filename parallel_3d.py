@@ -49,7 +49,7 @@ import torch.distributed as dist
 from mp.check import report_replicas
 from mp.data import agree_on_data, load_data
 from mp.dist import distributed, exit_now, group_timeout, torchrun_env
-from mp.errors import fail, note_one_rank
+from mp.errors import fail, note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
 from mp.loop import train
 from mp.models import num_blocks
@@ -269,6 +269,7 @@ def describe(grid, shapes):
 
 
 def main(argv=None):
+    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     note_one_rank("a grid of 1 x 1 x 1")
     data = load_data(args)

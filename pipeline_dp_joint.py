@@ -35,7 +35,7 @@ import torch.distributed as dist
 from mp.check import report_replicas
 from mp.data import agree_on_data, dp_slice, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
-from mp.errors import fail, note_one_rank
+from mp.errors import fail, note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
 from mp.loop import train
 from mp.pp.flags import add_pipeline_flags, validate_pipeline
@@ -123,6 +123,7 @@ class DataParallelReplicas:
 
 
 def main(argv=None):
+    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     note_one_rank("one replica of a one-stage pipeline")
     data = load_data(args)

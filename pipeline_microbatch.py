@@ -7,8 +7,7 @@ Gradients of the M microbatches accumulate (each loss divided by M), then every 
 optimizer step: the same update as one process on the whole batch (single_baseline.py).
 
     torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic
-    torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b
-    torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --check
+    torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --data synthetic --schedule 1f1b --check
 
 GPipe, the default, per clock tick on 4 stages x 4 microbatches (F2: forward of microbatch 2):
 
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 from mp.data import StreamedInputs, agree_on_data, load_data
 from mp.dist import distributed, exit_now, torchrun_env
 from mp.dropout import DropoutKeys
-from mp.errors import CommError, note_one_rank
+from mp.errors import CommError, note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
 from mp.loop import train
 from mp.models import build_model, num_blocks
@@ -382,6 +381,7 @@ def setup_stage(args, env, pos, shard=None):
 
 
 def main(argv=None):
+    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     note_one_rank("a pipeline of one stage, every block on this rank")
     data = load_data(args)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Data x pipeline x tensor parallelism against the single-process baseline: train both on the same
-# global batch, plot both into $PLOTS/3d_loss.png; mp.tools.plot_curves prints the largest per-step
+# global batch, plot both into $PLOTS/3d_loss<settings>.png; mp.tools.plot_curves prints the largest per-step
 # |loss difference| (the equivalence contract wants <= 1e-4). The parallel program's arguments
 # are checked first.
 #
@@ -13,42 +13,42 @@
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
 set -euo pipefail
-STEP="the argument check"
-# a failed step stops the script here, with its name, before anything later is plotted
-trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc; nothing after it ran" >&2' ERR
-
-DP=${DP:-2}                            # data-parallel replicas
-TP=${TP:-2}                            # tensor-parallel ranks per stage
-NPROC=${NPROC:-8}                      # ranks; stages = NPROC / (DP x TP)
-MICROBATCHES=${MICROBATCHES:-4}        # per replica, per step
-SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved | zb (2bw runs in the pipeline and joint programs only)
-RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
-BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,4, or auto (mp/pp/balance.py); empty: even
-MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
-STEPS=${STEPS:-300}
-DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
-BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
-BATCH_SIZE=${BATCH_SIZE:-64}           # global: a multiple of DP x MICROBATCHES
-SEED=${SEED:-0}
-EVAL_EVERY=${EVAL_EVERY:-50}
-ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
-DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
-CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
-CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
-SAVE_EVERY=${SAVE_EVERY:-50}           # with CHECKPOINT_DIR: save every K steps and after the last
-RESTARTS=${RESTARTS:-0}                # torchrun --max-restarts: a killed rank restarts the workers, which resume
-LOGS=${LOGS:-logs}
-PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figures (docs/running.md)
-PYTHON=${PYTHON:-python}
-
 cd "$(dirname "$0")"
+source ./mp/tools/launch_checks.sh   # knobs, the checks, the files' names, the exits: shared
+STEP="the argument check"
+
+knob DP "2"                            # data-parallel replicas
+knob TP "2"                            # tensor-parallel ranks per stage
+knob NPROC "8"                         # ranks; stages = NPROC / (DP x TP)
+knob MICROBATCHES "4"                  # per replica, per step
+knob SCHEDULE "1f1b"                   # gpipe | 1f1b | interleaved | zb (2bw runs in the pipeline and joint programs only)
+knob RECOMPUTE "0"                     # 1: --recompute (keep only stage inputs, re-run forwards before B)
+knob BALANCE ""                        # blocks per stage, e.g. 1,4, or auto (mp/pp/balance.py); empty: even
+knob MODEL "cnn"                       # cnn | mlp | vit
+knob STEPS "300"
+knob DATA "auto"                       # auto | cifar10 | synthetic
+knob BACKEND "auto"                    # auto | gloo | nccl
+knob BATCH_SIZE "64"                   # global: a multiple of DP x MICROBATCHES
+knob SEED "0"
+knob EVAL_EVERY "50"
+knob ACTIVATION "gelu"                 # gelu | relu: every model's activation, both programs (relu: the course's)
+knob DROPOUT "0"                       # dropout probability, both programs (keyed masks: exact in every layout)
+knob CLIP ""                           # clip the gradient to this global norm, both programs (empty: off)
+knob CHECKPOINT_DIR ""                 # the parallel run saves checkpoints under it and resumes from the latest
+knob SAVE_EVERY "50"                   # with CHECKPOINT_DIR: save every K steps and after the last
+knob RESTARTS "0"                      # torchrun --max-restarts: a killed rank restarts the workers, which resume
+knob LOGS "logs"
+knob PLOTS "$LOGS/plots"               # PLOTS=plots rewrites the committed figures (docs/running.md)
+knob PYTHON "python"
+
+require_python
+check_environment
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --tp:TP:n
        --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w --recompute:RECOMPUTE=1:- --timeline:LOGS:-
        --balance:BALANCE:w --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
-source ./mp/tools/launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -66,7 +66,8 @@ EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes k
 run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 GRID_LOG="$LOGS/parallel_3d_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_tp${TP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${SUFFIX}.jsonl"
-PLOT="$PLOTS/3d_loss${SUFFIX}.png"
+# the plot's name: every knob off its default (the default run's plot keeps the README's name)
+PLOT="$PLOTS/3d_loss$(settings_tag MODEL NPROC DP TP MICROBATCHES SCHEDULE BATCH_SIZE)$EXTRA$SUFFIX.png"
 
 # the parallel program's arguments at its world size, before anything trains (parse_args only)
 check_args parallel_3d "${COMMON[@]}" "${PARALLEL[@]}" --log-file "$GRID_LOG"
@@ -80,9 +81,9 @@ STEP="the 3-D run (parallel_3d.py on $NPROC ranks)"
 echo "== 3-D: $DP replicas x $((NPROC / (DP * TP))) stages x $TP tp ranks, $MICROBATCHES microbatches ($SCHEDULE$DOING)"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 checkpoint_flags "$GRID_LOG"
-"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+"$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     parallel_3d.py "${COMMON[@]}" "${PARALLEL[@]}" "${CKPT[@]}" --log-file "$GRID_LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
 "$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$GRID_LOG" -o "$PLOT"
-echo "plot: $PLOT"
+say_written "$BASELINE_LOG" "$GRID_LOG" "$PLOT"

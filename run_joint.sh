@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Data + pipeline parallelism against the single-process baseline: train both on the same global
-# batch, plot both into $PLOTS/joint_loss.png; mp.tools.plot_curves prints the largest per-step
+# batch, plot both into $PLOTS/joint_loss<settings>.png; mp.tools.plot_curves prints the largest per-step
 # |loss difference| (the equivalence contract wants <= 1e-4). The parallel program's arguments
 # are checked first.
 #
@@ -12,42 +12,42 @@
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
 set -euo pipefail
+cd "$(dirname "$0")"
+source ./mp/tools/launch_checks.sh   # knobs, the checks, the files' names, the exits: shared
 STEP="the argument check"
-# a failed step stops the script here, with its name, before anything later is plotted
-trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc; nothing after it ran" >&2' ERR
 
-DP=${DP:-2}                            # data-parallel pipelines
-NPROC=${NPROC:-6}                      # ranks; stages = NPROC / DP
-MICROBATCHES=${MICROBATCHES:-3}        # per pipeline, per step
-BALANCE=${BALANCE:-}                   # blocks per stage, e.g. 1,1,3, or auto (mp/pp/balance.py); empty: even
-SCHEDULE=${SCHEDULE:-1f1b}             # gpipe | 1f1b | interleaved (2 chunks per stage: more blocks than the cnn's 5,
+knob DP "2"                            # data-parallel pipelines
+knob NPROC "6"                         # ranks; stages = NPROC / DP
+knob MICROBATCHES "3"                  # per pipeline, per step
+knob BALANCE ""                        # blocks per stage, e.g. 1,1,3, or auto (mp/pp/balance.py); empty: even
+knob SCHEDULE "1f1b"                   # gpipe | 1f1b | interleaved (2 chunks per stage: more blocks than the cnn's 5,
                                        #   e.g. SCHEDULE=interleaved MODEL=vit bash run_joint.sh --layers 4) | zb
                                        #   | 2bw (PipeDream-2BW; the baseline then runs --delay 1, its reference)
-MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
-STEPS=${STEPS:-300}
-DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
-BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
-BATCH_SIZE=${BATCH_SIZE:-72}           # global: a multiple of DP x MICROBATCHES
-SEED=${SEED:-0}
-EVAL_EVERY=${EVAL_EVERY:-50}
-ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
-DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
-CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
-CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
-SAVE_EVERY=${SAVE_EVERY:-50}           # with CHECKPOINT_DIR: save every K steps and after the last
-RESTARTS=${RESTARTS:-0}                # torchrun --max-restarts: a killed rank restarts the workers, which resume
-LOGS=${LOGS:-logs}
-PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figures (docs/running.md)
-PYTHON=${PYTHON:-python}
+knob MODEL "cnn"                       # cnn | mlp | vit
+knob STEPS "300"
+knob DATA "auto"                       # auto | cifar10 | synthetic
+knob BACKEND "auto"                    # auto | gloo | nccl
+knob BATCH_SIZE "72"                   # global: a multiple of DP x MICROBATCHES
+knob SEED "0"
+knob EVAL_EVERY "50"
+knob ACTIVATION "gelu"                 # gelu | relu: every model's activation, both programs (relu: the course's)
+knob DROPOUT "0"                       # dropout probability, both programs (keyed masks: exact in every layout)
+knob CLIP ""                           # clip the gradient to this global norm, both programs (empty: off)
+knob CHECKPOINT_DIR ""                 # the parallel run saves checkpoints under it and resumes from the latest
+knob SAVE_EVERY "50"                   # with CHECKPOINT_DIR: save every K steps and after the last
+knob RESTARTS "0"                      # torchrun --max-restarts: a killed rank restarts the workers, which resume
+knob LOGS "logs"
+knob PLOTS "$LOGS/plots"               # PLOTS=plots rewrites the committed figures (docs/running.md)
+knob PYTHON "python"
 
-cd "$(dirname "$0")"
+require_python
+check_environment
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --microbatches:MICROBATCHES:n
        --schedule:SCHEDULE:w --timeline:LOGS:- --balance:BALANCE:w
        --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
-source ./mp/tools/launch_checks.sh
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
 
@@ -61,7 +61,8 @@ DELAY=()                               # 2bw trains by another rule: its referen
 if [ "$SCHEDULE" = 2bw ]; then DELAY=(--delay 1) BASELINE_LOG="${BASELINE_LOG%.jsonl}_delay1.jsonl"; fi
 balance_knob                           # BALANCE: the joint run's --balance, and its tag in the names
 JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${BALANCE_TAG}.jsonl"
-PLOT="$PLOTS/joint_loss${BALANCE_TAG}${DELAY:+_2bw}.png"   # 2bw: drawn on its own reference, kept apart
+# the plot's name: every knob off its default (the default run's plot keeps the README's name)
+PLOT="$PLOTS/joint_loss$(settings_tag MODEL NPROC DP MICROBATCHES SCHEDULE BATCH_SIZE)$EXTRA$BALANCE_TAG.png"
 
 # the parallel program's arguments at its world size, before anything trains (parse_args only)
 check_args pipeline_dp_joint "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
@@ -76,10 +77,10 @@ STEP="the joint run (pipeline_dp_joint.py on $NPROC ranks)"
 echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatches ($SCHEDULE)"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 checkpoint_flags "$JOINT_LOG"
-"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+"$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
     --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${CKPT[@]}" --log-file "$JOINT_LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
 "$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
-echo "plot: $PLOT"
+say_written "$BASELINE_LOG" "$JOINT_LOG" "$PLOT"

@@ -6,49 +6,58 @@
 #
 #   bash run_pipeline.sh                                        # cnn, 4 stages, gpipe, 1f1b and 2bw, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_pipeline.sh               # no network
-#   SCHEDULES="1f1b interleaved" MICROBATCHES=8 MODEL=vit DATA=synthetic bash run_pipeline.sh --layers 6
-#   SCHEDULES="1f1b zb" RECOMPUTE=1 DATA=synthetic bash run_pipeline.sh    # zero bubble; re-materialisation
-#   SCHEDULES="1f1b 2bw" DATA=synthetic bash run_pipeline.sh    # PipeDream-2BW on its --delay 1 reference
+#   SCHEDULE="1f1b interleaved" MICROBATCHES=8 MODEL=vit DATA=synthetic bash run_pipeline.sh --layers 6
+#   SCHEDULE="1f1b zb" RECOMPUTE=1 DATA=synthetic bash run_pipeline.sh    # zero bubble; re-materialisation
+#   SCHEDULE="1f1b 2bw" DATA=synthetic bash run_pipeline.sh    # PipeDream-2BW on its --delay 1 reference
 #   BALANCE=auto DATA=synthetic bash run_pipeline.sh                       # stages split by counted cost
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
 set -euo pipefail
-STEP="the argument check"
-# a failed step stops the script here, with its name, before anything later is plotted
-trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc; nothing after it ran" >&2' ERR
-
-NPROC=${NPROC:-4}                      # pipeline stages = number of ranks
-MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
-STEPS=${STEPS:-300}
-DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
-MICROBATCHES=${MICROBATCHES:-4}
-SCHEDULES=${SCHEDULES:-"gpipe 1f1b 2bw"}   # any of gpipe 1f1b interleaved zb 2bw (2bw: MICROBATCHES >= NPROC)
-RECOMPUTE=${RECOMPUTE:-0}              # 1: --recompute (keep only stage inputs, re-run forwards before B)
-VIRTUAL_STAGES=${VIRTUAL_STAGES:-2}    # interleaved only
-BALANCE=${BALANCE:-}                   # blocks per stage (chunk), e.g. 1,1,1,2, or auto (mp/pp/balance.py); empty: even
-BACKEND=${BACKEND:-auto}               # auto | gloo | nccl
-BATCH_SIZE=${BATCH_SIZE:-64}
-SEED=${SEED:-0}
-EVAL_EVERY=${EVAL_EVERY:-50}
-ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
-DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
-CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
-CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
-SAVE_EVERY=${SAVE_EVERY:-50}           # with CHECKPOINT_DIR: save every K steps and after the last
-RESTARTS=${RESTARTS:-0}                # torchrun --max-restarts: a killed rank restarts the workers, which resume
-LOGS=${LOGS:-logs}
-PLOTS=${PLOTS:-$LOGS/plots}            # PLOTS=plots rewrites the committed figures (docs/running.md)
-PYTHON=${PYTHON:-python}
-
 cd "$(dirname "$0")"
+source ./mp/tools/launch_checks.sh   # knobs, the checks, the files' names, the exits: shared
+STEP="the argument check"
+if [ -n "${SCHEDULES:-}" ]; then       # SCHEDULE's old name here; every launcher now spells it SCHEDULE
+    if [ -n "${SCHEDULE:-}" ]; then
+        launcher_error "SCHEDULES=\"$SCHEDULES\" and SCHEDULE=\"$SCHEDULE\" are both set; SCHEDULES is SCHEDULE's old name: unset SCHEDULES"
+    fi
+    echo "note: SCHEDULES is SCHEDULE's old name (every launcher spells it SCHEDULE now): running SCHEDULE=\"$SCHEDULES\"" >&2
+    SCHEDULE=$SCHEDULES
+    unset SCHEDULES
+fi
+
+knob NPROC "4"                         # pipeline stages = number of ranks
+knob MODEL "cnn"                       # cnn | mlp | vit
+knob STEPS "300"
+knob DATA "auto"                       # auto | cifar10 | synthetic
+knob MICROBATCHES "4"
+knob SCHEDULE "gpipe 1f1b 2bw"        # a list: any of gpipe 1f1b interleaved zb 2bw (2bw: MICROBATCHES >= NPROC)
+knob RECOMPUTE "0"                     # 1: --recompute (keep only stage inputs, re-run forwards before B)
+knob VIRTUAL_STAGES "2"                # interleaved only
+knob BALANCE ""                        # blocks per stage (chunk), e.g. 1,1,1,2, or auto (mp/pp/balance.py); empty: even
+knob BACKEND "auto"                    # auto | gloo | nccl
+knob BATCH_SIZE "64"
+knob SEED "0"
+knob EVAL_EVERY "50"
+knob ACTIVATION "gelu"                 # gelu | relu: every model's activation, both programs (relu: the course's)
+knob DROPOUT "0"                       # dropout probability, both programs (keyed masks: exact in every layout)
+knob CLIP ""                           # clip the gradient to this global norm, both programs (empty: off)
+knob CHECKPOINT_DIR ""                 # the parallel run saves checkpoints under it and resumes from the latest
+knob SAVE_EVERY "50"                   # with CHECKPOINT_DIR: save every K steps and after the last
+knob RESTARTS "0"                      # torchrun --max-restarts: a killed rank restarts the workers, which resume
+knob LOGS "logs"
+knob PLOTS "$LOGS/plots"               # PLOTS=plots rewrites the committed figures (docs/running.md)
+knob PYTHON "python"
+
+require_python
+check_environment
+SCHEDULE_LIST=$SCHEDULE                # the loops below name each schedule SCHEDULE in turn
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
-       --eval-every:EVAL_EVERY:n --backend:BACKEND:w --microbatches:MICROBATCHES:n --schedule:SCHEDULES:w
+       --eval-every:EVAL_EVERY:n --backend:BACKEND:w --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w
        --virtual-stages:VIRTUAL_STAGES:n --recompute:RECOMPUTE=1:- --log-file:LOGS:- --timeline:LOGS:-
        --balance:BALANCE:w --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
-source ./mp/tools/launch_checks.sh
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -63,13 +72,15 @@ SUFFIX="" DOING=""                     # what the knobs change, in the file name
 if [ "$RECOMPUTE" = 1 ]; then SUFFIX="_recompute" DOING=", --recompute"; fi
 balance_knob
 if [ -n "$BALANCE" ]; then SUFFIX+=$BALANCE_TAG DOING+=", --balance $BALANCE"; fi
+# the plots' names: every knob off its default (the default run's plots keep the README's names)
+PLOT_TAG=$(settings_tag MODEL NPROC MICROBATCHES SCHEDULE VIRTUAL_STAGES BATCH_SIZE)$EXTRA$SUFFIX
 
 pipeline_flags() { if [ "$1" = interleaved ]; then echo --virtual-stages "$VIRTUAL_STAGES"; fi
                   if [ "$RECOMPUTE" = 1 ]; then echo --recompute; fi
                   echo "${BALANCE_FLAGS[@]}"; }
 # the parallel program's arguments at its world size, for every schedule, before anything trains
 checkpoint_flags "$LOGS/any.jsonl"     # with CHECKPOINT_DIR, checked as the runs will take it
-for SCHEDULE in $SCHEDULES; do
+for SCHEDULE in $SCHEDULE_LIST; do
     check_args pipeline_microbatch "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
         --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE") "${CKPT[@]}"
 done
@@ -79,14 +90,15 @@ STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 DELAY_LOG="${BASELINE_LOG%.jsonl}_delay1.jsonl"
-if [[ " $SCHEDULES " == *" 2bw "* ]]; then   # 2bw's own reference: the same stale-by-one rule in one process
+if [[ " $SCHEDULE_LIST " == *" 2bw "* ]]; then   # 2bw's own reference: the same stale-by-one rule in one process
     STEP="the 2bw reference (single_baseline.py --delay 1)"
     echo "== baseline with --delay 1 (PipeDream-2BW's update rule): one process"
     "$PYTHON" single_baseline.py "${COMMON[@]}" --delay 1 --log-file "$DELAY_LOG"
 fi
 
-LOGS_OF=() TRACES=() PIPEDREAM_LOG=""
-for SCHEDULE in $SCHEDULES; do
+WROTE=("$BASELINE_LOG") LOGS_OF=() TRACES=() PIPEDREAM_LOG=""
+if [[ " $SCHEDULE_LIST " == *" 2bw "* ]]; then WROTE+=("$DELAY_LOG"); fi
+for SCHEDULE in $SCHEDULE_LIST; do
     RUN="${MODEL}${EXTRA}_${SCHEDULE}_p${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}"
     if [ "$SCHEDULE" = interleaved ]; then RUN="${RUN}_v${VIRTUAL_STAGES}"; fi
     LOG="$LOGS/pipeline_${RUN}${SUFFIX}.jsonl"
@@ -95,22 +107,22 @@ for SCHEDULE in $SCHEDULES; do
     echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches$DOING"
     # "--" ends torchrun's own options, so that every later flag reaches the program
     checkpoint_flags "$LOG"
-    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+    "$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
         pipeline_microbatch.py "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
         --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE") "${CKPT[@]}" --timeline "$TRACE" --log-file "$LOG"
     if [ "$SCHEDULE" = 2bw ]; then PIPEDREAM_LOG="$LOG"; else LOGS_OF+=("$LOG"); fi
-    TRACES+=("$TRACE")
+    TRACES+=("$TRACE") WROTE+=("$LOG" "$TRACE")
 done
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-PNGS=("$PLOTS/pipeline_timeline${SUFFIX}.png")
 if [ ${#LOGS_OF[@]} -gt 0 ]; then
-    "$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${SUFFIX}.png"
-    PNGS+=("$PLOTS/pipeline_loss${SUFFIX}.png")
+    "$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${PLOT_TAG}.png"
+    WROTE+=("$PLOTS/pipeline_loss${PLOT_TAG}.png")
 fi
 if [ -n "$PIPEDREAM_LOG" ]; then   # 2bw against its reference; the synchronous baseline beside, not compared
-    "$PYTHON" -m mp.tools.plot_curves "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${SUFFIX}.png"
-    PNGS+=("$PLOTS/pipeline_loss_2bw${SUFFIX}.png")
+    "$PYTHON" -m mp.tools.plot_curves "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png"
+    WROTE+=("$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png")
 fi
-"$PYTHON" -m mp.tools.plot_curves --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${SUFFIX}.png"
-echo "plots: ${PNGS[*]}"
+"$PYTHON" -m mp.tools.plot_curves --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${PLOT_TAG}.png"
+WROTE+=("$PLOTS/pipeline_timeline${PLOT_TAG}.png")
+say_written "${WROTE[@]}"

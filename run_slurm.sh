@@ -3,7 +3,7 @@
 # the nodes and runs this script on the first of them. It trains the single-process baseline
 # there; then `srun` starts one torchrun agent on each node, the agents meet at a rendezvous on the
 # first node and start NPROC ranks each, so the program sees one world of nodes x NPROC ranks.
-# Last, mp.tools.plot_curves draws both runs into $PLOTS/slurm_loss.png and prints the largest per-step
+# Last, mp.tools.plot_curves draws both runs into $PLOTS/slurm-<job id>-<program>_<model>_loss.png and prints the largest per-step
 # |loss difference| (the equivalence contract wants <= 1e-4), as the other run_*.sh launchers do.
 #
 #   sbatch run_slurm.sh                                        # 2 nodes x 2 ranks: a 4-stage pipeline
@@ -33,7 +33,9 @@
 # Knobs (environment, with defaults; sbatch hands the submitting shell's environment to the job).
 set -euo pipefail
 # a failed step stops the script here, with its name, before anything later is plotted
-trap 'rc=$?; echo "run_slurm.sh: stopped: this step failed with exit status $rc: $BASH_COMMAND" >&2' ERR
+# (a step interrupted by Ctrl-C or scancel has said so in one line and exits 130: leave quietly)
+trap 'rc=$?; if [ $rc = 130 ]; then exit 130; fi
+      echo "run_slurm.sh: stopped: this step failed with exit status $rc: $BASH_COMMAND" >&2' ERR
 
 PROGRAM=${PROGRAM:-pipeline_microbatch.py}  # pipeline_microbatch.py | pipeline_dp_joint.py | tensor_parallel.py | parallel_3d.py
 NPROC=${NPROC:-2}                      # ranks per node (GPUs per node on a GPU cluster); world = nodes x NPROC
@@ -109,6 +111,8 @@ if [ -z "${REPO:-}" ] || [ ! -f "$REPO/$PROGRAM" ]; then
          "from the repository's root ('cd model-parallel && sbatch run_slurm.sh'), or set REPO=/path/to/it"
 fi
 cd "$REPO"
+# a set variable that is another launcher's knob, or one typo away from one of these: refused
+"$PYTHON" -m mp.tools.knobs run_slurm.sh || exit $?
 mkdir -p "$LOGS" "$PLOTS"
 
 # ---- 3. the rendezvous: the first node's address and a port ------------------------------------
@@ -154,11 +158,12 @@ echo "== baseline${DELAY:+ with --delay 1, the 2bw reference}: one process on $(
 echo "== $NAME: $NNODES nodes x $NPROC ranks = $WORLD ranks; rendezvous $RDZV_HOST:$RDZV_PORT ($HEAD_NODE)"
 srun --nodes "$NNODES" --ntasks "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 --label \
     ${SLURM_CPUS_PER_TASK:+--cpus-per-task "$SLURM_CPUS_PER_TASK"} \
-    "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" \
+    "$PYTHON" -m mp.tools.torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" \
         --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID" -- \
         "$PROGRAM" "${COMMON[@]}" --backend "$BACKEND" "${PARALLEL[@]}" --log-file "$LOG"
 
 # ---- 7. the plot ------------------------------------------------------------------------------
-"$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$LOG" -o "$PLOTS/slurm_loss.png"
-echo "logs: $BASELINE_LOG $LOG"
-echo "plot: $PLOTS/slurm_loss.png"
+PLOT="$PLOTS/slurm-${SLURM_JOB_ID}-${NAME}_${MODEL}_loss.png"
+"$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$LOG" -o "$PLOT"
+echo "wrote:"
+printf '  %s\n' "$BASELINE_LOG" "$LOG" "$PLOT"

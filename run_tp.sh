@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor parallelism against the single-process baseline: train both, plot both into
-# $PLOTS/tp_loss.png; mp.tools.plot_curves prints the largest per-step |loss difference| (the
+# $PLOTS/tp_loss<settings>.png; mp.tools.plot_curves prints the largest per-step |loss difference| (the
 # equivalence contract wants <= 1e-4). The parallel program's arguments are checked first.
 #
 #   bash run_tp.sh                                   # cnn, degree 2, CIFAR-10
@@ -11,37 +11,36 @@
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
 set -euo pipefail
-STEP="the argument check"
-# a failed step stops the script here, with its name, before anything later is plotted
-trap 'rc=$?; echo "$(basename "$0"): stopped: $STEP failed with exit status $rc; nothing after it ran" >&2' ERR
-
-NPROC=${NPROC:-2}              # tensor-parallel degree = number of ranks
-MODEL=${MODEL:-cnn}            # cnn | mlp | vit
-STEPS=${STEPS:-300}
-DATA=${DATA:-auto}             # auto | cifar10 | synthetic
-BACKEND=${BACKEND:-auto}       # auto | gloo | nccl
-HYBRID=${HYBRID:-0}            # 1: also run --hybrid (cnn: data-parallel convolutions, tensor-parallel fc)
-BATCH_SIZE=${BATCH_SIZE:-64}
-SEED=${SEED:-0}
-EVAL_EVERY=${EVAL_EVERY:-50}
-ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
-DROPOUT=${DROPOUT:-0}                  # dropout probability, both programs (keyed masks: exact in every layout)
-CLIP=${CLIP:-}                         # clip the gradient to this global norm, both programs (empty: off)
-CHECKPOINT_DIR=${CHECKPOINT_DIR:-}     # the parallel run saves checkpoints under it and resumes from the latest
-SAVE_EVERY=${SAVE_EVERY:-50}           # with CHECKPOINT_DIR: save every K steps and after the last
-RESTARTS=${RESTARTS:-0}                # torchrun --max-restarts: a killed rank restarts the workers, which resume
-LOGS=${LOGS:-logs}
-PLOTS=${PLOTS:-$LOGS/plots}    # PLOTS=plots rewrites the committed figures (docs/running.md)
-PLOT="$PLOTS/tp_loss.png"
-PYTHON=${PYTHON:-python}
-
 cd "$(dirname "$0")"
+source ./mp/tools/launch_checks.sh   # knobs, the checks, the files' names, the exits: shared
+STEP="the argument check"
+
+knob NPROC "2"                         # tensor-parallel degree = number of ranks
+knob MODEL "cnn"                       # cnn | mlp | vit
+knob STEPS "300"
+knob DATA "auto"                       # auto | cifar10 | synthetic
+knob BACKEND "auto"                    # auto | gloo | nccl
+knob HYBRID "0"                        # 1: also run --hybrid (cnn: data-parallel convolutions, tensor-parallel fc)
+knob BATCH_SIZE "64"
+knob SEED "0"
+knob EVAL_EVERY "50"
+knob ACTIVATION "gelu"                 # gelu | relu: every model's activation, both programs (relu: the course's)
+knob DROPOUT "0"                       # dropout probability, both programs (keyed masks: exact in every layout)
+knob CLIP ""                           # clip the gradient to this global norm, both programs (empty: off)
+knob CHECKPOINT_DIR ""                 # the parallel run saves checkpoints under it and resumes from the latest
+knob SAVE_EVERY "50"                   # with CHECKPOINT_DIR: save every K steps and after the last
+knob RESTARTS "0"                      # torchrun --max-restarts: a killed rank restarts the workers, which resume
+knob LOGS "logs"
+knob PLOTS "$LOGS/plots"               # PLOTS=plots rewrites the committed figures (docs/running.md)
+knob PYTHON "python"
+
+require_python
+check_environment
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --hybrid:HYBRID=1:-
        --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
-source ./mp/tools/launch_checks.sh
 check_knob HYBRID "$HYBRID" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -56,6 +55,8 @@ EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes k
 run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 TP_LOG="$LOGS/tensor_parallel_${MODEL}${EXTRA}_tp${NPROC}_b${BATCH_SIZE}.jsonl"
+# the plot's name: every knob off its default (the default run's plot keeps the README's name)
+PLOT="$PLOTS/tp_loss$(settings_tag MODEL NPROC BATCH_SIZE HYBRID)$EXTRA.png"
 
 # the parallel program's arguments at its world size, before anything trains (parse_args only)
 check_args tensor_parallel "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_LOG"
@@ -70,7 +71,7 @@ STEP="the tensor-parallel run (tensor_parallel.py on $NPROC ranks)"
 echo "== tensor parallel: degree $NPROC"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 checkpoint_flags "$TP_LOG"
-"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+"$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     tensor_parallel.py "${COMMON[@]}" --backend "$BACKEND" "${CKPT[@]}" --log-file "$TP_LOG"
 
 LOGS_TO_PLOT=("$BASELINE_LOG" "$TP_LOG")
@@ -79,11 +80,11 @@ if [ "$HYBRID" = 1 ]; then
     STEP="the hybrid run (tensor_parallel.py --hybrid on $NPROC ranks)"
     echo "== hybrid: data-parallel convolutions, tensor-parallel fc layers, degree $NPROC"
     checkpoint_flags "$HYBRID_LOG"
-    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+    "$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
         tensor_parallel.py "${COMMON[@]}" --hybrid --backend "$BACKEND" "${CKPT[@]}" --log-file "$HYBRID_LOG"
     LOGS_TO_PLOT+=("$HYBRID_LOG")
 fi
 
 STEP="the plot (python -m mp.tools.plot_curves)"
 "$PYTHON" -m mp.tools.plot_curves "${LOGS_TO_PLOT[@]}" -o "$PLOT"
-echo "plot: $PLOT"
+say_written "${LOGS_TO_PLOT[@]}" "$PLOT"

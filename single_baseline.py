@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from mp import checkpoint
 from mp.data import agree_on_data, load_data, to_device
 from mp.dist import distributed, torchrun_env
-from mp.errors import fail
+from mp.errors import fail, stop_on_interrupt
 from mp.flags import base_parser, validate_common
 from mp.loop import Job, evaluate, train, whole_model_run
 from mp.models import build_model
@@ -75,6 +75,7 @@ def clip_grad_norm(max_norm):
 
 
 def main(argv=None):
+    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     data = load_data(args)
     with distributed(args) as env:

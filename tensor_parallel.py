@@ -54,7 +54,7 @@ from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
 from mp.dist import awaiting, distributed, exit_now, torchrun_env
 from mp.dropout import KeyedDropout
-from mp.errors import note_one_rank
+from mp.errors import note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
 from mp.loop import Job, evaluate, train, whole_model_run
 from mp.models import Attention, build_model, num_blocks
@@ -322,6 +322,7 @@ def summed_where_partial(model, group, hybrid):
 
 
 def main(argv=None):
+    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     note_one_rank("tensor parallelism of degree 1, every weight whole")
     data = load_data(args)

@@ -9,7 +9,8 @@
                                               timeline, the pipelines' step and evaluation
     tp/                                       tensor-parallel collectives, the operators beyond f and g,
                                               replicated parameters, sequence parallelism, --hybrid
-    tools/                                    python -m mp.tools.plot_curves, python -m mp.tools.schedule
+    tools/                                    python -m mp.tools.plot_curves, python -m mp.tools.schedule; the
+                                              launchers' knobs check and torchrun (mp.tools.knobs, .torchrun)
 
 The package never imports a program; docs/map.md says where each step of each program goes.
 """

@@ -1,8 +1,10 @@
 """What every part of the package may need and none may import in a circle: the one `error:` line
-for bad input (fail), the note for a one-rank launch, and the error a communication failure raises.
-A leaf: it imports nothing of the project."""
+for bad input (fail), the one line of a Ctrl-C, the note for a one-rank launch, and the error a
+communication failure raises. A leaf: it imports nothing of the project."""
 import os
+import signal
 import sys
+import time
 
 
 def print_error(message):
@@ -20,7 +22,21 @@ def fail(message, seen_by="every rank"):
     printer = {"every rank": "RANK", "every node": "LOCAL_RANK", "this rank": None}[seen_by]
     if printer is None or int(os.environ.get(printer, 0)) == 0:
         print_error(message)
+    else:
+        outlast_the_printer()
     sys.exit(2)
+
+
+PRINTER_WAIT_S = 30
+
+
+def outlast_the_printer():
+    """A rank that leaves the error line to another must not leave first: torchrun stops the other
+    ranks (SIGTERM) as soon as one exits, and on a loaded machine the rank that prints may not have
+    printed yet, so the user would get torchrun's report with no `error:` line. Under torchrun this
+    rank waits; the printing rank's exit makes torchrun end the wait. Bounded, so it never hangs."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        time.sleep(PRINTER_WAIT_S)
 
 
 def note_one_rank(what):
@@ -29,6 +45,37 @@ def note_one_rank(what):
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         print(f"note: one rank (WORLD_SIZE 1): {what}; launch it with torchrun --nproc-per-node N to split "
               f"the work over N ranks", flush=True)
+
+
+_interrupted_line = None   # () -> what this rank says when interrupted (None: nothing); set by the loop
+
+
+def say_when_interrupted(line):
+    global _interrupted_line
+    _interrupted_line = line
+
+
+def stop_on_interrupt():
+    """Ctrl-C sends SIGINT to every process of the terminal's job: the launcher, torchrun and each
+    rank (torchrun passes it on too). Each rank leaves at once with exit status 130; raising
+    KeyboardInterrupt instead would unwind through a collective that a peer has already left and print
+    a traceback or a false "waited ..." error on every rank. The log was flushed line by line, so its
+    partial file stays valid; one rank says where it is (say_when_interrupted)."""
+    signal.signal(signal.SIGINT, _leave_interrupted)
+
+
+def _leave_interrupted(signum, frame):
+    if _interrupted_line is not None:
+        line = _interrupted_line()
+    else:   # not training yet: rank 0 speaks for all
+        line = "interrupted during set-up, before the first step" if int(os.environ.get("RANK", 0)) == 0 else None
+    try:
+        sys.stdout.flush()    # the progress lines so far (a print this handler interrupted may refuse)
+    except RuntimeError:
+        pass
+    if line:
+        os.write(2, (line + "\n").encode())
+    os._exit(130)
 
 
 class CommError(RuntimeError):

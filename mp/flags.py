@@ -4,6 +4,7 @@ import argparse
 import copy
 import math
 import os
+import sys
 
 from mp import checkpoint
 from mp.errors import fail
@@ -22,9 +23,30 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return super()._format_action(action)
 
 
+# the model flags each model reads: a flag given for a model that ignores it is refused, not dropped
+MODEL_FLAGS = {"cnn": (), "mlp": ("--layers", "--hidden"), "vit": ("--layers", "--hidden", "--heads")}
+
+
 class Parser(argparse.ArgumentParser):
+    """argparse with one `error:` line, no abbreviations (--layer is not --layers, and no flag can
+    pass for one of torchrun's), and the model flags checked against the model."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
+
     def error(self, message):  # argparse's own mistakes get the same one-line form
         fail(f"{message} (see --help)")
+
+    def parse_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        parsed = super().parse_args(argv, namespace)
+        given = [a.split("=")[0] for a in argv if a.split("=")[0] in MODEL_FLAGS["vit"]]
+        unused = [flag for flag in dict.fromkeys(given) if flag not in MODEL_FLAGS[parsed.model]]
+        if unused:
+            used = ", ".join(MODEL_FLAGS[parsed.model]) or "none of --layers, --hidden, --heads"
+            fail(f"--model {parsed.model} does not use {', '.join(unused)} (it reads {used}): "
+                 f"drop {'them' if len(unused) > 1 else 'it'}, or choose a model that does")
+        return parsed
 
 
 def base_parser(description):

@@ -1,5 +1,6 @@
 """The metrics log (JSON lines from the rank that owns the loss), the console progress line and the
 summary record's memory figures."""
+import glob
 import json
 import math
 import os
@@ -9,22 +10,47 @@ import time
 import torch
 import torch.distributed as dist
 
-from mp.errors import fail
+from mp.errors import fail, say_when_interrupted
 from mp.models import param_mb
 
 
-class MetricsLog:
-    """JSON lines, one record per event, flushed at once so a crash leaves a valid prefix.
-    Only the rank that owns the loss writes (enabled=True); the others hold a no-op log."""
+def partial_name(path):
+    """Where a log is written until its run ends: logs/x.jsonl -> logs/x.partial-<pid>.jsonl (one per
+    process, so two runs of the same settings at once never write one file)."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.partial-{os.getpid()}{ext or '.jsonl'}"
 
-    def __init__(self, path, enabled, resuming=False):
-        self.file, self.earlier = None, []
+
+class MetricsLog:
+    """JSON lines, one record per event, flushed at once so a crash leaves a valid prefix. Only the
+    rank that owns the loss writes (enabled=True); the others hold a no-op log.
+
+    The log is complete or absent under its final name: it is written under partial_name(path) and
+    renamed to path at close() (an atomic replace in one folder), so an interrupted or failed run
+    never touches an earlier run's complete log, and keeps its own partial one under a name that
+    says so. A resumed run (a checkpoint at step `start`) takes its earlier records from the newest
+    of the two, and deletes the partial log it took them from once its own is complete."""
+
+    def __init__(self, path, enabled, resuming=False, steps=None):
+        self.file, self.earlier, self.path, self.steps, self.next_step = None, [], path, steps, 0
+        self.partial, self.superseded = partial_name(path), None
         if enabled:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            if resuming and os.path.exists(path):   # a resumed run keeps the earlier steps' records
-                with open(path) as f:
-                    self.earlier = [r for r in map(parse_record, f) if r]
-            self.file = open(path, "w")
+            if resuming:                # a resumed run keeps the earlier steps' records
+                self.superseded = newest_log(path)
+                if self.superseded:
+                    with open(self.superseded) as f:
+                        self.earlier = [r for r in map(parse_record, f) if r]
+            self.file = open(self.partial, "w")
+            say_when_interrupted(self.interrupted_line)
+        else:
+            say_when_interrupted(lambda: None)   # the rank that writes the log speaks for all
+
+    def interrupted_line(self):
+        earlier = f"; {self.path} (an earlier run's) is untouched" if os.path.exists(self.path) else ""
+        return (f"interrupted at step {self.next_step} of 0-{self.steps - 1}: kept steps 0-{self.next_step - 1} "
+                f"in {self.partial}{earlier}" if self.next_step else
+                f"interrupted before step 0 finished: kept {self.partial}{earlier}")
 
     def begin(self, program, args, env, start=0, layout=None):
         """The config record; for a run resumed at step `start`, then the earlier run's train and
@@ -41,14 +67,28 @@ class MetricsLog:
         if self.file:
             self.file.write(json.dumps({"event": event, **fields}) + "\n")
             self.file.flush()
+            if event == "train":
+                self.next_step = fields["step"] + 1
 
     def config(self, program, args, env):
         self.write("config", program=program, args=vars(args), world_size=env.world_size,
                    backend=env.backend, device=str(env.device))
 
     def close(self):
+        """The run is complete: its log takes its final name."""
         if self.file:
             self.file.close()
+            os.replace(self.partial, self.path)
+            if self.superseded and self.superseded != self.path and os.path.exists(self.superseded):
+                os.remove(self.superseded)   # its records are in the complete log now
+        say_when_interrupted(lambda: None)
+
+
+def newest_log(path):
+    """The newest of path and its partial logs (a killed attempt's), or None."""
+    stem, ext = os.path.splitext(path)
+    found = [p for p in [path] + glob.glob(glob.escape(stem) + ".partial-*" + (ext or ".jsonl")) if os.path.exists(p)]
+    return max(found, key=os.path.getmtime, default=None)
 
 
 def parse_record(line):

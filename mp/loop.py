@@ -42,7 +42,7 @@ def train(args, env, job):
     """Train job from its checkpoint (or step 0) to --steps; returns the exit status (0)."""
     optimizer = make_optimizer(job.params, args)
     first, written_by = checkpoint.resume(args, job.model, optimizer, env.rank, job.versions())
-    log = MetricsLog(args.log_file, enabled=job.owner, resuming=first > 0)
+    log = MetricsLog(args.log_file, enabled=job.owner, resuming=first > 0, steps=args.steps)
     log.begin(job.program, args, env, first, written_by)
     progress = Progress(args.steps, enabled=job.owner)
     start_memory_count(env.device)

@@ -94,6 +94,13 @@ def launch(program, args, tmp_path, nproc=1, timeout=240, log_name=None, real=Fa
     return Run(code, stdout, stderr, read_log(log), codes)
 
 
+def written(stdout):
+    """The files a launcher's last lines name (`wrote:`, then one indented path a line)."""
+    lines = stdout.splitlines()
+    assert "wrote:" in lines, stdout[-2000:]
+    return [line.strip() for line in lines[lines.index("wrote:") + 1:] if line.startswith("  ")]
+
+
 def slow(*values):
     """One case of a parametrized test that `-m "not slow"` leaves out (its siblings stay in)."""
     return pytest.param(*values, marks=pytest.mark.slow)

@@ -187,7 +187,8 @@ def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
      "with 8 ranks (torchrun --nproc-per-node 8), or drop --sequence-parallel"),
 ])
 def test_a_bad_grid_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world, message):
-    assert_one_error_line(parallel_3d.parse_args, MLP + argv, world, message, monkeypatch, capsys)
+    base = MLP if "cnn" not in argv else FAST + ["--batch-size", "16", "--steps", "4"]   # the cnn takes no --hidden
+    assert_one_error_line(parallel_3d.parse_args, base + argv, world, message, monkeypatch, capsys)
 
 
 def test_a_bad_grid_under_torchrun_fails_on_every_rank(tmp_path):

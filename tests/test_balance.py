@@ -84,13 +84,13 @@ def test_the_pipeline_launcher_takes_balance_as_a_knob_and_names_the_runs_by_it(
     import subprocess
     from helpers import ROOT
     env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path), DATA="synthetic", EVAL_EVERY="0",
-               OMP_NUM_THREADS="1", NPROC="2", SCHEDULES="1f1b", STEPS="2")
+               OMP_NUM_THREADS="1", NPROC="2", SCHEDULE="1f1b", STEPS="2")
     run = subprocess.run(["bash", os.path.join(ROOT, "run_pipeline.sh")], env=dict(env, BALANCE="4,x"),
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.startswith("error: BALANCE '4,x' must be"), run.stderr
     run = subprocess.run(["bash", os.path.join(ROOT, "run_pipeline.sh")], env=dict(env, BALANCE="auto"),
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
-    log, = tmp_path.glob("pipeline_cnn_1f1b_p2_m4_b64_balanceauto.jsonl")
+    log, = tmp_path.glob("pipeline_cnn_steps2_synthetic_evalevery0_1f1b_p2_m4_b64_balanceauto.jsonl")
     assert '"balance": "1,4"' in log.read_text()
-    assert (tmp_path / "plots" / "pipeline_timeline_balanceauto.png").exists()
+    assert (tmp_path / "plots" / "pipeline_timeline_nproc2_1f1b_steps2_synthetic_evalevery0_balanceauto.png").exists()

@@ -1,9 +1,11 @@
 """The reference program: it trains, follows the log contract, and refuses bad input clearly."""
 import importlib.util
+import os
 
 import pytest
 
-from helpers import FAST, launch
+from helpers import FAST, launch, read_log
+from mp.log import newest_log
 
 
 def test_baseline_trains_and_follows_the_log_contract(tmp_path):
@@ -62,4 +64,7 @@ def test_a_diverging_loss_stops_training_naming_the_step(tmp_path):
     run = launch("single_baseline.py", FAST + ["--lr", "1000", "--steps", "50"], tmp_path)
     assert run.returncode == 2
     assert run.stderr.startswith("error: the loss became nan at step 3"), run.stderr
-    assert len(run.losses()) == 3  # the steps before it stay in the log, as valid JSON lines
+    partial = newest_log(str(tmp_path / "single_baseline-1.jsonl"))   # a failed run's log says it is partial
+    assert ".partial-" in partial and not os.path.exists(tmp_path / "single_baseline-1.jsonl")
+    records = read_log(partial)    # the steps before it stay there, as valid JSON lines
+    assert [r["step"] for r in records if r["event"] == "train"] == [0, 1, 2]

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from helpers import FAST, ROOT, assert_one_error_line, launch, read_log
+from mp.log import newest_log
 
 MLP = FAST + ["--model", "mlp", "--layers", "5", "--hidden", "32", "--batch-size", "16",
               "--dropout", "0.1", "--clip-grad-norm", "0.1"]
@@ -151,9 +152,11 @@ def test_kill_9_of_one_rank_under_max_restarts_resumes_and_finishes(tmp_path, ba
 
 def trained_steps(log):
     """The steps logged so far by a run still writing (its last line may be cut short)."""
-    if not log.exists():
+    current = newest_log(str(log))     # while it runs, the log is its partial file (mp/log.py)
+    if not current:
         return []
-    lines = log.read_text().splitlines()
+    with open(current) as f:
+        lines = f.read().splitlines()
     return [json.loads(line)["step"] for line in lines[:-1] if '"train"' in line]
 
 

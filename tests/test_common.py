@@ -1,5 +1,6 @@
 """The plumbing every program relies on: data determinism and slicing, models, the metrics log."""
 import json
+import os
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def test_test_batches_cover_the_test_split():
 
 @pytest.mark.parametrize("model,blocks", [("cnn", 5), ("mlp", 4), ("vit", 6)])
 def test_models_are_block_lists_built_identically_from_the_seed(model, blocks):
-    args = args_for("--model", model, "--hidden", "32", "--seed", "5")
+    args = args_for("--model", model, "--seed", "5", *(["--hidden", "32"] if model != "cnn" else []))
     a, b = models.build_model(args), models.build_model(args)
     assert len(a) == blocks
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
@@ -74,10 +75,17 @@ def test_vit_attention_reads_the_head_count_off_its_weights():
 
 def test_metrics_log_writes_flushed_json_lines(tmp_path):
     path = tmp_path / "sub" / "log.jsonl"
-    log = mp_log.MetricsLog(str(path), enabled=True)
+    path.parent.mkdir()
+    path.write_text("an earlier run's complete log\n")
+    log = mp_log.MetricsLog(str(path), enabled=True, steps=3)
     log.write("train", step=0, loss=1.5)
-    assert json.loads(path.read_text()) == {"event": "train", "step": 0, "loss": 1.5}  # before close
+    partial = tmp_path / "sub" / f"log.partial-{os.getpid()}.jsonl"          # until the run ends
+    assert json.loads(partial.read_text()) == {"event": "train", "step": 0, "loss": 1.5}  # flushed
+    assert path.read_text() == "an earlier run's complete log\n"             # untouched until then
+    assert log.interrupted_line() == (f"interrupted at step 1 of 0-2: kept steps 0-0 in {partial}; {path} "
+                                      "(an earlier run's) is untouched")
     log.close()
+    assert json.loads(path.read_text())["loss"] == 1.5 and not partial.exists()   # complete, under its name
     silent = mp_log.MetricsLog(str(tmp_path / "never.jsonl"), enabled=False)
     silent.write("train", step=0, loss=1.0)
     assert not (tmp_path / "never.jsonl").exists()

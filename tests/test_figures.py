@@ -9,9 +9,11 @@ import pytest
 from mp.tools import plot_curves
 from helpers import ROOT
 
-FIGURES = {"run_pipeline": ["pipeline_loss.png", "pipeline_timeline.png", "pipeline_loss_2bw.png"],
-           "run_joint": ["joint_loss.png"],
-           "run_tp": ["tp_loss.png"], "run_3d": ["3d_loss.png"]}
+# each launcher's figures under the names it gives them with the documented knobs (off their defaults)
+FIGURES = {"run_pipeline": ["pipeline_loss_synthetic.png", "pipeline_timeline_synthetic.png",
+                            "pipeline_loss_2bw_synthetic.png"],
+           "run_joint": ["joint_loss_synthetic.png"],
+           "run_tp": ["tp_loss_hybrid1_synthetic.png"], "run_3d": ["3d_loss_synthetic.png"]}
 OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh",   # drawn by another documented command
                   "tp_ladder.png": "python benchmarks/tp_ladder.py --steps 300 --plot plots/tp_ladder.png"}
 
@@ -22,24 +24,26 @@ def read(path):
 
 
 def documented_command():
-    """(launchers, knobs) of the one command in docs/running.md that rewrites plots/."""
-    lines = [line for line in read("docs/running.md").splitlines() if line.startswith("for run in ")]
-    assert len(lines) == 1, lines
-    match = re.fullmatch(r"for run in ([\w ]+); do ((?:\w+=\S+ )+)bash \$run\.sh \|\| break; done", lines[0])
-    assert match, lines[0]
-    knobs = dict(pair.split("=", 1) for pair in match.group(2).split())
-    return match.group(1).split(), knobs
+    """{launcher: its knobs} of the two lines in docs/running.md that rewrite plots/: a loop over
+    launchers with the same knobs, then one launcher with its own."""
+    lines = read("docs/running.md").splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("for run in ")))
+    loop = re.fullmatch(r"for run in ([\w ]+); do ((?:\w+=\S+ )+)bash \$run\.sh \|\| break; done", lines[start])
+    single = re.fullmatch(r"((?:\w+=\S+ )+)bash (\w+)\.sh", lines[start + 1])
+    assert loop and single, lines[start:start + 2]
+    knobs = lambda text: dict(pair.split("=", 1) for pair in text.split())
+    return {**{run: knobs(loop.group(2)) for run in loop.group(1).split()}, single.group(2): knobs(single.group(1))}
 
 
-def settings(launcher, knobs):
-    """The launcher's knobs as that command sets them: its defaults (NAME=${NAME:-value}), then the command's."""
-    found = dict(re.findall(r'^(\w+)=\$\{\1:-"?([^"}]*)"?\}', read(launcher + ".sh"), re.M))
-    return {**found, **{k: v for k, v in knobs.items()}}
+def settings(launcher, knobs=None):
+    """The launcher's knobs as that command sets them: its defaults (knob NAME "value"), then the command's."""
+    found = dict(re.findall(r'^knob (\w+) "([^"]*)"', read(launcher + ".sh"), re.M))
+    return {**found, **(documented_command()[launcher] if knobs is None else knobs)}
 
 
 def test_the_command_rewrites_the_committed_figures_and_nothing_else_does():
-    launchers, knobs = documented_command()
-    assert sorted(launchers) == sorted(FIGURES) and knobs.get("PLOTS") == "plots"
+    commands = documented_command()
+    assert sorted(commands) == sorted(FIGURES) and all(k.get("PLOTS") == "plots" for k in commands.values())
     committed = sorted(f for f in os.listdir(os.path.join(ROOT, "plots")) if f.endswith(".png"))
     assert committed == sorted(sum(FIGURES.values(), []) + list(OTHER_COMMANDS)), committed
     for figure, command in OTHER_COMMANDS.items():
@@ -54,7 +58,7 @@ def loss_record(figure):
 
 @pytest.mark.parametrize("launcher", sorted(FIGURES))
 def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
-    s = settings(launcher, documented_command()[1])
+    s = settings(launcher)
     title, runs = loss_record(FIGURES[launcher][0])
     base, parallel = runs[0], runs[1:]
     data = "SYNTHETIC" if s["DATA"] == "synthetic" else s["DATA"].upper()
@@ -81,26 +85,26 @@ def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
         if launcher == "run_3d":
             assert args["tp"] == int(s["TP"])
     if launcher == "run_pipeline":   # 2bw has a figure of its own, against its own reference
-        assert [run["args"]["schedule"] for run in parallel] == [x for x in s["SCHEDULES"].split() if x != "2bw"]
+        assert [run["args"]["schedule"] for run in parallel] == [x for x in s["SCHEDULE"].split() if x != "2bw"]
     if launcher == "run_tp":
         assert [bool(run["args"].get("hybrid")) for run in parallel] == [False] + [True] * (s["HYBRID"] == "1")
 
 
 def test_the_timeline_figure_shows_the_documented_schedules():
-    s = settings("run_pipeline", documented_command()[1])
-    _, record = plot_curves.png_record(os.path.join(ROOT, "plots", "pipeline_timeline.png"))
-    assert record.get("kind") == "timeline", "plots/pipeline_timeline.png was not drawn by this mp.tools.plot_curves"
+    s = settings("run_pipeline")
+    _, record = plot_curves.png_record(os.path.join(ROOT, "plots", FIGURES["run_pipeline"][1]))
+    assert record.get("kind") == "timeline", f"plots/{FIGURES['run_pipeline'][1]} was not drawn by this mp.tools.plot_curves"
     traces = record["traces"]
-    assert [t["schedule"] for t in traces] == s["SCHEDULES"].split()
+    assert [t["schedule"] for t in traces] == s["SCHEDULE"].split()
     for t in traces:
         assert (t["stages"], t["microbatches"], t["recompute"]) == (int(s["NPROC"]), int(s["MICROBATCHES"]),
                                                                    s["RECOMPUTE"] == "1")
 
 
 def test_the_2bw_figure_draws_it_on_its_delay_1_reference_beside_the_synchronous_baseline():
-    s = settings("run_pipeline", documented_command()[1])
-    assert "2bw" in s["SCHEDULES"].split()
-    _, record = plot_curves.png_record(os.path.join(ROOT, "plots", "pipeline_loss_2bw.png"))
+    s = settings("run_pipeline")
+    assert "2bw" in s["SCHEDULE"].split()
+    _, record = plot_curves.png_record(os.path.join(ROOT, "plots", FIGURES["run_pipeline"][2]))
     (reference, pipedream), (synchronous,) = record["runs"], record["beside"]
     assert reference["program"] == "single_baseline" and reference["args"]["delay"] == 1
     assert pipedream["args"]["schedule"] == "2bw" and pipedream["largest_difference"] <= 1e-4

@@ -113,7 +113,7 @@ def test_run_tp_draws_hybrid_beside_plain_tensor_parallelism(tmp_path):
     run = launcher("run_tp.sh", tmp_path, STEPS="3", NPROC="2", HYBRID="1", BATCH_SIZE="16",
                    PLOTS=str(tmp_path / "plots"))
     assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "plots" / "tp_loss.png").stat().st_size > 10_000
+    assert (tmp_path / "plots" / "tp_loss_batchsize16_hybrid1_steps3_synthetic_evalevery0.png").stat().st_size > 10_000
     assert "largest |loss - baseline| for tensor_parallel (2 ranks, batch 16)" in run.stdout, run.stdout
     assert "largest |loss - baseline| for tensor_parallel (hybrid, 2 ranks, batch 16)" in run.stdout, run.stdout
 

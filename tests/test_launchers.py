@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from mp.tools import plot_curves
-from helpers import PYTHON, ROOT
+from helpers import PYTHON, ROOT, written
 
 
 def launcher(script, tmp_path, args=(), **knobs):
@@ -20,7 +20,12 @@ def launcher(script, tmp_path, args=(), **knobs):
 def test_run_tp_plots_the_curves_and_prints_the_largest_difference(tmp_path):
     run = launcher("run_tp.sh", tmp_path, ["--hidden", "32", "--layers", "4"], MODEL="mlp", STEPS="4", NPROC="2")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "logs" / "plots" / "tp_loss.png").stat().st_size > 10_000   # not the committed plots/
+    logs = tmp_path / "logs"      # not the committed plots/; every setting off its default in the names
+    tag = "_mlp_hidden32_layers4_steps4_synthetic_evalevery0"
+    assert written(run.stdout) == [f"{logs}/single_baseline{tag}_b64.jsonl", f"{logs}/tensor_parallel{tag}_tp2_b64.jsonl",
+                                   f"{logs}/plots/tp_loss{tag}.png"], run.stdout
+    assert all(os.path.getsize(path) > 0 for path in written(run.stdout))
+    assert (logs / "plots" / f"tp_loss{tag}.png").stat().st_size > 10_000
     assert "largest |loss - baseline|" in run.stdout
 
 
@@ -34,7 +39,7 @@ def test_a_failed_parallel_step_stops_the_launcher_before_it_plots(tmp_path):
     assert last.startswith("run_joint.sh: stopped: the joint run (pipeline_dp_joint.py on 6 ranks) failed "
                            "with exit status"), last
     assert "$" not in last and '"' not in last, last                 # no bash source such as "${COMMON[@]}"
-    assert not (tmp_path / "logs" / "plots" / "joint_loss.png").exists()
+    assert not list((tmp_path / "logs" / "plots").glob("*.png"))
 
 
 def test_a_bad_knob_stops_the_launcher_before_anything_trains_in_the_knobs_terms(tmp_path):
@@ -42,7 +47,7 @@ def test_a_bad_knob_stops_the_launcher_before_anything_trains_in_the_knobs_terms
     assert run.returncode == 2
     assert run.stderr.splitlines() == ["error: STEPS=-3 must be a positive integer"], run.stderr
     assert "== baseline" not in run.stdout
-    assert not os.path.exists(tmp_path / "logs" / "plots" / "pipeline_loss.png")
+    assert not list((tmp_path / "logs").rglob("*.png")) and not list((tmp_path / "logs").glob("*.jsonl"))
     run = launcher("run_pipeline.sh", tmp_path, MODEL="mlp", MICROBATCHES="3")
     assert run.returncode == 2
     assert run.stderr.splitlines() == ["error: BATCH_SIZE=64 is not divisible by 1 replica(s) x MICROBATCHES=3; "
@@ -84,19 +89,20 @@ def test_recompute_gets_its_own_logs_legend_and_titles_and_the_help_names_real_f
     named = [word for line in plot_curves.__doc__.replace("\\\n", " ").splitlines() if "mp.tools.plot_curves" in line
              for word in line.split() if word.startswith("logs/") and word.endswith((".json", ".jsonl"))]
     assert len(named) == 4
+    tag = "_steps2_synthetic_evalevery0"     # what this run sets off the defaults (the help names the defaults')
     for path in named:
-        assert (logs / path[len("logs/"):]).exists(), (path, sorted(os.listdir(logs)))
-    plain = (logs / "pipeline_cnn_1f1b_p4_m4_b64.jsonl").read_text()
-    run = launcher("run_pipeline.sh", tmp_path, STEPS="2", RECOMPUTE="1", SCHEDULES="1f1b")
+        assert (logs / path[len("logs/"):].replace("_cnn", "_cnn" + tag)).exists(), (path, sorted(os.listdir(logs)))
+    plain = (logs / f"pipeline_cnn{tag}_1f1b_p4_m4_b64.jsonl").read_text()
+    run = launcher("run_pipeline.sh", tmp_path, STEPS="2", RECOMPUTE="1", SCHEDULE="1f1b")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert (logs / "pipeline_cnn_1f1b_p4_m4_b64.jsonl").read_text() == plain     # the run without it is kept
-    records = [json.loads(line) for line in (logs / "pipeline_cnn_1f1b_p4_m4_b64_recompute.jsonl").open()]
+    assert (logs / f"pipeline_cnn{tag}_1f1b_p4_m4_b64.jsonl").read_text() == plain     # the run without it is kept
+    records = [json.loads(line) for line in (logs / f"pipeline_cnn{tag}_1f1b_p4_m4_b64_recompute.jsonl").open()]
     assert "recompute" in plot_curves.label_of(records, "x")
     assert "recompute" not in plot_curves.label_of([json.loads(line) for line in plain.splitlines()], "x")
-    trace = json.loads((logs / "timeline_cnn_1f1b_p4_m4_b64_recompute.json").read_text())
+    trace = json.loads((logs / f"timeline_cnn{tag}_1f1b_p4_m4_b64_recompute.json").read_text())
     assert plot_curves.gantt_title(trace["otherData"]).startswith("1f1b, --recompute: 4 stages")
-    for png in ("pipeline_loss.png", "pipeline_timeline.png", "pipeline_loss_recompute.png",
-                "pipeline_timeline_recompute.png"):
+    for png in (f"pipeline_loss{tag}.png", f"pipeline_timeline{tag}.png", f"pipeline_loss_1f1b{tag}_recompute.png",
+                f"pipeline_timeline_1f1b{tag}_recompute.png"):
         assert (logs / "plots" / png).stat().st_size > 10_000, png
 
 
@@ -114,7 +120,9 @@ def test_run_3d_plots_the_grid_against_the_baseline(tmp_path):
                    DP="1", TP="2", BATCH_SIZE="16")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "== 3-D: 1 replicas x 2 stages x 2 tp ranks" in run.stdout
-    assert (tmp_path / "logs" / "plots" / "3d_loss.png").stat().st_size > 10_000
+    png, = [path for path in written(run.stdout) if path.endswith(".png")]
+    assert os.path.basename(png) == "3d_loss_mlp_nproc4_dp1_batchsize16_hidden32_layers4_steps3_synthetic_evalevery0.png"
+    assert os.path.getsize(png) > 10_000
     assert "largest |loss - baseline| for parallel_3d (1f1b, dp=1, tp=2, m=4, 4 ranks, batch 16)" in run.stdout
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import parallel_3d
 import pipeline_microbatch as pm
 import single_baseline
-from helpers import FAST, PYTHON, ROOT, Run, assert_one_error_line, assert_same_losses, launch, read_log
+from helpers import FAST, PYTHON, ROOT, Run, assert_one_error_line, assert_same_losses, launch, read_log, written
 from mp.dropout import DropoutKeys
 from mp.pp.schedules import clock_table, dry_run, pipedream_units, schedule_actions
 
@@ -196,7 +196,8 @@ def test_2bw_in_the_joint_launcher_logs_its_delay_1_reference(tmp_path):
     assert joint.events("config")[0]["args"]["schedule"] == "2bw"
     assert_same_losses(joint, reference)
     assert "parameters bit-identical across the 2 replicas of every stage: yes" in run.stdout
-    assert (tmp_path / "logs" / "plots" / "joint_loss_2bw.png").stat().st_size > 10_000   # the synchronous one's stays
+    png, = [path for path in written(run.stdout) if path.endswith(".png")]   # apart from a synchronous run's
+    assert os.path.basename(png).startswith("joint_loss_mlp_nproc4_microbatches2_2bw_batchsize24_") and os.path.getsize(png) > 10_000
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from helpers import FAST, ROOT, launch, read_log
+from mp.log import newest_log   # a running program's log is its partial file (mp/log.py)
 
 pytestmark = pytest.mark.slow   # each waits for a real torchrun through a fault: 7-15 s
 
@@ -65,7 +66,7 @@ def start_and_wait_for_steps(tmp_path, extra, steps_seen=2, program="pipeline_mi
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
-    while sum(r["event"] == "train" for r in read_log(log)) < steps_seen:
+    while sum(r["event"] == "train" for r in read_log(newest_log(log) or log)) < steps_seen:
         assert time.time() < deadline and proc.poll() is None, "the run did not start"
         time.sleep(0.2)
     return proc, log
@@ -79,7 +80,7 @@ def test_a_dead_rank_takes_the_job_down_quickly(tmp_path):
     assert proc.returncode != 0
     assert time.time() - killed_at < 30, "a dead peer must end the job within seconds, not at the timeout"
     assert ranks_of(log) == {}, "no worker may be left behind"
-    read_log(log)  # what was written stays valid JSON lines
+    assert read_log(newest_log(log))  # what was written stays, as valid JSON lines, in the partial log
 
 
 # The first rank to time out wins: torchrun then stops the others, so which wait is named is a race.
@@ -110,7 +111,7 @@ def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp
     assert re.search(waited + r"and gave up \(timeout 8 s\)", err), err[-3000:]
     assert err.count("Traceback (most recent call last)") <= 1, err[-3000:]   # torchrun's own, none of ours
     assert ranks_of(log) == {}
-    read_log(log)
+    assert read_log(newest_log(log))
 
 
 def test_a_stopped_pipeline_leaves_its_data_parallel_peers_waiting_no_longer_than_the_timeout(tmp_path):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import PYTHON, ROOT, Run, read_log
+from helpers import PYTHON, ROOT, Run, read_log, written
 
 INSTALL = "apt-get install slurmctld slurmd slurm-client munge (.ci/run does it)"
 TOOLS = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel", "unshare"]
@@ -263,7 +263,9 @@ def test_knobs_reach_both_programs_and_2bw_is_drawn_on_its_delay_1_reference(tmp
     assert args["balance"] and args["balance"] != "auto"   # resolved into blocks per stage
     got, want = Run(0, "", "", pipeline).losses(), Run(0, "", "", reference).losses()
     assert len(got) == len(want) == 6 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
-    assert (logs / "plots" / "slurm_loss.png").stat().st_size > 10_000
+    assert (logs / "plots" / "slurm-7-pipeline_microbatch_mlp_loss.png").stat().st_size > 10_000
+    assert written(run.stdout) == [str(logs / name) for name in ("slurm-7-single_baseline_mlp_delay1.jsonl",
+        "slurm-7-pipeline_microbatch_mlp_n1x2.jsonl", "plots/slurm-7-pipeline_microbatch_mlp_loss.png")]
 
 
 def sbatch(cluster, tmp_path, args=(), timeout=300, **knobs):
@@ -300,7 +302,7 @@ def test_sbatch_trains_a_pipeline_across_two_nodes_with_the_baselines_losses(slu
     for node in NODES:
         with open(os.path.join(slurm_cluster.top, "log", f"slurmd-{node}.log")) as f:
             assert f"StepId={job}.0" in f.read(), f"node {node} ran no task of step {job}.0"
-    assert (logs / "plots" / "slurm_loss.png").stat().st_size > 10_000
+    assert (logs / "plots" / f"slurm-{job}-pipeline_microbatch_cnn_loss.png").stat().st_size > 10_000   # the job's own
     print(f"\njob {job}: sbatch --wait returned after {wall:.1f} s; largest |loss - baseline| {worst:.2g}")
 
 
@@ -312,7 +314,7 @@ def test_a_bad_argument_fails_the_job_with_the_programs_error(slurm_cluster, tmp
     first = output.splitlines()[0]
     assert first.startswith("error: ") and "6" in first and "== baseline" not in output, output[-3000:]
     assert "run_slurm.sh: stopped: this step failed with exit status 2" in output
-    assert not (tmp_path / "logs" / "plots" / "slurm_loss.png").exists()
+    assert not list((tmp_path / "logs").rglob("*.png"))
 
 
 def takes_checkpoints():
@@ -363,7 +365,9 @@ def test_a_requeued_job_resumes_and_finishes_with_the_uninterrupted_losses(slurm
     output = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
     assert proc.returncode == 0, output[-3000:]
     assert output.count("== baseline") == 2, "the job did not run twice"
-    records = read_log(log)
+    final = logs / re.sub(r"\.partial-\d+(?=\.jsonl$)", "", log.name)    # log: the first attempt's partial file
+    assert not list(logs.glob("*.partial-*")), "the resumed run's complete log leaves no partial one behind"
+    records = read_log(final)
     resumes = [r for r in records if r["event"] == "resume"]
     assert resumes and resumes[-1]["step"] > 0, "the requeued run did not resume from a checkpoint"
     losses = {r["step"]: r["loss"] for r in records if r["event"] == "train"}      # the resumed run's, last

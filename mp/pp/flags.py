@@ -79,7 +79,7 @@ def validate_pipedream(args, stages):
     if args.check:
         fail("--schedule 2bw does not take --check: its steps overlap (the next batch starts before this "
              "one's update), so no step stands alone to compare with the full model; compare its losses with "
-             "single_baseline.py --delay 1 instead (bash run_pipeline.sh with SCHEDULES=2bw draws both)")
+             "single_baseline.py --delay 1 instead (bash run_pipeline.sh with SCHEDULE=2bw draws both)")
 
 
 def refuse_pipedream(args, program):

@@ -50,8 +50,9 @@ def gather_timeline(runner, pos, args):
 def write_timeline(trace, path, enabled):
     if enabled:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
+        with open(f"{path}.partial-{os.getpid()}", "w") as f:   # complete or absent under its name
             json.dump(trace, f)
+        os.replace(f.name, path)
         other = trace["otherData"]
         print(f"wrote {path}: bubble measured {other['bubble_measured']:.1%}, theory {other['bubble_theory']:.1%}")
 

@@ -1,11 +1,66 @@
-# The checks every run_*.sh launcher makes before anything trains, sourced by each after it has
-# changed into the repository. The launcher sets PYTHON, NPROC and KNOBS, its flags that have a knob
-# as flag:KNOB:kind (kind n: a number, w: a word, -: no value). Every mistake is one `error:` line on
-# stderr, in the launcher's own terms (MICROBATCHES=3, not --microbatches 3), then exit status 2.
+# What every run_*.sh launcher shares, sourced by each once it has changed into the repository: its
+# knobs, the checks it makes before anything trains, the names of its files and its exits. The
+# launcher declares its knobs with `knob`, sets KNOBS, its flags that have a knob, as flag:KNOB:kind
+# (kind n: a number, w: a word, -: no value). Every mistake is one `error:` line on stderr, in the
+# launcher's own terms (MICROBATCHES=3, not --microbatches 3), then exit status 2.
 
 launcher_error() {
     echo "error: $*" >&2
     exit 2
+}
+
+# ---- exits ---------------------------------------------------------------------------------------
+# A failed step stops the launcher with its name (STEP), before anything later is plotted. A step
+# that was interrupted (Ctrl-C reaches every process of the job; torchrun passes it to the ranks)
+# has said so in one line and exits 130: the launcher then leaves quietly with the same status. (No
+# INT trap: bash would run it after the step too, and print a second line.)
+launcher_stopped() {   # the ERR trap: RC
+    if [ "$1" = 130 ]; then exit 130; fi
+    echo "$(basename "$0"): stopped: $STEP failed with exit status $1; nothing after it ran" >&2
+}
+trap 'launcher_stopped $?' ERR
+
+# ---- knobs ---------------------------------------------------------------------------------------
+declare -A KNOB_DEFAULT=()
+knob() {   # NAME DEFAULT: NAME from the environment (when set and not empty), else DEFAULT
+    KNOB_DEFAULT[$1]=$2
+    if [ -z "${!1:-}" ]; then printf -v "$1" '%s' "$2"; fi
+}
+
+require_python() {   # before anything else: PYTHON must be an interpreter that has torch
+    if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
+            >/dev/null 2>&1; then
+        launcher_error "PYTHON=$PYTHON cannot import torch: set up once with 'python3 -m venv .venv &&" \
+            "source .venv/bin/activate && pip install -r requirements.txt' (the README's install line), or in a" \
+            "new shell run 'source .venv/bin/activate', then run bash $(basename "$0") again"
+    fi
+}
+
+check_environment() {   # a set variable that is another launcher's knob or one typo away from a knob
+    "$PYTHON" -m mp.tools.knobs "$(basename "$0")" || exit $?
+}
+
+# ---- names ---------------------------------------------------------------------------------------
+# Every run keeps its own files: the settings that shape a curve are in its name, so a run never
+# replaces another's; a run at the launcher's defaults keeps the names the README gives.
+settings_tag() {   # KNOB...: for each of these knobs not at its default, _value (a word: _vit, _synthetic,
+                   # _zb) or _knobvalue (a number: _steps100, _nproc2; SCHEDULE="1f1b zb": _1f1b-zb)
+    local tag="" name value
+    for name in "$@"; do
+        value=${!name}
+        if [ "$value" != "${KNOB_DEFAULT[$name]}" ]; then
+            case "$name" in
+                MODEL | DATA | SCHEDULE | ACTIVATION | BACKEND) tag+="_${value// /-}" ;;
+                *) name=${name,,} && tag+="_${name//_/}${value// /-}" ;;
+            esac
+        fi
+    done
+    echo "${tag//[^A-Za-z0-9._=-]/}"
+}
+
+say_written() {   # FILE...: the launcher's last lines, what this run wrote
+    echo "wrote:"
+    printf '  %s\n' "$@"
 }
 
 check_knob() {   # NAME VALUE ALLOWED...: a knob with a few legal values
@@ -106,6 +161,7 @@ run_knobs() {   # after COMMON and EXTRA: ACTIVATION, DROPOUT and CLIP go to bot
     check_knob ACTIVATION "${ACTIVATION:-gelu}" gelu relu
     # gelu is the programs' default: its runs keep the names they had before the knob existed
     if [ "${ACTIVATION:-gelu}" != gelu ]; then COMMON+=(--activation "$ACTIVATION"); EXTRA+="_$ACTIVATION"; fi
+    EXTRA+=$(settings_tag STEPS SEED DATA EVAL_EVERY)   # what else shapes both runs' curves
     case "$RESTARTS" in '' | *[!0-9]*) launcher_error "RESTARTS=$RESTARTS must be 0 or a positive integer" ;; esac
     if [ -n "$CHECKPOINT_DIR" ]; then check_count SAVE_EVERY "$SAVE_EVERY"; fi
     if [ "$DROPOUT" != 0 ]; then COMMON+=(--dropout "$DROPOUT"); EXTRA+="_dropout$DROPOUT"; fi

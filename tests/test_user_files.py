@@ -1,0 +1,168 @@
+"""Nothing a user made is lost, and every mistyped setting is refused: each run keeps its own files
+(settings in the names, logs complete or absent under their final name), two launchers at once both
+finish, Ctrl-C leaves one line and the earlier log untouched, a typo in a knob or a flag stops the
+run with the fix, and the one error line reaches the user however the ranks race."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import single_baseline
+from helpers import FAST, PYTHON, ROOT, assert_one_error_line, launch, read_log, written
+
+SMALL = ["--hidden", "16", "--layers", "4"]
+
+
+def launcher(script, tmp_path, args=SMALL, python=PYTHON, **knobs):
+    env = dict(os.environ, PYTHON=python, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
+               OMP_NUM_THREADS="1", MODEL="mlp")
+    env.update(knobs)
+    return subprocess.Popen(["bash", os.path.join(ROOT, script), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finished(proc, timeout=240):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def snapshot(folder):
+    return {p: open(p, "rb").read() for p in map(str, folder.rglob("*")) if os.path.isfile(p)}
+
+
+def test_two_launchers_at_once_share_the_baseline_log_and_both_plot(tmp_path):
+    """run_tp.sh and run_joint.sh with the same model, data and batch write the same baseline log: each
+    writes its own partial file and renames it, so both finish and both plot."""
+    runs = [launcher("run_tp.sh", tmp_path, STEPS="40", NPROC="2", BATCH_SIZE="24"),
+            launcher("run_joint.sh", tmp_path, STEPS="40", NPROC="4", DP="2", MICROBATCHES="2", BATCH_SIZE="24")]
+    results = [finished(run) for run in runs]
+    for code, out, err in results:
+        assert code == 0, err[-2000:]
+    tp, joint = (written(out) for _, out, _ in results)
+    assert tp[0] == joint[0] and os.path.basename(tp[0]).startswith("single_baseline_mlp_")   # the one shared log
+    baseline = read_log(tp[0])
+    assert [r["step"] for r in baseline if r["event"] == "train"] == list(range(40)) and baseline[-1]["event"] == "summary"
+    assert all(os.path.getsize(path) > 0 for path in tp + joint)
+    assert not list((tmp_path / "logs").glob("*.partial-*")), "a partial log outlived its complete run"
+
+
+def test_a_run_with_other_settings_keeps_the_earlier_runs_files_and_a_rerun_replaces_only_its_own(tmp_path):
+    code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="4"))
+    assert code == 0, err[-2000:]
+    first, before = written(out), snapshot(tmp_path / "logs")
+    code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="3", SEED="1"))
+    assert code == 0, err[-2000:]
+    second = written(out)
+    assert not set(first) & set(second) and all("_steps3_seed1_" in os.path.basename(p) for p in second)
+    assert {p: v for p, v in snapshot(tmp_path / "logs").items() if p in before} == before   # byte for byte
+    code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="4"))
+    assert code == 0 and written(out) == first, err[-2000:]                 # the same settings: the same files
+    assert sorted(snapshot(tmp_path / "logs")) == sorted(set(before) | set(second))
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_one_line_keeps_the_partial_log_and_leaves_the_earlier_log_as_it_was(tmp_path):
+    """SIGINT to the launcher's process group, as a terminal sends it, with the real python and
+    torchrun (the zygote's ranks are not in that group): exit 130, one line naming the kept partial
+    log, the complete log of the run before byte for byte, no process left."""
+    code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="300"))
+    assert code == 0, err[-2000:]
+    before = snapshot(tmp_path / "logs")
+    run = launcher("run_tp.sh", tmp_path, STEPS="300", python=sys.executable)
+    logs = tmp_path / "logs"
+    deadline = time.time() + 120
+    while not any(len(read_log(str(p))) > 3 for p in logs.glob("tensor_parallel_*.partial-*.jsonl")):
+        assert time.time() < deadline and run.poll() is None, "the tensor-parallel run did not start"
+        time.sleep(0.1)
+    os.killpg(run.pid, signal.SIGINT)
+    code, out, err = finished(run, timeout=60)
+    partial, = logs.glob("tensor_parallel_*.partial-*.jsonl")
+    assert code == 130 and err.splitlines() == [err.strip()] and err.startswith("interrupted at step "), err
+    assert f"in {partial}" in err and "Traceback" not in err + out
+    tp_log = [p for p in before if os.path.basename(p).startswith("tensor_parallel_")]
+    assert tp_log and all(open(p, "rb").read() == before[p] for p in tp_log)  # the earlier complete log
+    steps = [r["step"] for r in read_log(str(partial)) if r["event"] == "train"]
+    assert steps == list(range(len(steps))) and f"kept steps 0-{steps[-1]} " in err
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes left running: {left}"
+
+
+@pytest.mark.parametrize("script,knobs,message", [
+    ("run_pipeline.sh", dict(SCHEDUEL="zb"), "error: SCHEDUEL is set, and run_pipeline.sh has no such knob: "
+                                             "did you mean SCHEDULE?"),
+    ("run_tp.sh", dict(SCHEDULE="zb"), "error: SCHEDULE is a knob of run_3d.sh, run_joint.sh, run_pipeline.sh, "
+                                       "run_slurm.sh, not of run_tp.sh, which would ignore it"),
+    ("run_joint.sh", dict(steps="5"), "error: steps is set, and run_joint.sh has no such knob: did you mean STEPS?"),
+    ("run_3d.sh", dict(NPROCS="4"), "error: NPROCS is set, and run_3d.sh has no such knob: did you mean NPROC?"),
+    ("run_pipeline.sh", dict(HYBRID="1"), "error: HYBRID is a knob of run_tp.sh, not of run_pipeline.sh"),
+    ("run_tp.sh", dict(PYTHON="false"), "error: PYTHON=false cannot import torch: set up once with "
+                                        "'python3 -m venv .venv && source .venv/bin/activate && pip install"),
+], ids=["typo", "another-launchers", "lower-case", "extra-letter", "hybrid-elsewhere", "no-torch"])
+def test_a_mistyped_or_misplaced_knob_is_refused_before_anything_runs(tmp_path, script, knobs, message):
+    code, out, err = finished(launcher(script, tmp_path, **knobs))
+    assert code == 2 and err.count("\n") == 1 and err.startswith(message), err
+    assert not (tmp_path / "logs").exists() and not out
+
+
+def test_schedules_is_the_old_name_of_schedule_with_a_note(tmp_path):
+    code, out, err = finished(launcher("run_pipeline.sh", tmp_path, SCHEDULES="1f1b zb", MICROBATCHES="3"))
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 2, err
+    assert lines[0] == 'note: SCHEDULES is SCHEDULE\'s old name (every launcher spells it SCHEDULE now): running ' \
+                       'SCHEDULE="1f1b zb"'
+    assert lines[1].startswith("error: BATCH_SIZE=64 is not divisible by 1 replica(s) x MICROBATCHES=3")
+    code, out, err = finished(launcher("run_pipeline.sh", tmp_path, SCHEDULES="zb", SCHEDULE="1f1b"))
+    assert code == 2 and "SCHEDULES is SCHEDULE's old name: unset SCHEDULES" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layer", "6"], "error: unrecognized arguments: --layer 6"),            # no abbreviations
+    (["--model", "cnn", "--layers", "6"], "error: --model cnn does not use --layers"),
+    (["--model", "mlp", "--heads=2"], "error: --model mlp does not use --heads (it reads --layers, --hidden)"),
+    (["--model", "cnn", "--hidden", "8", "--heads", "2"], "error: --model cnn does not use --hidden, --heads"),
+])
+def test_an_abbreviated_flag_or_one_the_model_does_not_read_is_refused(argv, message, monkeypatch, capsys):
+    assert_one_error_line(single_baseline.parse_args, FAST + argv, 1, message, monkeypatch, capsys)
+
+
+def test_the_error_line_reaches_the_user_when_the_printing_rank_is_the_slowest(tmp_path):
+    """Every rank sees the bad input, rank 0 prints it. Here rank 0 starts 3 s late (a sitecustomize
+    that sleeps on rank 0, as a loaded machine would make it): the other ranks wait for it instead of
+    exiting first and having torchrun stop rank 0 before it printed."""
+    slow_site = tmp_path / "site"
+    slow_site.mkdir()
+    (slow_site / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n")
+    os.environ["PYTHONPATH"] = f"{slow_site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    try:
+        run = launch("tensor_parallel.py", ["--data", "synthetic", "--model", "vit", "--heads", "3", "--hidden", "48"],
+                     tmp_path, nproc=4, timeout=60)
+    finally:
+        os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
+    assert run.exited(2) and run.stderr.count("error: --heads 3 is not divisible by the tensor-parallel degree 4") == 1, \
+        run.stderr
+
+
+def test_the_launchers_torchrun_leaves_the_programs_line_as_the_last_word(tmp_path):
+    """python -m mp.tools.torchrun (what the launchers run): a rank's bad input is one line and the
+    rank's own exit status 2, without torchrun's 40-line report; a rank killed by a signal is named."""
+    cmd = [sys.executable, "-m", "mp.tools.torchrun", "--standalone", "--nproc-per-node", "2", "--",
+           "tensor_parallel.py", "--data", "synthetic", "--model", "vit", "--heads", "3", "--hidden", "48"]
+    run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == ["error: --heads 3 is not divisible by the tensor-parallel degree 2; each "
+                                       "rank needs whole heads: use --heads 2 or --heads 4 or 3 ranks (torchrun "
+                                       "--nproc-per-node 3)"], run.stderr
+    dies = tmp_path / "dies.py"
+    dies.write_text("import os, signal, time\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                    "time.sleep(60)\n")
+    run = subprocess.run(cmd[:6] + [str(dies)], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=120)
+    lines = run.stderr.splitlines()
+    assert run.returncode == 128 + 9 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("error: rank 1 (pid ") and lines[0].endswith(" was killed by SIGKILL"), lines
