@@ -37,17 +37,8 @@ knob VIRTUAL_STAGES "2"                # interleaved only
 knob BALANCE ""                        # blocks per stage (chunk), e.g. 1,1,1,2, or auto (mp/pp/balance.py); empty: even
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"
-knob SEED "0"
-knob EVAL_EVERY "50"
-knob ACTIVATION "gelu"                 # gelu | relu: every model's activation, both programs (relu: the course's)
-knob DROPOUT "0"                       # dropout probability, both programs (keyed masks: exact in every layout)
-knob CLIP ""                           # clip the gradient to this global norm, both programs (empty: off)
-knob CHECKPOINT_DIR ""                 # the parallel run saves checkpoints under it and resumes from the latest
-knob SAVE_EVERY "50"                   # with CHECKPOINT_DIR: save every K steps and after the last
-knob RESTARTS "0"                      # torchrun --max-restarts: a killed rank restarts the workers, which resume
-knob LOGS "logs"
-knob PLOTS "$LOGS/plots"               # PLOTS=plots rewrites the committed figures (docs/running.md)
-knob PYTHON "python"
+shared_knobs                           # SEED EVAL_EVERY ACTIVATION DROPOUT CLIP CHECKPOINT_DIR SAVE_EVERY
+                                       # RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
 require_python
 check_environment

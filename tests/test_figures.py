@@ -37,7 +37,8 @@ def documented_command():
 
 def settings(launcher, knobs=None):
     """The launcher's knobs as that command sets them: its defaults (knob NAME "value"), then the command's."""
-    found = dict(re.findall(r'^knob (\w+) "([^"]*)"', read(launcher + ".sh"), re.M))
+    text = read(launcher + ".sh") + read("mp/tools/launch_checks.sh")   # its own knobs, then shared_knobs
+    found = dict(re.findall(r'^\s*knob (\w+) "([^"]*)"', text, re.M))
     return {**found, **(documented_command()[launcher] if knobs is None else knobs)}
 
 

@@ -147,6 +147,7 @@ def test_the_error_line_reaches_the_user_when_the_printing_rank_is_the_slowest(t
         run.stderr
 
 
+@pytest.mark.slow
 def test_the_launchers_torchrun_leaves_the_programs_line_as_the_last_word(tmp_path):
     """python -m mp.tools.torchrun (what the launchers run): a rank's bad input is one line and the
     rank's own exit status 2, without torchrun's 40-line report; a rank killed by a signal is named."""

@@ -15,13 +15,18 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DECLARED = re.compile(r"^(?:knob ([A-Z][A-Z0-9_]*) |([A-Z][A-Z0-9_]*)=\$\{\2:-)", re.M)
+DECLARED = re.compile(r"^(?:\s*knob ([A-Z][A-Z0-9_]*) |([A-Z][A-Z0-9_]*)=\$\{\2:-)", re.M)
+SHARED = os.path.join(ROOT, "mp", "tools", "launch_checks.sh")   # shared_knobs: the knobs every launcher has
 MIN_TYPO_LENGTH = 4    # TP, DP: too short to tell a typo from another program's variable (TZ, DISPLAY...)
 
 
 def knobs_of(launcher):
     with open(launcher) as f:
-        return {a or b for a, b in DECLARED.findall(f.read())}
+        text = f.read()
+    if re.search(r"^shared_knobs\b", text, re.M):
+        with open(SHARED) as f:
+            text += f.read()
+    return {a or b for a, b in DECLARED.findall(text)}
 
 
 def one_edit_apart(a, b):

@@ -27,6 +27,20 @@ knob() {   # NAME DEFAULT: NAME from the environment (when set and not empty), e
     if [ -z "${!1:-}" ]; then printf -v "$1" '%s' "$2"; fi
 }
 
+shared_knobs() {   # the knobs every run_*.sh has, with the same defaults
+    knob SEED "0"
+    knob EVAL_EVERY "50"
+    knob ACTIVATION "gelu"                 # gelu | relu: every model's activation, both programs (relu: the course's)
+    knob DROPOUT "0"                       # dropout probability, both programs (keyed masks: exact in every layout)
+    knob CLIP ""                           # clip the gradient to this global norm, both programs (empty: off)
+    knob CHECKPOINT_DIR ""                 # the parallel run saves checkpoints under it and resumes from the latest
+    knob SAVE_EVERY "50"                   # with CHECKPOINT_DIR: save every K steps and after the last
+    knob RESTARTS "0"                      # torchrun --max-restarts: a killed rank restarts the workers, which resume
+    knob LOGS "logs"
+    knob PLOTS "$LOGS/plots"               # PLOTS=plots rewrites the committed figures (docs/running.md)
+    knob PYTHON "python"
+}
+
 require_python() {   # before anything else: PYTHON must be an interpreter that has torch
     if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
             >/dev/null 2>&1; then
