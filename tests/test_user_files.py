@@ -129,7 +129,7 @@ def test_an_abbreviated_flag_or_one_the_model_does_not_read_is_refused(argv, mes
     assert_one_error_line(single_baseline.parse_args, FAST + argv, 1, message, monkeypatch, capsys)
 
 
-def test_the_error_line_reaches_the_user_when_the_printing_rank_is_the_slowest(tmp_path):
+def test_the_error_line_reaches_the_user_when_the_printing_rank_is_the_slowest(tmp_path, monkeypatch):
     """Every rank sees the bad input, rank 0 prints it. Here rank 0 starts 3 s late (a sitecustomize
     that sleeps on rank 0, as a loaded machine would make it): the other ranks wait for it instead of
     exiting first and having torchrun stop rank 0 before it printed."""
@@ -137,12 +137,9 @@ def test_the_error_line_reaches_the_user_when_the_printing_rank_is_the_slowest(t
     slow_site.mkdir()
     (slow_site / "sitecustomize.py").write_text(
         "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n")
-    os.environ["PYTHONPATH"] = f"{slow_site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    try:
-        run = launch("tensor_parallel.py", ["--data", "synthetic", "--model", "vit", "--heads", "3", "--hidden", "48"],
-                     tmp_path, nproc=4, timeout=60)
-    finally:
-        os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(slow_site), os.environ.get("PYTHONPATH")])))
+    run = launch("tensor_parallel.py", ["--data", "synthetic", "--model", "vit", "--heads", "3", "--hidden", "48"],
+                 tmp_path, nproc=4, timeout=60)
     assert run.exited(2) and run.stderr.count("error: --heads 3 is not divisible by the tensor-parallel degree 4") == 1, \
         run.stderr
 
