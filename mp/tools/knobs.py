@@ -48,7 +48,7 @@ def problem(name, mine, others, launcher):
     if name in others:
         where = ", ".join(sorted(others[name]))
         return (f"{name} is a knob of {where}, not of {launcher}, which would ignore it: unset it "
-                f"(env -u {name} bash {launcher}), or run {where.split(', ')[0]}")
+                f"(env -u {name} bash {launcher}), or run a launcher that reads it")
     near = [k for k in sorted(mine) if len(k) >= MIN_TYPO_LENGTH and
             (name.upper() == k or (name.isupper() and one_edit_apart(name, k)))]
     if near:

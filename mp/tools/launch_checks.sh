@@ -172,14 +172,14 @@ flags_tag() {   # the extra flags that change what runs, as part of a file name:
 
 run_knobs() {   # after COMMON and EXTRA: ACTIVATION, DROPOUT and CLIP go to both programs and into the log
                 # names; RESTARTS to torchrun (TORCHRUN_OPTS); CHECKPOINT_DIR is the parallel run's (checkpoint_flags)
-    check_knob ACTIVATION "${ACTIVATION:-gelu}" gelu relu
-    # gelu is the programs' default: its runs keep the names they had before the knob existed
-    if [ "${ACTIVATION:-gelu}" != gelu ]; then COMMON+=(--activation "$ACTIVATION"); EXTRA+="_$ACTIVATION"; fi
-    EXTRA+=$(settings_tag STEPS SEED DATA EVAL_EVERY)   # what else shapes both runs' curves
+    check_knob ACTIVATION "$ACTIVATION" gelu relu
     case "$RESTARTS" in '' | *[!0-9]*) launcher_error "RESTARTS=$RESTARTS must be 0 or a positive integer" ;; esac
     if [ -n "$CHECKPOINT_DIR" ]; then check_count SAVE_EVERY "$SAVE_EVERY"; fi
-    if [ "$DROPOUT" != 0 ]; then COMMON+=(--dropout "$DROPOUT"); EXTRA+="_dropout$DROPOUT"; fi
-    if [ -n "$CLIP" ]; then COMMON+=(--clip-grad-norm "$CLIP"); EXTRA+="_clip$CLIP"; fi
+    if [ "$ACTIVATION" != gelu ]; then COMMON+=(--activation "$ACTIVATION"); fi
+    if [ "$DROPOUT" != 0 ]; then COMMON+=(--dropout "$DROPOUT"); fi
+    if [ -n "$CLIP" ]; then COMMON+=(--clip-grad-norm "$CLIP"); fi
+    # what shapes both runs' curves, in the names (at their defaults, the names runs had before the knobs)
+    EXTRA+=$(settings_tag ACTIVATION STEPS SEED DATA EVAL_EVERY DROPOUT CLIP)
     TORCHRUN_OPTS=(--max-restarts "$RESTARTS")
 }
 
