@@ -9,8 +9,14 @@ sits in the full model:
     param/2.1.weight@0:0:60        rows 0..59 of fc1's weight (tp rank 0 of 2)
     param/2.1.weight@0:60:60       rows 60..119 (tp rank 1)
     momentum/2.1.weight@0:0:60     its SGD momentum buffer, the same slice
+    exp_avg/2.1.weight@0:0:60      --optimizer adamw: its two running means instead, the same slice,
+    exp_avg_sq/2.1.weight@0:0:60
+    step/2.1.weight                and AdamW's step count, a 0-dim tensor, whole on every rank
     param/2.1.bias                 a whole tensor (a pipeline stage, a replicated tensor)
     stale/2.1.bias                 PipeDream-2BW's rule only: the weights before the last update
+
+The optimizer's state goes through mp.optim's param_state and load_param_state, one parameter at a
+time, in the parameter's shape: whatever kinds the optimizer keeps are saved, under their names.
 
 Replicas (data-parallel, or tp ranks holding a replicated tensor) write the same key; DCP's planner
 keeps one writer per key. On resume each rank computes the slice it holds now, asks DCP for the saved
@@ -34,11 +40,15 @@ import torch.distributed.checkpoint as dcp
 
 from mp.errors import fail
 from mp.models import shard_of
+from mp.optim import load_param_state, param_state
 
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
-SETTINGS = ("model", "layers", "hidden", "heads", "activation", "data", "seed", "batch_size", "lr", "momentum",
-            "dropout", "clip_grad_norm", "delay")
-EARLIER = {"activation": "gelu", "delay": 0}   # a checkpoint saved before the flag existed: the flag's default
+SETTINGS = ("model", "layers", "hidden", "heads", "activation", "data", "seed", "batch_size", "optimizer", "lr",
+            "momentum", "weight_decay", "beta1", "beta2", "adam_eps", "dropout", "clip_grad_norm", "delay")
+# a checkpoint saved before the flag existed: the value it trained with (SGD, without weight decay)
+EARLIER = {"activation": "gelu", "delay": 0, "optimizer": "sgd", "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999,
+           "adam_eps": 1e-8}
+WEIGHTS = ("param", "stale")                   # the other kinds of key are the optimizer's state
 RULES = {0: "the synchronous update", 1: "PipeDream-2BW's update (--schedule 2bw, single_baseline.py --delay 1)"}
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -139,17 +149,17 @@ def weights_of(model, versions):
 
 
 def held(model, optimizer, versions=None):
-    """[(kind, name, spec, tensor)] of what this rank holds: parameters, momentum buffers, and the
-    stale weights under 2BW's rule."""
+    """[(kind, name, spec, tensor)] of what this rank holds: parameters, the optimizer's state (SGD's
+    momentum, AdamW's running means and step), and the stale weights under 2BW's rule. A 0-dim state
+    (the step) has no slice: its spec is None."""
     out = []
     for name, current, stale, stepped in weights_of(model, versions):
         spec = shard_of(model, name)
         out.append(("param", name, spec, current))
         if stale is not None:
             out.append(("stale", name, spec, stale))
-        buf = optimizer.state.get(stepped, {}).get("momentum_buffer")
-        if buf is not None:
-            out.append(("momentum", name, spec, buf))
+        for kind, t in param_state(optimizer, stepped).items():
+            out.append((kind, name, spec if t.dim() else None, t))
     return out
 
 
@@ -189,40 +199,47 @@ def save(args, next_step, model, optimizer, layout, rank, versions=None):
 
 
 def resume(args, model, optimizer, rank, versions=None):
-    """Load args.resume_from into this rank's parameters and momentum, and stale weights under 2BW's
-    rule (a collective); returns (the step to run next, the layout that wrote it), or (0, None)."""
+    """Load args.resume_from into this rank's parameters and optimizer state, and stale weights under
+    2BW's rule (a collective); returns (the step to run next, the layout that wrote it), or (0, None)."""
     if not args.resume_from:
         return 0, None
     meta = read_meta(args.resume_from)
-    saved = {}                                           # (kind, name) -> [(spec, key, shape)]
+    saved = {}                                           # name -> {kind: [(spec, key, shape, dtype)]}
     for k, md in dcp.FileSystemReader(args.resume_from).read_metadata().state_dict_metadata.items():
         kind, name, spec = parse_key(k)
-        saved.setdefault((kind, name), []).append((spec, k, tuple(md.size)))
-    wanted, plans = {}, []
+        saved.setdefault(name, {}).setdefault(kind, []).append((spec, k, tuple(md.size), md.properties.dtype))
+    plans = []                                           # (kind, name, spec, the tensor it goes into or goes with)
     for name, current, stale, stepped in weights_of(model, versions):
         spec = shard_of(model, name)
-        plans.append(("param", name, spec, current, True))
+        plans.append(("param", name, spec, current))
         if stale is not None:                            # validate() matched the rule: the file has them
-            plans.append(("stale", name, spec, stale, True))
-        plans.append(("momentum", name, spec, stepped, ("momentum", name) in saved))
-    for kind, name, spec, p, present in plans:
-        if present:
-            for _, k, shape in overlapping(saved.get((kind, name), []), spec, p, name, args.resume_from):
-                wanted[k] = torch.empty(shape, dtype=p.dtype, device=p.device)
+            plans.append(("stale", name, spec, stale))
+        # the optimizer's kinds, as saved (validate() matched the optimizer); none before the first step
+        plans += [(kind, name, spec, stepped) for kind in saved.get(name, {}) if kind not in WEIGHTS]
+    wanted = {}
+    for kind, name, spec, p in plans:
+        for _, k, shape, dtype in pieces_of(saved, kind, name, spec, args.resume_from):
+            wanted[k] = torch.empty(shape, dtype=dtype, device=p.device if shape else "cpu")
     dcp.load(wanted, checkpoint_id=args.resume_from)
+    states = {}                                          # the tensor stepped -> {kind: this rank's slice}
     with torch.no_grad():
-        for kind, name, spec, p, present in plans:
-            if not present:
-                continue
-            mine = assemble(overlapping(saved[(kind, name)], spec, p, name, args.resume_from), wanted, spec, p)
-            if kind in ("param", "stale"):
+        for kind, name, spec, p in plans:
+            mine = assemble(pieces_of(saved, kind, name, spec, args.resume_from), wanted, spec, p)
+            if kind in WEIGHTS:
                 p.copy_(mine)
             else:
-                optimizer.state[p]["momentum_buffer"] = mine.clone()
+                states.setdefault(p, {})[kind] = mine
+    for p, state in states.items():
+        load_param_state(optimizer, p, state)
     if rank == 0:
         print(f"note: resumed from {args.resume_from} at step {meta['step']}, written by {describe(meta['layout'])}",
               flush=True)
     return meta["step"], meta["layout"]
+
+
+def pieces_of(saved, kind, name, spec, path):
+    """The saved pieces of one tensor that overlap this rank's slice (a 0-dim tensor: its one piece)."""
+    return overlapping(saved.get(name, {}).get(kind, []), spec, name, path)
 
 
 def overlaps(piece_spec, spec):
@@ -233,9 +250,9 @@ def overlaps(piece_spec, spec):
     return piece_spec[1] < spec[1] + spec[2] and piece_spec[1] + piece_spec[2] > spec[1]
 
 
-def overlapping(pieces, spec, p, name, path):
+def overlapping(pieces, spec, name, path):
     """The saved pieces of one tensor that overlap the slice this rank holds."""
-    found = [(piece_spec, k, shape) for piece_spec, k, shape in pieces if overlaps(piece_spec, spec)]
+    found = [piece for piece in pieces if overlaps(piece[0], spec)]
     if not found:
         fail(f"the checkpoint {path} has no piece of {name} that this rank needs; it is damaged or of another "
              f"model", seen_by="this rank")
@@ -243,15 +260,18 @@ def overlapping(pieces, spec, p, name, path):
 
 
 def assemble(pieces, wanted, spec, p):
-    """This rank's slice, cut out of the saved pieces (whole tensors, or slices along one dim)."""
-    whole = next((wanted[k] for piece_spec, k, _ in pieces if piece_spec is None), None)
+    """This rank's slice, cut out of the saved pieces (whole tensors, or slices along one dim); a 0-dim
+    tensor (AdamW's step) as it is."""
+    whole = next((wanted[k] for piece_spec, k, *_ in pieces if piece_spec is None), None)
+    if whole is not None and whole.dim() == 0:
+        return whole
     if whole is None:   # slices along one dim: put them in place in a full-size buffer of that dim
         dim = pieces[0][0][0]
-        full_len = max(s[1] + s[2] for s, _, _ in pieces)
+        full_len = max(s[1] + s[2] for s, *_ in pieces)
         shape = list(pieces[0][2])
         shape[dim] = full_len
         whole = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        for piece_spec, k, _ in pieces:   # the parts no piece covers are outside my slice
+        for piece_spec, k, *_ in pieces:   # the parts no piece covers are outside my slice
             whole.narrow(dim, piece_spec[1], piece_spec[2]).copy_(wanted[k])
     return whole.narrow(*spec) if spec else whole
 

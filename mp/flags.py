@@ -9,6 +9,7 @@ import sys
 from mp import checkpoint
 from mp.errors import fail
 from mp.models import ACTIVATIONS
+from mp.optim import DEFAULT_LR
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -63,9 +64,11 @@ def base_parser(description):
     p.add_argument("--data-dir", default="./data", help="where CIFAR-10 is, or is downloaded to once")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps, numbered from 0 on screen and in the log")
     p.add_argument("--batch-size", type=int, default=64, help="global batch of one optimizer step")
-    p.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    add_optimizer_flags(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the data order")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="the step's scalars (loss, grad norm) stay on the device and are read in one batch every K "
+                        "steps and at the end; every step still lands in the log")
     p.add_argument("--eval-every", type=int, default=50,
                    help="test loss/accuracy every K steps and after the last (0: never)")
     p.add_argument("--log-file", default=None, help="metrics log, JSON lines (default: logs/<program>.jsonl)")
@@ -86,11 +89,51 @@ def base_parser(description):
     return p
 
 
+# the programs with a data-parallel axis, whose replicas can split the optimizer state (--zero 1)
+ZERO_PROGRAMS = ("pipeline_dp_joint", "parallel_3d")
+
+
+def add_optimizer_flags(p):
+    lrs = ", ".join(f"{lr:g} for {name}" for name, lr in DEFAULT_LR.items())
+    p.add_argument("--optimizer", choices=list(DEFAULT_LR), default="sgd",
+                   help="sgd: SGD with momentum; adamw: AdamW (two state tensors per parameter: docs/optimizers.md)")
+    p.add_argument("--lr", type=float, default=None, help=f"learning rate (default: {lrs})")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum (AdamW ignores it)")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="SGD: torch's L2 term added to the gradient; AdamW: its decoupled decay of the weights")
+    p.add_argument("--beta1", type=float, default=0.9, help="AdamW's decay rate of the gradient's running mean")
+    p.add_argument("--beta2", type=float, default=0.999, help="AdamW's decay rate of the squared gradient's running mean")
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon, added to the denominator")
+    p.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="1: ZeRO-1, each data-parallel replica keeps the optimizer state of its 1/D slice of the "
+                        "parameters only (pipeline_dp_joint.py, parallel_3d.py)")
+
+
+def validate_optimizer(args, program):
+    """The optimizer flags; sets --lr to the optimizer's default when it was not given."""
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.optimizer]
+    for name in ("beta1", "beta2"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and 0 <= value < 1):
+            fail(f"--{name} {value} must be in [0, 1) (AdamW's default: --beta1 0.9 --beta2 0.999)")
+    if not (math.isfinite(args.adam_eps) and args.adam_eps > 0):
+        fail(f"--adam-eps {args.adam_eps} must be a finite number > 0, e.g. 1e-8")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        fail(f"--weight-decay {args.weight_decay} must be a finite number >= 0 (0: no decay), e.g. 0.01")
+    if args.zero and program not in ZERO_PROGRAMS:
+        fail(f"--zero {args.zero}: {program}.py has no data-parallel axis to split the optimizer state over; "
+             f"drop --zero, or run {' or '.join(p + '.py' for p in ZERO_PROGRAMS)}, which have one")
+
+
 def validate_common(args, program):
     """Checks every program shares; called right after parsing, before any collective."""
     for name in ("steps", "batch_size", "layers", "hidden", "heads", "threads"):
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)} must be a positive integer")
+    if args.log_every <= 0:
+        fail(f"--log-every {args.log_every} must be a positive integer (1: read the scalars after every step)")
+    validate_optimizer(args, program)
     if args.eval_every < 0:
         fail(f"--eval-every {args.eval_every} must be >= 0 (0 turns evaluation off)")
     for name in ("lr", "momentum", "timeout_s"):
