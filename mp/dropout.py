@@ -13,9 +13,13 @@ bits of exactly the elements it holds, in any order, any number of times, on the
 (integer arithmetic is exact on both). The hash is a 32-bit integer mixer (Wellons's "lowbias32")
 applied along the coordinates:
 
-    h = mix(mix(mix(mix(seed) ^ step) ^ layer) ^ sample) ^ element)    keep the element if h >= p * 2^32
+    h = mix(mix(mix(mix(mix(seed) ^ step) ^ layer) ^ sample) ^ element)    keep the element if h >= p * 2^32
 
-computed in int64 tensors whose values stay below 2^32, so no product overflows.
+The key mix(mix(mix(seed) ^ step) ^ layer) is the same for every element: it is computed on the
+host as a Python int and enters the tensor ops as a scalar, so drawing a mask copies nothing from
+the host to the device and never waits for it. The per-element mixes run in place on one int64
+buffer (values below 2^32, so no product overflows) with one scratch buffer beside it; the mask is
+bool, the one thing autograd saves (1 byte an element).
 """
 import math
 from contextlib import contextmanager
@@ -24,31 +28,45 @@ import torch
 import torch.nn as nn
 
 MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x, c):
-    """(x * c) mod 2^32 for int64 x in [0, 2^32): c split into its top bit and the rest, so that no
-    product reaches 2^63 (int64 has no unsigned overflow to lean on)."""
-    r = (x * (c & 0x7FFFFFFF)) & MASK32
-    if c >> 31:
-        r = (r + ((x << 31) & MASK32)) & MASK32
-    return r
+MUL1, MUL2 = 0x7FEB352D, 0x846CA68B     # lowbias32's two multipliers
 
 
 def mix(x):
-    """A 32-bit integer hash (lowbias32): every input bit flips about half of the output bits."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
+    """lowbias32 on a Python int in [0, 2^32): every input bit flips about half of the output bits."""
+    x ^= x >> 16
+    x = (x * MUL1) & MASK32
+    x ^= x >> 15
+    x = (x * MUL2) & MASK32
     return x ^ (x >> 16)
 
 
+def _xorshift_(h, k, scratch):
+    """h ^= h >> k in place, the shift written into scratch (torch has no fused in-place form)."""
+    torch.bitwise_right_shift(h, k, out=scratch)
+    h.bitwise_xor_(scratch)
+
+
+def mix_(h, scratch):
+    """mix on every element of an int64 tensor with values in [0, 2^32), in place; scratch: a
+    buffer of h's shape and dtype. Equal to mix() element by element."""
+    _xorshift_(h, 16, scratch)
+    h.mul_(MUL1).bitwise_and_(MASK32)           # MUL1 < 2^31: the product stays below 2^63
+    _xorshift_(h, 15, scratch)
+    # MUL2 >= 2^31 would overflow int64; MUL2 - 2^32 is the same residue mod 2^32, of magnitude
+    # < 2^31, and & MASK32 of the negative product (two's complement) is that residue.
+    h.mul_(MUL2 - 2**32).bitwise_and_(MASK32)
+    _xorshift_(h, 16, scratch)
+    return h
+
+
 def keep_mask(seed, step, layer, samples, elements, p):
-    """Bool [len(samples), len(elements)]: which elements survive dropout with probability p."""
-    key = mix(mix(mix(torch.tensor(seed & MASK32)) ^ (step & MASK32)) ^ layer)
-    per_sample = mix(key.to(samples.device) ^ (samples & MASK32))
-    h = mix(per_sample[:, None] ^ (elements[None, :] & MASK32))
+    """Bool [len(samples), len(elements)]: which elements survive dropout with probability p.
+    seed, step, layer: Python ints; samples, elements: int64 tensors on the activation's device."""
+    key = mix(mix(mix(seed & MASK32) ^ (step & MASK32)) ^ layer)       # host arithmetic, no tensor
+    per_sample = samples.bitwise_and(MASK32).bitwise_xor_(key)
+    mix_(per_sample, torch.empty_like(per_sample))
+    h = per_sample[:, None] ^ (elements & MASK32)[None, :]               # the one activation-sized buffer
+    mix_(h, torch.empty_like(h))
     return h >= int(p * 2**32)
 
 
@@ -95,7 +113,8 @@ class KeyedDropout(nn.Module):
             lead = (first_row + torch.arange(math.prod(rest[:-1]), device=x.device))[:, None] * full
             elements = (lead + start + torch.arange(rest[-1], device=x.device)[None, :]).reshape(-1)
         keep = keep_mask(self.keys.seed, self.keys.step, self.layer, samples, elements, self.p)
-        return x * keep.view_as(x).to(x.dtype) * (1.0 / (1.0 - self.p))
+        # where() saves only the bool mask for backward; the scale is a Python scalar (nothing saved)
+        return torch.where(keep.view_as(x), x * (1.0 / (1.0 - self.p)), 0)
 
     def extra_repr(self):
         return (f"p={self.p}, layer={self.layer}" + (f", shard={self.shard}" if self.shard else "")
