@@ -3,11 +3,27 @@ point-to-point messages between two ranks in the order they are posted. So for e
 of ranks (a, b), the messages a posts as sends to b must come in exactly the order in which b
 posts its receives from a. gloo matches by tag and would forgive another order; nccl would pair an
 activation with the wrong buffer (or a gradient of another shape) and compute garbage or hang.
-Messenger.exchange posts each action's parts in their listed order, which is what is read here."""
-import pytest
+Messenger.exchange posts each action's parts in their listed order, which is what is read here.
 
+The second half checks the same by running: the executors on gloo with every message's tag 0, so
+gloo too can only pair messages in posting order, as nccl does (one GPU here cannot host several
+nccl ranks). Every schedule must then give exactly the losses, gradient norms, gradients, weights
+and evaluation of the tagged run; a rank whose sends go out in another order than its peer
+receives them gets the wrong tensors (garbage numbers, a shape error or a timeout error line)."""
+import json
+import os
+
+import pytest
+import torch
+
+import mp.pp.training
 import pipeline_microbatch as pm
+from helpers import FAST, run_ranks, slow
+from mp.data import SyntheticData
+from mp.dist import Env
+from mp.optim import make_optimizer
 from mp.pp.schedules import SCHEDULES, eval_actions, schedule_actions
+from mp.pp.training import pipeline_job
 
 
 def posting_orders(all_actions):
@@ -77,3 +93,95 @@ def test_the_check_can_fail():
     actions[0][first], actions[0][second] = actions[0][second], actions[0][first]
     with pytest.raises(AssertionError, match="another order"):
         assert_same_order(actions, "swapped")
+
+
+# --- by running: gloo with every tag 0 ----------------------------------------------------------
+
+MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24",
+              "--timeout-s", "5"]   # a pairing gone wrong shows in seconds, not the default minutes
+CASE = "TEST_NCCL_ORDER_CASE"         # how a test hands its case to the ranks (they inherit the environment)
+
+
+def microbatch_counts(schedule, p):
+    """A few m per schedule at p stages: fewer than p, p and more where the schedule takes them."""
+    if schedule == "interleaved":
+        return (p, 2 * p)                 # a multiple of the stages
+    if schedule == "2bw":
+        return (p, 6)                     # at least the stages
+    return tuple(sorted({1, p, 6}))
+
+
+@pytest.mark.parametrize("schedule,p", [("gpipe", 3), ("1f1b", 4), ("interleaved", 2), ("zb", 3), ("2bw", 2)] +
+                         [slow(s, p) for s in SCHEDULES for p in (2, 3, 4)
+                          if (s, p) not in {("gpipe", 3), ("1f1b", 4), ("interleaved", 2), ("zb", 3), ("2bw", 2)}])
+def test_every_schedule_runs_on_gloo_with_all_tags_zero(tmp_path, monkeypatch, schedule, p):
+    """Two steps (2bw: three, its first, a middle and its last) and an evaluation per m, tagged and
+    untagged: the same numbers, bit for bit."""
+    monkeypatch.setenv(CASE, json.dumps([schedule, microbatch_counts(schedule, p), False]))
+    run_ranks(_untagged_case, p, tmp_path)
+
+
+def test_sends_swapped_on_one_rank_fail_without_tags_and_pass_with_them(tmp_path, monkeypatch):
+    """The test above can fail: rank 0 posts two sends to rank 1 (an activation and a gradient of the
+    same shape, in one exchange of interleaved 1F1B) in the other order than rank 1 posts their
+    receives. With tags gloo pairs them anyway and nothing changes; with tag 0 each lands in the
+    other's buffer, as on nccl, and the numbers differ."""
+    monkeypatch.setenv(CASE, json.dumps(["interleaved", [4], True]))
+    with pytest.raises(AssertionError) as failure:
+        run_ranks(_untagged_case, 2, tmp_path)
+    assert "swapped, without tags" in str(failure.value), str(failure.value)[-3000:]
+    assert ", with tags" not in str(failure.value), str(failure.value)[-3000:]   # that half passed
+
+
+def _untagged_case(rank, world, group):
+    schedule, counts, swap = json.loads(os.environ[CASE])
+    for m in counts:
+        reference = play(schedule, m, rank, world)
+        if swap:   # gloo's tags forgive the swap: that is the rule this file checks
+            same(play(schedule, m, rank, world, swap=True), reference, f"{schedule}, p={world}, m={m}, swapped, with tags")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(pm.Messenger, "tag", lambda self, msg: 0)
+            got = play(schedule, m, rank, world, swap=swap)
+        same(got, reference, f"{schedule}, p={world}, m={m}{', swapped' if swap else ''}, without tags")
+
+
+def play(schedule, m, rank, world, swap=False):
+    """Training steps and one evaluation of pipeline_microbatch.py's executor, as its training loop
+    runs them (mp.pp.training.pipeline_job). Returns what each rank can compare."""
+    steps = "3" if schedule == "2bw" else "2"
+    args = pm.parse_args(MLP + ["--schedule", schedule, "--microbatches", str(m), "--steps", steps])
+    env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
+    pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
+    model, runner = pm.setup_stage(args, env, pos)
+    with pytest.MonkeyPatch.context() as patch:
+        if swap and rank == 0:
+            patch.setattr(mp.pp.training, "schedule_actions", swapped_sends)
+        job = pipeline_job(args, env, pos, model, runner, SyntheticData(args.seed, test_size=700), pm.train_step)
+    optimizer = make_optimizer(job.params, args)
+    steps = [job.step(k, optimizer) for k in range(args.steps)]   # (last stage: loss; this rank's squared grads)
+    held = runner.versions.held() if runner.versions else job.params   # 2bw: both weight versions
+    return dict(steps=steps, grads=[p.grad for p in held], weights=[p.detach() for p in held],
+                evaluation=job.evaluate())
+
+
+def swapped_sends(*args, **kwargs):
+    """schedule_actions with the parts of the first exchange that sends twice to one peer reversed."""
+    actions = schedule_actions(*args, **kwargs)
+    for i, action in enumerate(actions):
+        sends = [part for part in action[1] if part[0] == "send"] if action[0] == "comm" else []
+        if len(sends) == 2 and sends[0][1] == sends[1][1]:
+            actions[i] = ("comm", sends[::-1] + [part for part in action[1] if part[0] != "send"])
+            return actions
+    raise AssertionError("no exchange sends twice to one peer")
+
+
+def same(got, want, what):
+    """Bit for bit: the schedule's arithmetic is the same; only the pairing of messages could differ."""
+    assert got["steps"] == want["steps"], f"{what}: (loss, grad norm) per step {got['steps']} != {want['steps']}"
+    assert got["evaluation"] == want["evaluation"], f"{what}: evaluation {got['evaluation']} != {want['evaluation']}"
+    for kind in ("grads", "weights"):
+        for i, (a, b) in enumerate(zip(got[kind], want[kind], strict=True)):
+            if a is None or b is None:    # 2bw's update drops the gradients (its norm is compared)
+                assert a is b, f"{what}: {kind} of parameter {i}: one is None"
+                continue
+            assert torch.equal(a, b), f"{what}: {kind} of parameter {i} differ by {(a - b).abs().max():.3g}"
