@@ -6,15 +6,16 @@ its 2026-11-25 rewrite, on the activations of this repository's models.
 The shapes are the ones the models drop: the cnn's [64, 16, 5, 5] and [64, 120], the mlp's
 [64, 1024], the vit's [64, 64, 128]. Paired timing in one process on one thread: each round times
 F.dropout, the old KeyedDropout and the new one back to back (in a rotating order, each over enough
-calls to last about a millisecond), and a round's ratio is its keyed time over its F.dropout time,
-so a load that comes and goes on a shared machine slows both sides of a ratio alike. Printed: the
-median over rounds, for the forward alone and for forward + backward. Then the bytes per element
-that autograd saves for backward, counted with torch.autograd.graph.saved_tensors_hooks.
+calls to last about a millisecond) in this thread's CPU time, which other jobs on a shared machine
+inflate far less than wall-clock time; a round's ratio is its keyed time over its F.dropout time,
+so what load is left slows both sides of a ratio alike. Printed: the median over rounds, for the
+forward alone and for forward + backward; then the bytes per element that autograd saves for
+backward, counted with torch.autograd.graph.saved_tensors_hooks.
 
-"Before" is the implementation up to commit cdef9ee, kept here (unsharded path only) to be timed:
-its key went through a 0-dim CPU tensor and `.to(device)`, every mix made its own int64
-temporaries, and the mask was a float tensor. tests/test_keyed_dropout.py also checks that both draw the
-same masks.
+"Before" is mp/dropout.py as of commit 3f40a97 (the last before the rewrite), kept here to be timed
+(its unsharded path): its key went through a 0-dim CPU tensor and `.to(device)`, every step of its
+mix made a fresh int64 temporary, and its mask was a float tensor. tests/test_keyed_dropout.py
+checks that both draw the same masks.
 """
 import argparse
 import math
@@ -67,10 +68,12 @@ def keyed_before(x, keys, layer, p):
 # ---- measuring ----------------------------------------------------------------------------------
 
 def seconds(fn, calls):
-    start = time.perf_counter()
+    """CPU seconds of this thread for `calls` calls (one intra-op thread: the ops run on it), which
+    the other jobs on a shared machine do not inflate as they do wall-clock time."""
+    start = time.thread_time()
     for _ in range(calls):
         fn()
-    return time.perf_counter() - start
+    return time.thread_time() - start
 
 
 def paired_ratios(fns, rounds):
