@@ -53,7 +53,7 @@ from mp.errors import fail, note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
 from mp.loop import train
 from mp.models import num_blocks
-from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline
+from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
 from mp.pp.training import pipeline_check, pipeline_job
 from mp.tp.collectives import split_sizes, tp_rank, tp_size
 from mp.tp.flags import validate_degree, validate_sequence_parallel
@@ -88,6 +88,7 @@ def parse_args(argv=None):
     if args.sequence_parallel:
         validate_sequence_parallel(args, args.tp, use_degree=partial(tp_fix, args, world))
     validate_pipeline(args, stages=world // (args.dp * args.tp), replicas=args.dp, tp=args.tp)
+    validate_zero(args, args.dp)
     return args
 
 
@@ -150,7 +151,8 @@ def build_stage(args, env, grid):
     their tp collectives included (every rank of a tp group runs the same blocks), so a cut after a
     column-parallel layer, a scattered cut or a sequence-parallel one gives this rank's part's shape.
     Returns (my place in my pipeline, my stage's sliced blocks, named as in the full model, the
-    runner of my chunks, the partial gradients to sum over the tp group or None)."""
+    runner of my chunks, (the partial gradients to sum over the tp group, the replicated gradients
+    to average over it: each None where there are none))."""
     pos = grid.pipeline(args.virtual_stages)
     shard = partial(parallelize_block, model_name=args.model, group=grid.tp_group, n_blocks=num_blocks(args),
                     sequence_parallel=args.sequence_parallel)
@@ -158,27 +160,32 @@ def build_stage(args, env, grid):
         shard = scatter_gather_cuts(shard, args, pos, grid.tp_group)
     model, runner = setup_stage(args, env, pos, shard)   # zb: the shards' ops defer their weight gradients to W
     # the norms and the embedding that see my tokens only: summed after the step's last backward
-    # (SequenceParallelReplicas), not after each microbatch's
+    # (TensorParallelReplicas), not after each microbatch's
     partial_sums = sum_sequence_parallel_grads(model, grid.tp_group, per_backward=False)
-    if env.device.type == "cuda":   # keep TP-replicated parameters identical (CPU gradients already are)
-        average_replicated_grads(model, grid.tp_group)
+    # on a GPU, keep TP-replicated parameters identical (CPU gradients already are): once a step
+    replicated = average_replicated_grads(model, grid.tp_group, env.device)
     # the gradient norm (mp.clipping): summed over my stage's tp shards (its replicated tensors
     # counted by tp rank 0 only), then over the stages; not over replicas, whose gradients are averaged
     runner.norm_groups, runner.counted = [grid.tp_group, grid.pp_group], counted_once(model, grid.tp_group)
-    return pos, model, runner, partial_sums
+    return pos, model, runner, (partial_sums, replicated)
 
 
-class SequenceParallelReplicas(DataParallelReplicas):
-    """The data-parallel hooks of the 2-D program, and first, after the step's last backward, the
-    sum over the tp group of the gradients that each tp rank took from its own tokens only."""
+class TensorParallelReplicas(DataParallelReplicas):
+    """The data-parallel hooks of the 2-D program, and first, once a step after the last backward, the
+    tp group's own sums: the gradients each tp rank took from its own tokens only (sequence
+    parallelism) summed, and on a GPU the replicated parameters' gradients averaged. Their buckets
+    start after these sums (late), the others' during the backward."""
 
-    def __init__(self, grid, timeout_s, device, partial_sums):
-        super().__init__(grid, timeout_s, device)
-        self.partial_sums = partial_sums
+    def __init__(self, grid, timeout_s, runner, zero, partial_sums, replicated):
+        self.partial_sums, self.replicated = partial_sums, replicated
+        late = (partial_sums.params if partial_sums else []) + (replicated.params if replicated else [])
+        super().__init__(grid, timeout_s, runner, zero, late)
 
-    def sync_grads(self, params):
-        self.partial_sums.sum()       # whole on every tp rank first, then averaged over the replicas
-        super().sync_grads(params)
+    def before_average(self):
+        if self.partial_sums:
+            self.partial_sums.sum()   # whole on every tp rank first, then averaged over the replicas
+        if self.replicated:
+            self.replicated.average()
 
 
 # ----------------------------------------------------------------------------- scatter/gather at a cut
@@ -276,13 +283,12 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         grid = Grid(env.rank, env.world_size, args.dp, args.tp, timeout=group_timeout(env, args.timeout_s))
-        pos, model, runner, partial_sums = build_stage(args, env, grid)
+        pos, model, runner, tp_sums = build_stage(args, env, grid)
         if env.rank == 0:
             print(describe(grid, runner.messenger.shapes), flush=True)
         # the data-parallel hooks of the 2-D program, over the ranks with my (pp, tp) coordinates;
         # the loss is logged by tp rank 0 of replica 0's last stage (replicas.tp_rank)
-        replicas = SequenceParallelReplicas(grid, args.timeout_s, env.device, partial_sums) if partial_sums \
-            else DataParallelReplicas(grid, args.timeout_s, env.device)
+        replicas = TensorParallelReplicas(grid, args.timeout_s, runner, args.zero == 1, *tp_sums)
         if args.check:   # my shards against the matching slices of a full model in this process
             status = pipeline_check(env, args, model, runner, data, train_step, replicas)
         else:

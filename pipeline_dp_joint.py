@@ -32,14 +32,18 @@ stage exchange activations inside every layer, so they belong on the fastest lin
 import torch
 import torch.distributed as dist
 
+from mp.buckets import GradBuckets
 from mp.check import report_replicas
+from mp.clipping import clip_global
 from mp.data import agree_on_data, dp_slice, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import fail, note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
 from mp.loop import train
-from mp.pp.flags import add_pipeline_flags, validate_pipeline
+from mp.optim import make_optimizer
+from mp.pp.flags import add_pipeline_flags, validate_pipeline, validate_zero
 from mp.pp.training import pipeline_check, pipeline_job
+from mp.zero import ZeroOptimizer
 from pipeline_microbatch import PipelineRank, setup_stage, train_step   # one pipeline, composed
 
 PROGRAM = "pipeline_dp_joint"
@@ -63,6 +67,7 @@ def parse_args(argv=None):
         fail(f"the world size {world} is not divisible by --dp {args.dp}: launch dp x stages processes; "
              f"use {' or '.join(fixes)}")
     validate_pipeline(args, stages=world // args.dp, replicas=args.dp)
+    validate_zero(args, args.dp)
     return args
 
 
@@ -93,30 +98,63 @@ class Grid:
 
 class DataParallelReplicas:
     """The data-parallel hooks of a pipeline's step (mp.pp.training): slice the batch, average the
-    gradients and the logged loss over my column of the grid."""
+    gradients and the logged loss over my column of the grid. zero: --zero 1 (mp.zero)."""
 
-    def __init__(self, grid, timeout_s, device):
-        self.dp_rank, self.dp_size, self.group, self.device = grid.dp_rank, grid.dp_size, grid.dp_group, device
+    def __init__(self, grid, timeout_s, runner, zero=False, late=()):
+        self.dp_rank, self.dp_size, self.group, self.zero = grid.dp_rank, grid.dp_size, grid.dp_group, zero
         self.waiting = (f"stage {grid.pp_rank} of pipeline {grid.dp_rank} waited for the all-reduce with its "
                         f"data-parallel group, ranks {grid.dp_peers}", timeout_s)
         self.tp_rank = grid.tp_rank    # the loss is logged by tp rank 0 of replica 0's last stage
+        # the gradients as views into flat buckets, each all-reduced as soon as the last microbatch's
+        # backward has finished it (mp.buckets); 2bw steps its two weight versions in turn, so its
+        # gradients are averaged after the backward instead, in one flat all-reduce
+        self.buckets = None if runner.versions else GradBuckets(runner.parameters(), self.group, self.waiting,
+                                                                shard=zero, recorder=runner, late=late)
 
     def slice(self, tensor):
         return dp_slice(tensor, self.dp_rank, self.dp_size)     # contiguous: the slices tile the batch
 
+    def zero_grad(self, optimizer):
+        if self.buckets:
+            self.buckets.zero_grad()
+        elif optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+
     def sync_grads(self, params):
         """The batch-mean gradient: each replica's gradient is its slice's mean, so the average of
-        the D of them, one all-reduce (flattened into buckets, mp.dist.all_reduce_flat) divided by D."""
+        the D of them: all-reduced (summed) bucket by bucket during the backward, then divided by D.
+        --zero 1: reduce-scattered instead, each replica getting the mean of its slice only."""
+        if self.buckets:
+            self.buckets.wait(before=self.before_average)
+            return
+        self.before_average()
         if self.dp_size > 1:
             with awaiting(*self.waiting):
                 all_reduce_flat([p.grad for p in params], self.group, divide_by=self.dp_size)
 
-    def average(self, loss):
-        """The batch mean: each last stage holds its slice's mean loss; average over the column."""
-        t = torch.tensor([loss], dtype=torch.float64, device=self.device)   # nccl reduces GPU tensors only
+    def before_average(self):
+        """The sums that complete some gradients before they are averaged (parallel_3d.py's tp replicas)."""
+
+    def clip(self, params, max_norm, groups, counted):
+        """The global norm, and clipping; --zero 1: over the slices (the replicas' squares summed too)."""
+        if not self.zero:
+            return clip_global(params, max_norm, groups, counted)
+        return clip_global(self.optimizer.slices, max_norm, self.norm_groups(groups), squares=self.optimizer.squares(counted))
+
+    def norm_groups(self, groups):
+        return list(groups) + [self.group] if self.zero else groups
+
+    def average(self, losses):
+        """The batch mean of the logged steps: each last stage holds its slice's mean loss; average over
+        the column (one all-reduce for all the steps being logged; nccl reduces GPU tensors only: they are)."""
         with awaiting(*self.waiting):
-            dist.all_reduce(t, group=self.group)
-        return t.item() / self.dp_size
+            dist.all_reduce(losses, group=self.group)
+        return losses / self.dp_size
+
+    def make_optimizer(self, params, args):
+        """torch's optimizer over my parameters; --zero 1: over my slices of the buckets (mp.zero)."""
+        self.optimizer = ZeroOptimizer(self.buckets, args) if self.zero else make_optimizer(params, args)
+        return self.optimizer
 
 
 # ----------------------------------------------------------------------------- training
@@ -134,7 +172,7 @@ def main(argv=None):
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)
         pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
         model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
-        replicas = DataParallelReplicas(grid, args.timeout_s, env.device)
+        replicas = DataParallelReplicas(grid, args.timeout_s, runner, zero=args.zero == 1)
         if args.check:   # each replica checks its slice of the first batch
             status = pipeline_check(env, args, model, runner, data, train_step, replicas)
         else:

@@ -48,7 +48,7 @@ def train_step(model, optimizer, x, y, step=0, grad_norm=None):
     loss.backward()
     norm = grad_norm(list(model.parameters())) if grad_norm else None
     optimizer.step()
-    return loss.item(), norm
+    return loss.detach(), norm      # tensors: the loop reads them every --log-every steps
 
 
 def delayed_train_step(model, stale, optimizer, x, y, step=0, grad_norm=None):
@@ -66,12 +66,14 @@ def delayed_train_step(model, stale, optimizer, x, y, step=0, grad_norm=None):
     norm = grad_norm(list(model.parameters())) if grad_norm else None
     stale.load_state_dict(model.state_dict())   # W(t), before the update makes W(t+1)
     optimizer.step()
-    return loss.item(), norm
+    return loss.detach(), norm
 
 
 def clip_grad_norm(max_norm):
-    """The one-process norm and clipping: torch's own (inf: measure, never clip)."""
-    return lambda params: torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf")).item()
+    """The one-process norm and clipping: torch's own (None: measure, never clip); a tensor."""
+    if max_norm is None:
+        return lambda params: torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return lambda params: torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def main(argv=None):

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from mp import checkpoint
 from mp.check import check_and_exit, report_replicas
-from mp.clipping import clip_global
+from mp.clipping import clip_global, finish_norms
 from mp.data import agree_on_data, load_data, to_device
 from mp.dist import awaiting, distributed, exit_now, torchrun_env
 from mp.dropout import KeyedDropout
@@ -330,22 +330,29 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         group = dist.group.WORLD
         model = build_parallel_model(args, group, env.device, args.hybrid)
-        if env.device.type == "cuda":   # on the CPU the gradients are bit-identical already
-            average_replicated_grads(model, group)
+        waited = f"rank {env.rank} waited for the tensor-parallel collectives of"
+        replicated = average_replicated_grads(model, group, env.device)   # None on the CPU: identical already
         # the gradient norm sums the shards' squares over the group, each replicated tensor counted once
         norm = ([group], counted_once(model, group))
+
+        def grad_norm(params):                # after the backward (single_baseline.train_step calls it)
+            if replicated:
+                replicated.average()
+            return clip_global(params, args.clip_grad_norm, *norm)
+
+        def finish(losses, norms):            # every --log-every steps: the norms' sums, once for all
+            with awaiting(f"{waited} the logged norms", args.timeout_s):
+                return losses, finish_norms(norms, norm[0], args.clip_grad_norm is not None)
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             what = f"tensor parallelism{' --hybrid' if args.hybrid else ''}"
             return check_and_exit(env, args, what, model, None, x, y, norm=norm)
-        waited = f"rank {env.rank} waited for the tensor-parallel collectives of"
 
         def step(k, optimizer):
             # the whole batch on every rank; the logits are whole too, so each rank computes the loss
             x, y = (to_device(t, env.device) for t in data.batch(k, args.batch_size))
             with awaiting(f"{waited} step {k}", args.timeout_s):
-                return train_step(model, optimizer, x, y, k, partial(clip_global, max_norm=args.clip_grad_norm,
-                                                                      groups=norm[0], counted=norm[1]))
+                return train_step(model, optimizer, x, y, k, grad_norm)
 
         def test():
             with awaiting(f"{waited} the evaluation", args.timeout_s):   # every rank: the forward has collectives
@@ -353,7 +360,7 @@ def main(argv=None):
 
         layout = checkpoint.layout_of(PROGRAM, env, tp=env.world_size, hybrid=args.hybrid)
         train(args, env, Job(PROGRAM, model, step, list(model.parameters()), layout, owner=env.rank == 0,
-                             evaluate=test))   # tp rank 0 owns the (replicated) loss
+                             evaluate=test, finish=finish))   # tp rank 0 owns the (replicated) loss
         return report_replicas(replicated_parameters(model), group, "replicated parameters bit-identical across "
                                f"the {env.world_size} tensor-parallel ranks", env, args.timeout_s)
 

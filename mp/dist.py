@@ -151,15 +151,32 @@ def exit_now(status):
 
 def replicas_identical(params, group, device="cpu"):
     """Are these parameters bit-identical on every rank of `group`? (Replicas must be: same start,
-    same gradients, same update.) A collective of every rank of the world, even those in other
-    groups: every rank learns the answer for all groups. A rank may hold none (a 3-D stage of
-    column-parallel layers only): it takes part with an empty tensor."""
-    flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0, device=device)
-    every = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, flat, group=group)
-    same = torch.tensor([int(all(torch.equal(flat, other) for other in every))], device=flat.device)
+    same gradients, same update.) Each rank sends a checksum of its tensors' bits, not the tensors: a
+    few numbers each in one small all-gather, then a world all-reduce so that every rank of the world,
+    even those in other groups, learns the answer for all groups (a collective of every rank). A rank
+    may hold none (a 3-D stage of column-parallel layers only): it sends the checksum of nothing."""
+    mine = checksum(params, device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    same = torch.tensor([int(all(torch.equal(mine, other) for other in every))], device=mine.device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     return bool(same.item())
+
+
+def checksum(params, device="cpu"):
+    """[element count, sum of the bits, sum of the bits weighted by position] over the tensors' float32 bit
+    patterns read as int32, in int64 (which wraps, deterministically): one flipped bit anywhere changes the
+    plain sum, and two swapped elements change the weighted one."""
+    sums = torch.zeros(3, dtype=torch.int64, device=device)
+    start = 0
+    for p in params:
+        flat = p.detach().reshape(-1)
+        bits = flat.view(torch.int32 if flat.element_size() == 4 else torch.uint8).to(torch.int64)
+        position = torch.arange(start + 1, start + bits.numel() + 1, device=bits.device) % 1_000_003
+        sums = sums.to(bits.device) + torch.stack([torch.tensor(bits.numel(), device=bits.device), bits.sum(),
+                                                  (bits * position).sum()])
+        start += bits.numel()
+    return sums
 
 
 def clock(device, timeout_s=None, awaited=lambda: "the step's queued work"):

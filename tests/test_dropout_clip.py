@@ -105,7 +105,7 @@ def test_clip_global_in_one_process_is_torchs_clip_grad_norm():
     for model in (a, b):
         model(x).square().sum().backward()
     want = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5).item()
-    assert clip_global(a.parameters(), 0.5) == pytest.approx(want, rel=1e-6)
+    assert float(clip_global(a.parameters(), 0.5)) == pytest.approx(want, rel=1e-6)
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa.grad, pb.grad)
 

@@ -181,10 +181,11 @@ def _average_case(rank, world, group):
     same on every rank; replicas_identical sees a difference and its absence."""
     args = tp.parse_args(FAST + ["--model", "cnn"])
     plain, averaged = (tp.parallelize(build_model(args), "cnn", group) for _ in range(2))
-    tp_replicas.average_replicated_grads(averaged, group)
     x, y = SyntheticData(rank).batch(0, 4)          # rank-dependent: the replicated gradients differ
     for model in (plain, averaged):
         F.cross_entropy(model(x), y).backward()
+    tp_replicas.average_replicated_grads(averaged, group, torch.device("cuda")).average()   # once, after the backward
+    assert tp_replicas.average_replicated_grads(averaged, group, torch.device("cpu")) is None
     for mine, got in zip(tp_replicas.replicated_parameters(plain), tp_replicas.replicated_parameters(averaged)):
         mean = mine.grad.clone()
         dist.all_reduce(mean)
@@ -204,15 +205,17 @@ def test_replicated_gradients_are_averaged_over_the_tp_group(tmp_path):
 
 def _hybrid_average_case(rank, world, group):
     """--hybrid on a GPU: the convolutions' gradients are all-reduced once (their bucket), not again
-    by the averaging hook; the other replicated tensors (row-parallel biases) are averaged."""
+    by the averaging; the other replicated tensors (row-parallel biases) are averaged, in one flat
+    all-reduce after the backward."""
     args = tp.parse_args(FAST + ["--model", "cnn", "--hybrid"])
     model = tp.parallelize(build_model(args), "cnn", group, hybrid=True)
-    tp_replicas.average_replicated_grads(model, group)
+    replicated = tp_replicas.ReplicatedGrads(model, group)
     calls, real = [], dist.all_reduce
     dist.all_reduce = lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k)
     try:
         x, y = SyntheticData(0).batch(0, 4)
         F.cross_entropy(model(x), y).backward()
+        replicated.average()
     finally:
         dist.all_reduce = real
     conv = sum(p.numel() for block in list(model)[:2] for p in block.parameters())

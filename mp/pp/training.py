@@ -7,10 +7,11 @@ import torch
 
 from mp import checkpoint
 from mp.check import check_and_exit
-from mp.clipping import clip_global
+from mp.clipping import clip_global, finish_norms
 from mp.data import next_batch
 from mp.dist import awaiting
 from mp.loop import Job
+from mp.optim import make_optimizer
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.pipedream import pipedream_inputs
 from mp.pp.schedules import schedule_actions
@@ -25,22 +26,38 @@ class OneReplica:
     def slice(self, tensor):
         return tensor
 
+    def zero_grad(self, optimizer):           # optimizer None: --check, before any gradient exists
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+
     def sync_grads(self, params):
         pass
 
-    def average(self, loss):
-        return loss
+    def clip(self, params, max_norm, groups, counted):
+        return clip_global(params, max_norm, groups, counted)
+
+    def norm_groups(self, groups):
+        return groups
+
+    def average(self, losses):
+        return losses
+
+    def make_optimizer(self, params, args):
+        return make_optimizer(params, args)
 
 
 def pipeline_job(args, env, pos, model, runner, data, train_step, replicas=OneReplica(), program="pipeline_microbatch"):
     """The training loop's Job for a pipeline (mp.loop): each step draws its batch, runs the lesson's
     train_step (pipeline_microbatch.py) on the schedule, lets the data-parallel replicas average
-    their gradients, clips by the global norm and updates. The loss is logged by the last stage of
-    replica 0 (its tp rank 0)."""
+    their gradients, clips by the global norm and updates. Nothing is read back from the device: the
+    loss and the norm stay tensors (mp.loop reads them every --log-every steps, after finish() has
+    averaged the losses over the replicas and summed the norms over the ranks, once for all those
+    steps). The loss is logged by the last stage of replica 0 (its tp rank 0)."""
     actions = runner.versions.step_actions(args.steps) if runner.versions else \
         schedule_actions(args.schedule, pos, args.microbatches)   # 2bw: its first step warms up, its last drains
     owner = pos.is_last_stage and replicas.dp_rank == 0 and replicas.tp_rank == 0
     timeline, samples = Timeline(args, runner, pos, owner), args.batch_size // replicas.dp_size
+    clipped, norm_groups = args.clip_grad_norm is not None, replicas.norm_groups(runner.norm_groups)
 
     def step(k, optimizer):
         timeline.begin(k)
@@ -48,17 +65,21 @@ def pipeline_job(args, env, pos, model, runner, data, train_step, replicas=OneRe
         x, y = next_batch(data, k, args, pos, replicas, env.device, stream=not runner.versions)
         if runner.versions and pos.is_first_stage:   # 2bw's first stage also starts the next batch
             x = pipedream_inputs(x, data, k, args, pos, replicas, env.device)
-        optimizer.zero_grad(set_to_none=True)
+        replicas.zero_grad(optimizer)
         with runner.keys.training(k):
             loss = train_step(runner, actions(k) if callable(actions) else actions, x, y, args.microbatches,
                               samples, replicas.dp_rank * samples)
         params = runner.parameters()
         replicas.sync_grads(params)           # after the last backward, before the update
         with awaiting(f"rank {env.rank} waited for the gradient norm's sums of step {k}", args.timeout_s):
-            norm = clip_global(params, args.clip_grad_norm, runner.norm_groups, runner.counted)
+            norm = replicas.clip(params, args.clip_grad_norm, runner.norm_groups, runner.counted)
         runner.update(optimizer)
-        loss = loss.item() if loss is not None else None   # read after the update, as the baseline does
-        return (replicas.average(loss) if pos.is_last_stage else None), norm
+        return (loss.detach() if loss is not None else None), norm
+
+    def finish(losses, norms):                # every --log-every steps, on every rank
+        with awaiting(f"rank {env.rank} waited for the logged losses' and norms' sums", args.timeout_s):
+            return (replicas.average(losses) if losses is not None else None), \
+                finish_norms(norms, norm_groups, clipped)
 
     layout = dict(dp=replicas.dp_size, pp=pos.pp_size, tp=env.world_size // (replicas.dp_size * pos.pp_size),
                   schedule=args.schedule, virtual_stages=pos.virtual)
@@ -67,7 +88,8 @@ def pipeline_job(args, env, pos, model, runner, data, train_step, replicas=OneRe
                versions=lambda: runner.versions.weights(model) if runner.versions else None,
                held=runner.versions.held if runner.versions else None,
                summary=dict(schedule=args.schedule, microbatches=args.microbatches),
-               awaited=lambda k: f"step {k} (last exchange: {runner.messenger.last})", after_step=timeline.end)
+               awaited=lambda k: f"step {k} (last exchange: {runner.messenger.last})", after_step=timeline.end,
+               finish=finish, optimizer=replicas.make_optimizer)
 
 
 def pipeline_check(env, args, model, runner, data, train_step, replicas=OneReplica(), reference=None):
@@ -85,6 +107,7 @@ def check_step(runner, actions, m, train_step, replicas=OneReplica()):
     synchronised over the replicas as in training."""
     def step(x, y):
         outputs = {}
+        replicas.zero_grad(None)
         with runner.keys.training(0):
             loss = train_step(runner, actions, x, y, m, first_sample=replicas.dp_rank * len(x), outputs=outputs)
         replicas.sync_grads(runner.parameters())

@@ -4,12 +4,10 @@ and identical: tensor_parallel.py, parallel_3d.py, mp.check, mp.checkpoint and m
 A sharded layer records, for each parameter it sliced, where the slice lies in the full tensor
 (`shards`: dim, start, length). Every other parameter is replicated: row-parallel biases, norms, the
 vit's embedding and head. A replica's gradient is either whole on every rank already (computed from
-whole, identical tensors: average_replicated_grads keeps a GPU's from drifting by a last bit), or a
+whole, identical tensors: ReplicatedGrads keeps a GPU's from drifting by a last bit), or a
 partial sum that the ranks add up (SummedGradients: --hybrid's convolutions, the norms under
 --sequence-parallel). The gradient norm counts each replica once (counted_once).
 """
-import torch.distributed as dist
-
 from mp.dist import all_reduce_flat
 from mp.models import shard_of
 from mp.tp.collectives import tp_rank, tp_size
@@ -20,23 +18,29 @@ def replicated_parameters(model):
     return [p for name, p in model.named_parameters() if shard_of(model, name) is None]
 
 
-def average_replicated_grads(model, group):
+class ReplicatedGrads:
     """Keep the replicated parameters identical on a GPU. Their gradients are computed from whole,
     identical tensors on every rank, so on the CPU they are bit-identical; but GPU kernels (cuDNN's
     among them) may sum in another order from run to run, and a last-bit difference would make the
-    replicas drift apart. So each gradient is averaged over the group once accumulated (a hook per
-    parameter: backward fires them in the same order on every rank)."""
-    size = tp_size(group)
+    replicas drift apart. So average() averages them over the group, once a step after the last
+    backward (a pipeline runs one backward per microbatch: averaging after each would only repeat
+    the traffic), flattened into buckets (mp.dist.all_reduce_flat)."""
 
-    def average(p):
-        dist.all_reduce(p.grad, group=group)
-        p.grad /= size
-
-    for p in replicated_parameters(model):
+    def __init__(self, model, group):
         # --hybrid's convolutions and sequence-parallel norms are summed into one whole gradient
-        # already (SummedGradients): a second all-reduce would only repeat the traffic
-        if not getattr(p, "summed_over_ranks", False):
-            p.register_post_accumulate_grad_hook(average)
+        # already (SummedGradients, made first): a second all-reduce would only repeat the traffic
+        self.params = [p for p in replicated_parameters(model) if not getattr(p, "summed_over_ranks", False)]
+        self.group = group
+
+    def average(self):
+        grads, size = [p.grad for p in self.params if p.grad is not None], tp_size(self.group)
+        if grads and size > 1:
+            all_reduce_flat(grads, self.group, divide_by=size)
+
+
+def average_replicated_grads(model, group, device):
+    """The ReplicatedGrads of model on a GPU; None on the CPU, where the gradients are identical already."""
+    return ReplicatedGrads(model, group) if device.type == "cuda" else None
 
 
 def counted_once(model, group):
@@ -64,7 +68,7 @@ class SummedGradients:
         for p in self.params:
             if per_backward:
                 p.register_post_accumulate_grad_hook(self.accumulated)
-            p.summed_over_ranks = True        # whole and identical after the sum: average_replicated_grads skips it
+            p.summed_over_ranks = True        # whole and identical after the sum: ReplicatedGrads skips it
 
     def accumulated(self, _param):
         self.ready += 1

@@ -1,0 +1,110 @@
+"""ZeRO-1 (Rajbhandari et al., 2020; Megatron's distributed optimizer): the data-parallel replicas
+share out the optimizer state instead of each keeping all of it.
+
+Without it every replica of a stage holds the same parameters, gets the same averaged gradient, and
+runs the same optimizer step on the same state: D copies of one computation. AdamW's state is twice
+the parameters, so that copy is the largest thing the data axis duplicates. With --zero 1 the
+all-reduce of the gradients is split into its two halves (all-reduce = reduce-scatter + all-gather,
+the same bytes on the wire), and the optimizer step runs between them on a slice:
+
+    gradients (flat buckets)  --reduce-scatter-->  replica d: the mean gradient of its 1/D slice
+    replica d: optimizer step on its slice, with the state of that slice only (1/D of the state)
+    updated slices            --all-gather----->   every replica: the whole updated parameters
+
+Each bucket of mp.buckets.GradBuckets(shard=True) is padded to a multiple of D and cut into D equal
+slices; the parameters' data and gradients are views into the buckets, so the collectives read and
+write them in place. The optimizer is torch's own (mp.optim.make_optimizer), stepping one flat
+Parameter per bucket that is a view of this replica's slice: elementwise updates (SGD's momentum,
+AdamW's moments and decay) give exactly the numbers the whole update would. Clipping takes the
+global norm over the slices (every replica sums the squares of its slice; mp.clipping sums them over
+the replicas too). A checkpoint stays in the baseline model's coordinates: saving gathers each
+parameter's whole state (a collective over the replicas, once a save), resuming cuts this replica's
+slice out of it (docs/optimizers.md).
+"""
+import torch
+import torch.nn as nn
+
+from mp import optim
+from mp.buckets import ALL_GATHER
+from mp.clipping import grad_squares
+from mp.dist import awaiting
+
+
+class ZeroOptimizer:
+    """torch's optimizer over this replica's slices of the buckets, then the all-gather of the slices."""
+
+    def __init__(self, grad_buckets, args):
+        self.grads, rank = grad_buckets, grad_buckets.rank
+        # a Parameter made from a view shares its memory: stepping it writes into the flat parameters
+        self.slices = [nn.Parameter(b.shard(b.param, rank)) for b in grad_buckets.buckets]
+        for s, g in zip(self.slices, grad_buckets.shard_grads):
+            s.grad = g
+        self.inner = optim.make_optimizer(self.slices, args)
+        self.state, self.param_groups = self.inner.state, self.inner.param_groups
+        self.gathered = None          # each bucket's whole state, gathered for a save (until the next step)
+
+    def zero_grad(self, set_to_none=True):
+        self.grads.zero_grad()
+
+    def step(self):
+        """My slices' update, then every replica's slices into every replica's parameters."""
+        self.inner.step()
+        self.gathered = None
+        group, works = self.grads.group, []
+        for b, mine in zip(self.grads.buckets, self.slices):
+            # in place: my slice already sits at my offset of b.param, which every rank's slices fill
+            works.append(ALL_GATHER(b.param, mine.detach(), group=group, async_op=True))
+        with awaiting(*self.grads.waiting):
+            for work in works:
+                work.wait()
+
+    def squares(self, counted=None):
+        """This replica's share of the gradient norm: the squares of its slices' elements that belong to
+        parameters this rank counts (mp.clipping.counted_grads' rule, piece by piece)."""
+        rank = self.grads.rank
+        pieces = [g[start:start + n] for b, g in zip(self.grads.buckets, self.grads.shard_grads)
+                  for p, start, _, n in b.segments(rank) if counted is None or counted(p)]
+        return grad_squares(pieces, self.slices[0].device if self.slices else "cpu")
+
+    def where(self, p):
+        b = self.grads.where[id(p)]
+        i = self.grads.buckets.index(b)
+        return i, b, b.offsets[next(j for j, q in enumerate(b.params) if q is p)]
+
+    def param_state(self, p):
+        """p's whole state in p's shape (a collective over the replicas, made once per save)."""
+        if self.gathered is None:
+            self.gathered = [self._gather(i, b) for i, b in enumerate(self.grads.buckets)]
+        i, _, offset = self.where(p)
+        return {kind: t if kind == "step" else t[offset:offset + p.numel()].view_as(p)
+                for kind, t in self.gathered[i].items()}
+
+    def _gather(self, i, b):
+        state, whole = optim.param_state(self.inner, self.slices[i]), {}
+        with awaiting(*self.grads.waiting):
+            for kind, mine in state.items():
+                if kind == "step":
+                    whole[kind] = mine
+                    continue
+                whole[kind] = torch.empty_like(b.param)
+                ALL_GATHER(whole[kind], mine.detach().contiguous(), group=self.grads.group)
+        return whole
+
+    def load_param_state(self, p, state):
+        """Set my slice's state where it holds p (from p's whole state, as param_state gives it)."""
+        i, b, offset = self.where(p)
+        mine = optim.param_state(self.inner, self.slices[i])
+        for kind, value in state.items():
+            if kind != "step" and kind not in mine:
+                mine[kind] = torch.zeros_like(self.slices[i])
+            if kind == "step":
+                mine[kind] = value
+                continue
+            for q, start, first, n in b.segments(self.grads.rank):
+                if q is p:
+                    mine[kind][start:start + n].copy_(value.reshape(-1)[first:first + n])
+        optim.load_param_state(self.inner, self.slices[i], mine)
+        self.gathered = None
+
+    def state_mb(self):
+        return optim.optimizer_state_mb(self.inner)
