@@ -29,8 +29,10 @@ knob STEPS "300"
 knob DATA "auto"                       # auto | cifar10 | synthetic
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"                   # global: a multiple of DP x MICROBATCHES
-shared_knobs                           # SEED EVAL_EVERY ACTIVATION DROPOUT CLIP CHECKPOINT_DIR SAVE_EVERY
-                                       # RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
+knob ZERO "0"                          # 1: --zero 1, ZeRO-1 (each replica keeps the optimizer state of 1/DP of
+                                       #   the parameters), the 3-D run only
+shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
+                                       # SAVE_EVERY RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
 require_python
 check_environment
@@ -38,8 +40,8 @@ check_environment
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --tp:TP:n
        --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w --recompute:RECOMPUTE=1:- --timeline:LOGS:-
-       --balance:BALANCE:w --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
-       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
+       --balance:BALANCE:w --activation:ACTIVATION:w --optimizer:OPTIMIZER:w --dropout:DROPOUT:n
+       --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n --zero:ZERO:n)
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -53,8 +55,11 @@ DOING=""                               # what the knobs change, on the console
 if [ "$RECOMPUTE" = 1 ]; then PARALLEL+=(--recompute); SUFFIX="_recompute" DOING=", --recompute"; fi
 balance_knob                           # BALANCE: the 3-D run's --balance, and its tag in the names
 if [ -n "$BALANCE" ]; then PARALLEL+=("${BALANCE_FLAGS[@]}"); SUFFIX+=$BALANCE_TAG DOING+=", --balance $BALANCE"; fi
+zero_knob                              # ZERO: the 3-D run's --zero, and its tag in the names
+PARALLEL+=("${ZERO_FLAGS[@]}") SUFFIX+=$ZERO_TAG
+if [ "$ZERO" = 1 ]; then DOING+=", --zero 1"; fi
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 GRID_LOG="$LOGS/parallel_3d_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_tp${TP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${SUFFIX}.jsonl"
 # the plot's name: every knob off its default (the default run's plot keeps the README's name)

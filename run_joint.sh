@@ -28,8 +28,10 @@ knob STEPS "300"
 knob DATA "auto"                       # auto | cifar10 | synthetic
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "72"                   # global: a multiple of DP x MICROBATCHES
-shared_knobs                           # SEED EVAL_EVERY ACTIVATION DROPOUT CLIP CHECKPOINT_DIR SAVE_EVERY
-                                       # RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
+knob ZERO "0"                          # 1: --zero 1, ZeRO-1 (each replica keeps the optimizer state of 1/DP of
+                                       #   the parameters), the joint run only
+shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
+                                       # SAVE_EVERY RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
 require_python
 check_environment
@@ -37,8 +39,8 @@ check_environment
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --dp:DP:n --microbatches:MICROBATCHES:n
        --schedule:SCHEDULE:w --timeline:LOGS:- --balance:BALANCE:w
-       --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
-       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
+       --activation:ACTIVATION:w --optimizer:OPTIMIZER:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
+       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n --zero:ZERO:n)
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
 
@@ -46,18 +48,20 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 DELAY=()                               # 2bw trains by another rule: its reference is the baseline with --delay 1
 if [ "$SCHEDULE" = 2bw ]; then DELAY=(--delay 1) BASELINE_LOG="${BASELINE_LOG%.jsonl}_delay1.jsonl"; fi
 balance_knob                           # BALANCE: the joint run's --balance, and its tag in the names
-JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${BALANCE_TAG}.jsonl"
+zero_knob                              # ZERO: the joint run's --zero, and its tag in the names
+JOINT_LOG="$LOGS/pipeline_dp_joint_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}"
+JOINT_LOG+="${BALANCE_TAG}${ZERO_TAG}.jsonl"
 # the plot's name: every knob off its default (the default run's plot keeps the README's name)
-PLOT="$PLOTS/joint_loss$(settings_tag MODEL NPROC DP MICROBATCHES SCHEDULE BATCH_SIZE)$EXTRA$BALANCE_TAG.png"
+PLOT="$PLOTS/joint_loss$(settings_tag MODEL NPROC DP MICROBATCHES SCHEDULE BATCH_SIZE)$EXTRA$BALANCE_TAG$ZERO_TAG.png"
 
 # the parallel program's arguments at its world size, before anything trains (parse_args only)
 check_args pipeline_dp_joint "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
-    --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" --log-file "$JOINT_LOG"
+    --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${ZERO_FLAGS[@]}" --log-file "$JOINT_LOG"
 check_baseline_args "${COMMON[@]}"
 
 STEP="the baseline (single_baseline.py${DELAY:+ --delay 1})"
@@ -70,7 +74,7 @@ echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatc
 checkpoint_flags "$JOINT_LOG"
 "$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
-    --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${CKPT[@]}" --log-file "$JOINT_LOG"
+    --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${ZERO_FLAGS[@]}" "${CKPT[@]}" --log-file "$JOINT_LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
 "$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"

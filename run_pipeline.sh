@@ -37,8 +37,8 @@ knob VIRTUAL_STAGES "2"                # interleaved only
 knob BALANCE ""                        # blocks per stage (chunk), e.g. 1,1,1,2, or auto (mp/pp/balance.py); empty: even
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"
-shared_knobs                           # SEED EVAL_EVERY ACTIVATION DROPOUT CLIP CHECKPOINT_DIR SAVE_EVERY
-                                       # RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
+shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
+                                       # SAVE_EVERY RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
 require_python
 check_environment
@@ -47,8 +47,8 @@ SCHEDULE_LIST=$SCHEDULE                # the loops below name each schedule SCHE
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w
        --virtual-stages:VIRTUAL_STAGES:n --recompute:RECOMPUTE=1:- --log-file:LOGS:- --timeline:LOGS:-
-       --balance:BALANCE:w --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
-       --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
+       --balance:BALANCE:w --activation:ACTIVATION:w --optimizer:OPTIMIZER:w --dropout:DROPOUT:n
+       --clip-grad-norm:CLIP:n --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
@@ -57,7 +57,7 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 SUFFIX="" DOING=""                     # what the knobs change, in the file names and on the console
 if [ "$RECOMPUTE" = 1 ]; then SUFFIX="_recompute" DOING=", --recompute"; fi

@@ -44,6 +44,7 @@ SCHEDULE=${SCHEDULE:-1f1b}             # pipelines: gpipe | 1f1b | interleaved (
                                        # (2bw: pipeline_microbatch.py; the baseline then runs --delay 1, its reference)
 BALANCE=${BALANCE:-}                   # pipelines: blocks per stage, e.g. 1,1,1,2, or auto (mp/pp/balance.py); empty: even
 ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)
+OPTIMIZER=${OPTIMIZER:-sgd}            # sgd | adamw: --optimizer for both programs (--lr's default follows it)
 DP=${DP:-2}                            # pipeline_dp_joint.py, parallel_3d.py: data-parallel replicas
 TP=${TP:-2}                            # parallel_3d.py: tensor-parallel ranks per stage
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
@@ -75,6 +76,10 @@ NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:?}}
 case "$ACTIVATION" in
     gelu|relu) ;;
     *) fail "ACTIVATION=$ACTIVATION is not an activation here: set ACTIVATION=gelu or ACTIVATION=relu" ;;
+esac
+case "$OPTIMIZER" in
+    sgd|adamw) ;;
+    *) fail "OPTIMIZER=$OPTIMIZER is not an optimizer here: set OPTIMIZER=sgd or OPTIMIZER=adamw" ;;
 esac
 case "$PROGRAM" in
     pipeline_microbatch.py) PARALLEL=(--schedule "$SCHEDULE" --microbatches "$MICROBATCHES") ;;
@@ -129,7 +134,7 @@ RDZV_PORT=${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
 WORLD=$((NNODES * NPROC))
 NAME=${PROGRAM%.py}
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
-        --eval-every "$EVAL_EVERY" --activation "$ACTIVATION" "$@")
+        --eval-every "$EVAL_EVERY" --activation "$ACTIVATION" --optimizer "$OPTIMIZER" "$@")
 # Checkpoints come from the program (torch.distributed.checkpoint): a requeued job starts this
 # script again, and the program finds its last checkpoint in CHECKPOINT_DIR and goes on from there.
 # A program without --checkpoint-dir refuses the flag in the check below, before anything trains.

@@ -22,15 +22,15 @@ knob DATA "auto"                       # auto | cifar10 | synthetic
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob HYBRID "0"                        # 1: also run --hybrid (cnn: data-parallel convolutions, tensor-parallel fc)
 knob BATCH_SIZE "64"
-shared_knobs                           # SEED EVAL_EVERY ACTIVATION DROPOUT CLIP CHECKPOINT_DIR SAVE_EVERY
-                                       # RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
+shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
+                                       # SAVE_EVERY RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
 require_python
 check_environment
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
 KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n
        --eval-every:EVAL_EVERY:n --backend:BACKEND:w --log-file:LOGS:- --hybrid:HYBRID=1:-
-       --activation:ACTIVATION:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
+       --activation:ACTIVATION:w --optimizer:OPTIMIZER:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 check_knob HYBRID "$HYBRID" 0 1
 check_count NPROC "$NPROC"
@@ -43,7 +43,7 @@ mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
-run_knobs                              # ACTIVATION, DROPOUT, CLIP (both programs, log names), RESTARTS
+run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 TP_LOG="$LOGS/tensor_parallel_${MODEL}${EXTRA}_tp${NPROC}_b${BATCH_SIZE}.jsonl"
 # the plot's name: every knob off its default (the default run's plot keeps the README's name)

@@ -102,7 +102,8 @@ def add_optimizer_flags(p):
     p.add_argument("--weight-decay", type=float, default=0.0,
                    help="SGD: torch's L2 term added to the gradient; AdamW: its decoupled decay of the weights")
     p.add_argument("--beta1", type=float, default=0.9, help="AdamW's decay rate of the gradient's running mean")
-    p.add_argument("--beta2", type=float, default=0.999, help="AdamW's decay rate of the squared gradient's running mean")
+    p.add_argument("--beta2", type=float, default=0.999,
+                   help="AdamW's decay rate of the squared gradient's running mean")
     p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon, added to the denominator")
     p.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="1: ZeRO-1, each data-parallel replica keeps the optimizer state of its 1/D slice of the "

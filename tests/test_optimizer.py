@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 import single_baseline
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, slow
 from mp import checkpoint, optim
+from mp.tools import knobs
 
 STEPS = 20
 ADAMW = FAST + ["--model", "mlp", "--layers", "4", "--hidden", "32", "--batch-size", "16", "--optimizer", "adamw",
@@ -147,7 +148,8 @@ def test_the_lr_default_follows_the_optimizer_and_the_state_size(monkeypatch):
     """--lr's default per optimizer; AdamW's state is twice SGD's momentum (plus one 0-dim step per
     parameter), and the interface goes through an optimizer's own methods where it has them."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    sgd_args, adamw_args = single_baseline.parse_args(FAST), single_baseline.parse_args(FAST + ["--optimizer", "adamw"])
+    sgd_args = single_baseline.parse_args(FAST)
+    adamw_args = single_baseline.parse_args(FAST + ["--optimizer", "adamw"])
     assert (sgd_args.lr, adamw_args.lr) == (0.02, 1e-3)
     model = torch.nn.Linear(256, 256)
     sizes = {}
@@ -200,3 +202,12 @@ def test_a_checkpoint_from_before_the_optimizer_flags_resumes_as_sgd(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert resumed.losses() == whole.losses()
     assert os.path.exists(ck / "step-00000004")
+
+
+def test_the_launchers_read_optimizer_everywhere_and_zero_where_there_are_replicas():
+    """mp.tools.knobs reads the knobs from the scripts: OPTIMIZER from shared_knobs (run_slurm.sh: its
+    own line), ZERO from the two launchers whose parallel program has a data-parallel axis."""
+    launchers = ["run_pipeline.sh", "run_joint.sh", "run_tp.sh", "run_3d.sh", "run_slurm.sh"]
+    read = {name: knobs.knobs_of(os.path.join(knobs.ROOT, name)) for name in launchers}
+    assert all("OPTIMIZER" in read[name] for name in launchers)
+    assert [name for name in launchers if "ZERO" in read[name]] == ["run_joint.sh", "run_3d.sh"]

@@ -33,6 +33,7 @@ shared_knobs() {   # the knobs every run_*.sh has, with the same defaults
     knob ACTIVATION "gelu"                 # gelu | relu: every model's activation, both programs (relu: the course's)
     knob DROPOUT "0"                       # dropout probability, both programs (keyed masks: exact in every layout)
     knob CLIP ""                           # clip the gradient to this global norm, both programs (empty: off)
+    knob OPTIMIZER "sgd"                   # sgd | adamw: --optimizer for both programs (--lr's default follows it)
     knob CHECKPOINT_DIR ""                 # the parallel run saves checkpoints under it and resumes from the latest
     knob SAVE_EVERY "50"                   # with CHECKPOINT_DIR: save every K steps and after the last
     knob RESTARTS "0"                      # torchrun --max-restarts: a killed rank restarts the workers, which resume
@@ -64,7 +65,7 @@ settings_tag() {   # KNOB...: for each of these knobs not at its default, _value
         value=${!name}
         if [ "$value" != "${KNOB_DEFAULT[$name]}" ]; then
             case "$name" in
-                MODEL | DATA | SCHEDULE | ACTIVATION | BACKEND) tag+="_${value// /-}" ;;
+                MODEL | DATA | SCHEDULE | ACTIVATION | BACKEND | OPTIMIZER) tag+="_${value// /-}" ;;
                 *) name=${name,,} && tag+="_${name//_/}${value// /-}" ;;
             esac
         fi
@@ -170,16 +171,18 @@ flags_tag() {   # the extra flags that change what runs, as part of a file name:
     echo "${tag//[^A-Za-z0-9._=-]/}"
 }
 
-run_knobs() {   # after COMMON and EXTRA: ACTIVATION, DROPOUT and CLIP go to both programs and into the log
-                # names; RESTARTS to torchrun (TORCHRUN_OPTS); CHECKPOINT_DIR is the parallel run's (checkpoint_flags)
+run_knobs() {   # after COMMON and EXTRA: ACTIVATION, OPTIMIZER, DROPOUT and CLIP go to both programs and into
+                # the log names; RESTARTS to torchrun (TORCHRUN_OPTS); CHECKPOINT_DIR is the parallel run's (checkpoint_flags)
     check_knob ACTIVATION "$ACTIVATION" gelu relu
+    check_knob OPTIMIZER "$OPTIMIZER" sgd adamw
     case "$RESTARTS" in '' | *[!0-9]*) launcher_error "RESTARTS=$RESTARTS must be 0 or a positive integer" ;; esac
     if [ -n "$CHECKPOINT_DIR" ]; then check_count SAVE_EVERY "$SAVE_EVERY"; fi
     if [ "$ACTIVATION" != gelu ]; then COMMON+=(--activation "$ACTIVATION"); fi
+    COMMON+=(--optimizer "$OPTIMIZER")
     if [ "$DROPOUT" != 0 ]; then COMMON+=(--dropout "$DROPOUT"); fi
     if [ -n "$CLIP" ]; then COMMON+=(--clip-grad-norm "$CLIP"); fi
     # what shapes both runs' curves, in the names (at their defaults, the names runs had before the knobs)
-    EXTRA+=$(settings_tag ACTIVATION STEPS SEED DATA EVAL_EVERY DROPOUT CLIP)
+    EXTRA+=$(settings_tag ACTIVATION OPTIMIZER STEPS SEED DATA EVAL_EVERY DROPOUT CLIP)
     TORCHRUN_OPTS=(--max-restarts "$RESTARTS")
 }
 
@@ -189,6 +192,12 @@ balance_knob() {   # BALANCE: --balance for the pipeline program only (the basel
     if [ -n "${BALANCE:-}" ]; then
         BALANCE_FLAGS=(--balance "$BALANCE") BALANCE_TAG="_balance${BALANCE//[^A-Za-z0-9]/-}"
     fi
+}
+
+zero_knob() {   # ZERO (run_joint.sh, run_3d.sh): --zero for the parallel program only (the baseline has no
+                # replicas), and its tag for the log and plot names: ZERO_FLAGS, ZERO_TAG (1 -> _zero1)
+    check_knob ZERO "$ZERO" 0 1
+    ZERO_FLAGS=(--zero "$ZERO") ZERO_TAG=$(settings_tag ZERO)
 }
 
 checkpoint_flags() {   # LOG: the parallel run's checkpoints, in a directory of its own under CHECKPOINT_DIR
