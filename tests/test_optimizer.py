@@ -63,7 +63,7 @@ def assert_same_state(got, want):
     """The weights: all but 1 in 10,000 within 1e-6, and none beyond 1e-4. AdamW moves an element by
     about lr (1e-3) whatever its gradient's size, so an element whose gradient is at the rounding level
     of its sum over the batch (|g| ~ 1e-10: the sign depends on the summation order, which every layout
-    changes) takes a step the baseline did not. Measured 2026-11-25: 1 to 3 of 100,426 weights beyond
+    changes) takes a step the baseline did not. Measured 2026-11-25: 1 to 3 of 100,778 weights beyond
     1e-6 in each layout, the largest 1.35e-5 (tp2); all the others within 1e-6. The running means
     (exp_avg, exp_avg_sq): within 0.1% of each tensor's largest value; the step counts: equal."""
     assert sorted(got) == sorted(want)
