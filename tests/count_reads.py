@@ -1,0 +1,72 @@
+"""Runs one program (COUNT_PROGRAM, a file in the repository root) with its arguments, counting on each
+rank what its training steps read back from tensors (.item(), .tolist(), float(), bool()) and how many
+all-reduces they start, and writes the counts to COUNT_DIR/rank-<rank>.json when training ends.
+
+Counted: inside each step (the program's job.step) and inside the loop's reading of the logged
+scalars (mp.loop.StepScalars.read): everything the training loop does between its set-up and its
+summary, evaluation and checkpoints aside (the tests run without them)."""
+import json
+import os
+import runpy
+import sys
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import mp.loop as loop  # noqa: E402
+
+counts = {"steps": 0, "reads": 0, "all_reduce": 0, "step_reads": 0, "step_all_reduce": 0}
+counting = [False]
+
+
+def counted(name, real, key):
+    def wrapper(*args, **kwargs):
+        if counting[0]:
+            counts[key] += 1
+            counts["step_" + key] += in_step[0]
+        return real(*args, **kwargs)
+    wrapper.__name__ = name
+    return wrapper
+
+
+in_step = [False]
+for method in ("item", "tolist", "__float__", "__bool__"):
+    setattr(torch.Tensor, method, counted(method, getattr(torch.Tensor, method), "reads"))
+dist.all_reduce = counted("all_reduce", dist.all_reduce, "all_reduce")
+
+
+def around(fn, inside_step):
+    def wrapper(*args, **kwargs):
+        counting[0], in_step[0] = True, inside_step
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counting[0], in_step[0] = False, False
+    return wrapper
+
+
+real_train, real_read = loop.train, loop.StepScalars.read
+loop.StepScalars.read = around(real_read, inside_step=False)
+
+
+def train(args, env, job):
+    step = around(job.step, inside_step=True)
+
+    def each(k, optimizer):
+        counts["steps"] += 1
+        return step(k, optimizer)
+
+    job.step = each
+    status = real_train(args, env, job)
+    with open(os.path.join(os.environ["COUNT_DIR"], f"rank-{env.rank}.json"), "w") as f:
+        json.dump(counts, f)
+    return status
+
+
+loop.train = train
+program = os.path.join(ROOT, os.environ["COUNT_PROGRAM"])
+sys.argv = [program] + sys.argv[1:]
+sys.path.insert(0, ROOT)
+runpy.run_path(program, run_name="__main__")

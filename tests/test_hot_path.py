@@ -1,0 +1,65 @@
+"""The step reads nothing back from the device and communicates only what it must (issue 35): each
+program's steps, counted on every rank by tests/count_reads.py. With --log-every 10 the loop reads
+the steps' loss and norm once every 10 steps (on the rank that logs), so at most 0.3 reads a step;
+a pipeline step without clipping starts no all-reduce (the norm's sums wait for the log); and a
+data-parallel step's gradient all-reduces are one per bucket, however many microbatches it runs."""
+import glob
+import json
+
+import pytest
+
+from helpers import FAST, launch, slow
+
+STEPS = ["--steps", "20", "--log-every", "10"]
+PROGRAMS = {   # program, ranks, its flags
+    "baseline": ("single_baseline.py", 1, []),
+    "pipeline": ("pipeline_microbatch.py", 2, ["--schedule", "1f1b", "--microbatches", "4"]),
+    "zb": ("pipeline_microbatch.py", 2, ["--schedule", "zb", "--microbatches", "4"]),
+    "joint": ("pipeline_dp_joint.py", 4, ["--dp", "2", "--microbatches", "4", "--batch-size", "64"]),
+    "tp": ("tensor_parallel.py", 2, []),
+    "3d": ("parallel_3d.py", 4, ["--dp", "2", "--tp", "2", "--microbatches", "2", "--batch-size", "32"]),
+}
+
+
+def counted(tmp_path, monkeypatch, program, nproc, flags):
+    monkeypatch.setenv("COUNT_PROGRAM", program)
+    monkeypatch.setenv("COUNT_DIR", str(tmp_path))
+    run = launch("tests/count_reads.py", FAST + STEPS + flags, tmp_path, nproc=nproc, log_name="log.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.load(open(path)) for path in sorted(glob.glob(str(tmp_path / "rank-*.json")))]
+    assert len(ranks) == nproc and all(r["steps"] == 20 for r in ranks), ranks
+    assert len(run.losses()) == 20        # every step still lands in the log
+    return ranks
+
+
+@pytest.mark.parametrize("name", ["baseline", "pipeline", "joint", "tp", slow("zb"), slow("3d")])
+def test_a_step_reads_nothing_back_and_the_log_reads_once_every_k_steps(name, tmp_path, monkeypatch):
+    program, nproc, flags = PROGRAMS[name]
+    ranks = counted(tmp_path, monkeypatch, program, nproc, flags)
+    assert all(r["step_reads"] == 0 for r in ranks), ranks
+    assert max(r["reads"] for r in ranks) / 20 <= 0.3, ranks
+    assert max(r["reads"] for r in ranks) >= 2, ranks     # the logging rank reads, twice in 20 steps: counted
+    if name in ("pipeline", "zb"):        # a pure pipeline: no all-reduce in a step, the norm's sum when logged
+        assert all(r["step_all_reduce"] == 0 for r in ranks) and all(r["all_reduce"] == 2 for r in ranks), ranks
+
+
+def test_clipping_sums_the_norm_in_the_step_without_reading_it(tmp_path, monkeypatch):
+    program, nproc, flags = PROGRAMS["pipeline"]
+    ranks = counted(tmp_path, monkeypatch, program, nproc, flags + ["--clip-grad-norm", "0.5"])
+    assert all(r["step_reads"] == 0 for r in ranks) and all(r["step_all_reduce"] == 20 for r in ranks), ranks
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_data_parallel_all_reduces_do_not_grow_with_the_microbatches(zero, tmp_path, monkeypatch):
+    """The joint program's gradient all-reduces (--zero 1: reduce-scatters, not counted as all-reduces:
+    none then), at 2 and at 8 microbatches: one per bucket, started during the last backward."""
+    program, nproc, _ = PROGRAMS["joint"]
+    per_m = {}
+    for m in (2, 8):
+        folder = tmp_path / f"m{m}"
+        folder.mkdir()
+        ranks = counted(folder, monkeypatch, program, nproc, ["--dp", "2", "--microbatches", str(m),
+                                                              "--batch-size", "64", "--zero", str(zero)])
+        per_m[m] = [r["step_all_reduce"] for r in ranks]
+    assert per_m[2] == per_m[8], per_m
+    assert all(n == (0 if zero else 20) for n in per_m[2]), per_m   # the cnn's stages: one bucket each
