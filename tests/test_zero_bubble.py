@@ -143,3 +143,39 @@ def _sharded_case(rank, world, group):
         torch.testing.assert_close(layer.weight.grad, plain.weight.grad)
         if layer.bias is not None:
             torch.testing.assert_close(layer.bias.grad, plain.bias.grad)
+
+
+def test_w_of_a_weight_without_hooks_adds_in_place_without_autograd(monkeypatch):
+    """The fast W: the step's first W sets A.grad, each later one adds dA into that same tensor (one
+    GEMM into it, no temporary), and autograd's deferred function is never built."""
+    import mp.pp.zero_bubble as zero_bubble
+    built = []
+    real = zero_bubble._DeferredWeightGrad.apply
+    monkeypatch.setattr(zero_bubble._DeferredWeightGrad, "apply", lambda *a: built.append(1) or real(*a))
+    torch.manual_seed(0)
+    chunk, stash, plain = split_and_plain(nn.Linear(6, 4))
+    grads = []
+    for mb in range(3):
+        x, dy = torch.randn(5, 6), torch.randn(5, 4)
+        with stash.backward_of(mb):
+            torch.autograd.backward(chunk(x), dy)
+        stash.weight_grads(mb)
+        torch.autograd.backward(plain(x), dy)
+        grads.append(chunk[0].weight.grad)
+        torch.testing.assert_close(chunk[0].weight.grad, plain.weight.grad)
+    assert built == [] and grads[0] is grads[1] is grads[2]
+
+
+def test_a_hook_on_the_gradient_sends_w_through_autograd():
+    """Tensor.register_hook runs on dA before it is added: only autograd runs it, so W takes that
+    path for a hooked weight (here the hook doubles dA, and A.grad is twice autograd's)."""
+    torch.manual_seed(0)
+    chunk, stash, plain = split_and_plain(nn.Linear(6, 4))
+    chunk[0].weight.register_hook(lambda g: 2 * g)
+    x, dy = torch.randn(5, 6), torch.randn(5, 4)
+    for mb in range(2):
+        with stash.backward_of(mb):
+            torch.autograd.backward(chunk(x), dy)
+        stash.weight_grads(mb)
+        torch.autograd.backward(plain(x), dy)
+    torch.testing.assert_close(chunk[0].weight.grad, 2 * plain.weight.grad)

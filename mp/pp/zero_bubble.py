@@ -14,9 +14,11 @@ objects (same names, same optimizer state, same checkpoint keys); a tensor-paral
 (tensor_parallel.py's sharded layers, which compute op(x, weight slice, bias)) keeps its module and
 gets a split op. Either way the backward returns dx and db at once and leaves (x, dy) in the
 chunk's WeightGradStash; the collectives around a shard (f, g, all-gathers) are autograd functions
-of their own and stay in B. The W action of that microbatch hands dA back to autograd, which adds it
-to A.grad exactly as an unsplit backward would, gradient hooks included. Other parameters (norms,
-embeddings, a row-parallel layer's bias added after its all-reduce) take their gradients in B.
+of their own and stay in B. The W action of that microbatch adds dA to A.grad: in place, as one
+GEMM into A.grad (A.grad += dy^T x with no temporary: cheaper than the unsplit backward's product
+then add, docs/benchmarks.md), or, for a weight with gradient hooks, through autograd, which fires
+them as an unsplit backward would. Other parameters (norms, embeddings, a row-parallel layer's
+bias added after its all-reduce) take their gradients in B.
 
     stash = split_weight_grads(chunk)    # once: the chunk's Linear, Conv2d and shard ops now split
     with stash.backward_of(mb):          # B: autograd.backward through the chunk
@@ -46,6 +48,11 @@ class LinearMath:
     def weight_grad(self, x, dy, weight_shape):
         return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
 
+    def add_weight_grad(self, grad, x, dy):
+        """grad += dy^T x as one GEMM writing into grad (beta = 1): no (out x in) temporary to allocate,
+        fill and add, which is what autograd's accumulation costs on top of the product."""
+        grad.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+
 
 class ConvMath:
     """y = conv2d(x, A) + b with its geometry (stride, padding, dilation, groups), and its gradients."""
@@ -64,6 +71,9 @@ class ConvMath:
 
     def weight_grad(self, x, dy, weight_shape):
         return torch.nn.grad.conv2d_weight(x, weight_shape, dy, **self.geometry)
+
+    def add_weight_grad(self, grad, x, dy):
+        grad += self.weight_grad(x, dy, grad.shape)
 
 
 class _InputGradOnly(torch.autograd.Function):
@@ -188,7 +198,24 @@ class WeightGradStash:
             self.microbatch = None
 
     def weight_grads(self, mb):
-        """W: dA of every split layer for microbatch mb, accumulated by autograd into A.grad."""
-        zeros = [_DeferredWeightGrad.apply(layer.weight, x, dy, layer) for layer, x, dy in self.pending.pop(mb, [])]
-        if zeros:
-            torch.autograd.backward(zeros)
+        """W: dA of every split layer for microbatch mb, added to A.grad. A weight that has gradient
+        hooks (data parallelism's, a replica's average) takes dA through autograd, which fires them;
+        any other weight takes it directly: A.grad set, or dA added in place by one GEMM (what
+        autograd's accumulation does, less its temporary and its engine call per layer)."""
+        hooked = []
+        for layer, x, dy in self.pending.pop(mb, []):
+            weight = layer.weight
+            if has_grad_hooks(weight):
+                hooked.append(_DeferredWeightGrad.apply(weight, x, dy, layer))
+            elif weight.grad is None:             # the step's first W (the optimizer set grads to None)
+                weight.grad = layer.math.weight_grad(x, dy, weight.shape)
+            else:
+                layer.math.add_weight_grad(weight.grad, x, dy)
+        if hooked:
+            torch.autograd.backward(hooked)
+
+
+def has_grad_hooks(weight):
+    """Hooks that autograd would run on weight's gradient: Tensor.register_hook (before the
+    accumulation) or register_post_accumulate_grad_hook (after). Only autograd runs them."""
+    return bool(weight._backward_hooks) or bool(weight._post_accumulate_grad_hooks)
