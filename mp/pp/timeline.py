@@ -34,9 +34,10 @@ def gather_timeline(runner, pos, args):
     mine = [(cat, name, mb, ch, (t0 - origin) * 1e6, (t1 - t0) * 1e6) for cat, name, mb, ch, t0, t1 in runner.events]
     every = [None] * pos.pp_size
     dist.all_gather_object(every, (pos.pp_rank, mine), group=pos.group)
-    events = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": r, "tid": 0,
+    # a data-parallel bucket's collective (mp.buckets) runs beside the work: a row (tid) of its own
+    events = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": r, "tid": int(cat == "collective"),
                "args": {"microbatch": mb, "chunk": ch}} for r, evs in every for cat, name, mb, ch, ts, dur in evs]
-    compute = [e for e in events if e["cat"] not in ("wait", "step")]   # "step": where a step begins
+    compute = [e for e in events if e["cat"] not in ("wait", "step", "collective")]   # "step": where a step begins
     span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
     busy = sum(e["dur"] for e in compute) / (pos.pp_size * span)
     return {"traceEvents": events, "otherData": {

@@ -44,9 +44,10 @@ from mp.pp.schedules import SCHEDULES, bubble_theory, clock_cells  # noqa: E402
 
 TOLERANCE = 1e-4  # the equivalence contract: |loss - baseline loss| <= 1e-4 at every step
 COLOURS = {"forward": "#4C72B0", "recompute": "#8FB0DD", "backward": "#DD8452", "weight": "#55A868",
-           "wait": "#C0C0C0"}
+           "wait": "#C0C0C0", "collective": "#2F2F2F"}
 MEANINGS = {"forward": "forward", "recompute": "forward again (R, --recompute)", "backward": "backward",
-            "weight": "weight gradient (W)", "wait": "waiting for a message"}   # zb's B: input gradient only
+            "weight": "weight gradient (W)", "wait": "waiting for a message",
+            "collective": "a gradient bucket's all-reduce, beside the work"}   # zb's B: input gradient only
 HATCHES = ["", "////", "....", "xxxx"]   # chunk a, b, c, d of an interleaved rank
 SPARE = ["#8172B3", "#C44E52", "#937860", "#DA8BC3", "#CCB974"]  # categories a trace adds later
 # the settings two runs must share for their losses to be compared step by step
@@ -337,8 +338,9 @@ def draw_gantt(ax, trace, colours, points_per_ms):
     for e in events:
         kind = e.get("cat", "wait")
         left, width = (e["ts"] - start) / 1000, e["dur"] / 1000
-        if kind == "wait":
-            ax.barh(e["pid"], width, left=left, height=0.25, color=colours["wait"], linewidth=0)
+        if kind in ("wait", "collective"):   # thin: a wait on the row, a collective just under it (overlap)
+            ax.barh(e["pid"] + (0.45 if kind == "collective" else 0), width, left=left, height=0.25 if kind == "wait"
+                    else 0.12, color=colours[kind], linewidth=0)
             continue
         chunk = e.get("args", {}).get("chunk") or 0
         ax.barh(e["pid"], width, left=left, height=0.8, color=colours.get(kind, "#999999"), edgecolor="white",
@@ -362,7 +364,7 @@ def busy_ms(events):
     (ranks > cores) does not make its rank look slow."""
     times = {}
     for e in events:
-        if e.get("cat", "wait") != "wait":
+        if e.get("cat", "wait") not in ("wait", "collective"):
             times.setdefault((e["pid"], e["cat"]), []).append(e["dur"] / 1000)
     busy = {}
     for (rank, _), durations in times.items():
