@@ -1,0 +1,110 @@
+"""ZeRO-1 (--zero 1, mp/zero.py): the same training as without it, half the optimizer state at D=2, and
+checkpoints in the baseline's coordinates that resume with or without it and in the baseline; the
+identity it stands on (reduce-scatter + all-gather = all-reduce) on gloo; its refusals."""
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallel_3d
+import pipeline_dp_joint
+import tensor_parallel
+from helpers import assert_one_error_line, assert_same_losses, launch, run_ranks, slow
+from mp.buckets import ALL_GATHER, REDUCE_SCATTER
+from test_optimizer import ADAMW, STEPS, assert_same_state, full_tensors, reference, saved_run  # noqa: F401
+
+JOINT = ("pipeline_dp_joint.py", ["--dp", "2", "--microbatches", "2"], 4)
+
+
+def _identity_case(rank, world, group):
+    """Each rank's flat gradient: reduce-scatter then all-gather gives every rank exactly what one
+    all-reduce gives, and each collective moves (D-1)/D of the buffer per rank on a ring: together the
+    all-reduce's 2(D-1)/D."""
+    g = torch.Generator().manual_seed(rank)
+    grad = torch.randn(world * 1000 + 0, generator=g)
+    summed = grad.clone()
+    dist.all_reduce(summed)
+    mine = torch.empty(grad.numel() // world)
+    REDUCE_SCATTER(mine, grad, group=None)
+    assert torch.equal(mine, summed[rank * mine.numel():(rank + 1) * mine.numel()])   # my slice of the sum
+    whole = torch.empty_like(grad)
+    ALL_GATHER(whole, mine, group=None)
+    assert torch.equal(whole, summed)
+
+
+def test_reduce_scatter_then_all_gather_is_an_all_reduce(tmp_path):
+    run_ranks(_identity_case, 2, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def unsharded(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("joint-adamw")
+    run = saved_run(JOINT[0], JOINT[1], JOINT[2], directory, save_every=STEPS // 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, directory
+
+
+def test_zero_trains_as_without_it_with_half_the_state(unsharded, reference, tmp_path):
+    """pipeline_dp_joint.py --zero 1 against the same run without it: the losses and the saved weights
+    and state (gathered into the baseline's coordinates) agree to float32 rounding, the baseline's
+    within the contract; each replica's optimizer state is half of what it held."""
+    run = saved_run(JOINT[0], JOINT[1] + ["--zero", "1"], JOINT[2], tmp_path, save_every=STEPS // 2)
+    assert_same_losses(run, unsharded[0], atol=1e-6)
+    assert_same_losses(run, reference[0])
+    got = full_tensors(tmp_path / "ck" / f"step-{STEPS:08d}", tmp_path / "zero.pt")
+    want = full_tensors(unsharded[1] / "ck" / f"step-{STEPS:08d}", tmp_path / "plain.pt")
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    assert_same_state(got, full_tensors(reference[1] / "ck" / f"step-{STEPS:08d}", tmp_path / "baseline.pt"))
+    plain, zero = (r.events("summary")[0]["optimizer_state_mb"] for r in (unsharded[0], run))
+    for rank in plain:                    # half, give or take the padding of a bucket to a multiple of D
+        assert abs(zero[rank] - plain[rank] / 2) <= 1e-3, (zero, plain)
+    params = run.events("summary")[0]["param_mb"]
+    assert all(abs(plain[r] - 2 * params[r]) <= 1e-3 for r in plain)   # AdamW: twice the parameters
+
+
+def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, unsharded, tmp_path):
+    """A --zero 1 run saves after step 10 (each parameter's whole state, gathered); the run without
+    --zero and single_baseline.py resume from it, and a --zero 1 run resumes from the checkpoint the
+    run without --zero saved after step 10: each logs the uninterrupted baseline's losses for steps 10..19."""
+    want = {r["step"]: r["loss"] for r in reference[0].events("train")}
+    (tmp_path / "first").mkdir()
+    first = saved_run(JOINT[0], JOINT[1] + ["--zero", "1"], JOINT[2], tmp_path / "first", save_every=STEPS // 2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumes = {"plain": (JOINT, tmp_path / "first"), "baseline": (("single_baseline.py", [], 1), tmp_path / "first"),
+               "zero": ((JOINT[0], JOINT[1] + ["--zero", "1"], JOINT[2]), unsharded[1])}
+    for name, ((program, extra, nproc), source) in resumes.items():
+        folder = tmp_path / name
+        shutil.copytree(source / "ck", folder / "ck")
+        shutil.rmtree(folder / "ck" / f"step-{STEPS:08d}")    # resume from step 10
+        resumed = saved_run(program, extra, nproc, folder)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert resumed.events("resume")[0]["step"] == STEPS // 2, name
+        assert resumed.events("resume")[0]["from"]["program"] == "pipeline_dp_joint", name
+        got = {r["step"]: r["loss"] for r in resumed.events("train")}
+        assert sorted(got) == list(range(STEPS // 2, STEPS)), name
+        assert max(abs(got[k] - want[k]) for k in got) <= 1e-4, name
+
+
+@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], slow(["--dp", "2", "--tp", "2", "--schedule", "zb"])])
+def test_zero_in_3d_trains_as_without_it(layout, tmp_path):
+    flags = layout + ["--microbatches", "2"]
+    runs = [launch("parallel_3d.py", ADAMW + flags + zero, tmp_path, nproc=4, log_name=f"z{len(zero)}.jsonl")
+            for zero in ([], ["--zero", "1"])]
+    assert_same_losses(runs[1], runs[0], atol=1e-6)
+    assert "replicas of every stage: yes" in runs[1].stdout
+
+
+@pytest.mark.parametrize("parse,argv,world,message", [
+    (pipeline_dp_joint.parse_args, ["--zero", "1", "--dp", "1"], 3, "error: --zero 1 splits the optimizer state"),
+    (pipeline_dp_joint.parse_args, ["--zero", "1", "--schedule", "2bw", "--microbatches", "4", "--batch-size", "64"],
+     4, "error: --zero 1 does not run with --schedule 2bw"),
+    (pipeline_dp_joint.parse_args, ["--zero", "1", "--check"], 4, "error: --check compares every rank's whole"),
+    (parallel_3d.parse_args, ["--zero", "1", "--dp", "1"], 4, "error: --zero 1 splits the optimizer state"),
+    (tensor_parallel.parse_args, ["--zero", "1"], 2, "error: --zero 1: tensor_parallel.py has no data-parallel axis"),
+    (pipeline_dp_joint.parse_args, ["--zero", "2"], 4, "error: argument --zero: invalid choice"),
+])
+def test_zero_where_it_cannot_run_is_one_error_line(parse, argv, world, message, monkeypatch, capsys):
+    assert_one_error_line(parse, argv, world, message, monkeypatch, capsys)
