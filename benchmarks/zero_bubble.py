@@ -4,21 +4,48 @@ it cuts (2 processes on 2 cores: the schedule is measured, not the oversubscript
 runs 4 stages of a 16-layer mlp (4 processes on 2 cores: oversubscribed, say so when quoting).
 
     python benchmarks/zero_bubble.py --out logs/bench/zero_bubble.json     # about 4 minutes on 2 cores
+    python benchmarks/zero_bubble.py --paired 30 --out logs/bench/zero_bubble_paired.json   # about 2 minutes
 
 Each configuration runs `--rounds` times, the configurations of one microbatch count in turn
 (1f1b, zb, 1f1b --recompute, ...), so a drift of the machine's speed hits all alike; a run's step
 time is the median of its steps after the first, its bubble is that of its last step's timeline
 (1 - compute time / (stages x span)). Ratios are taken round by round, then their median.
+
+--paired: 1f1b, zb and zb-autograd-w (zb with every W through autograd, as before W added into
+A.grad directly) built side by side in one pair of processes on the mlp 8x768, --balance 2,6,
+batch 256, m = 8, and stepped in turn, the order rotating every round, each step between two
+barriers and on the timeline; the load average is read around every round. It reports the median
+of the round-by-round ratios to 1f1b, each action's median duration per stage, the one-way time
+of one message (half a ping-pong), and the arithmetic (simulate): the span each schedule's compute
+order takes with those durations.
 """
 import argparse
+import copy
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import pipeline_microbatch as pm  # noqa: E402
+from mp.data import SyntheticData  # noqa: E402
+from mp.dist import distributed  # noqa: E402
+from mp.flags import base_parser  # noqa: E402
+from mp.models import build_model  # noqa: E402
+from mp.pp.flags import add_pipeline_flags  # noqa: E402
+from mp.optim import make_optimizer  # noqa: E402
+from mp.pp.schedules import compute_order, schedule_actions  # noqa: E402
+from mp.pp.timeline import gather_timeline  # noqa: E402
+from mp.pp.zero_bubble import split_weight_grads  # noqa: E402
+
 # --balance 3,5: the first Linear (3072 x 1024) has 3 times the multiply-adds of each other one
 MLP = ["--model", "mlp", "--layers", "8", "--hidden", "1024", "--balance", "3,5", "--batch-size", "192",
        "--data", "synthetic", "--eval-every", "0", "--threads", "1"]
@@ -44,11 +71,11 @@ def run_once(args, folder, stages=2):
     return statistics.median(times[1:]), other["bubble_measured"], other["bubble_theory"], split_ms(trace)
 
 
-def split_ms(trace):
+def split_ms(trace, kinds=None):
     """{stage: {F, B, W, R: milliseconds per step}}: where each stage's compute goes (W: zb's
     weight gradients, R: --recompute's forwards), from the recorded step(s)."""
-    steps = trace["otherData"].get("steps", 1)
-    kinds = {"forward": "F", "backward": "B", "weight": "W", "recompute": "R"}
+    steps = trace["otherData"].get("steps") or 1     # a step the benchmark records itself has no "step" mark
+    kinds = kinds or {"forward": "F", "backward": "B", "weight": "W", "recompute": "R"}
     out = {}
     for e in trace["traceEvents"]:
         if e.get("cat") in kinds:
@@ -62,23 +89,249 @@ def measure(microbatches, rounds, steps, stages=2, configs=CONFIGS):
     model = MLP if stages == 2 else MLP4
     with tempfile.TemporaryDirectory() as folder:
         for m in microbatches:
-            runs = {name: [] for name in configs}
+            runs, loads = {name: [] for name in configs}, []
             for _ in range(rounds):
+                loads.append(loadavg())
                 for name, flags in configs.items():
                     runs[name].append(run_once(model + flags + ["--microbatches", str(m), "--steps", str(steps)],
                                                folder, stages))
+                loads.append(loadavg())
             for name, results in runs.items():
                 ratio = [r[0] / b[0] for r, b in zip(results, runs["1f1b"])]
                 rows.append({"config": name, "stages": stages, "microbatches": m,
                              "step_s": statistics.median(r[0] for r in results),
                              "split_ms": results[len(results) // 2][3],
                              "bubble_measured": statistics.median(r[1] for r in results),
-                             "bubble_theory": results[0][2], "over_1f1b": statistics.median(ratio)})
+                             "bubble_theory": results[0][2], "over_1f1b": statistics.median(ratio),
+                             "load": [min(loads), max(loads)]})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
+# ----------------------------------------------------------------------------- paired steps in one pair of processes
+
+PAIRED = ["--model", "mlp", "--layers", "8", "--hidden", "768", "--balance", "2,6", "--batch-size", "256",
+          "--microbatches", "8", "--data", "synthetic", "--eval-every", "0", "--threads", "1"]
+ENGINES = ("1f1b", "zb", "zb-autograd-w")   # zb-autograd-w: zb with every W through autograd (a no-op hook)
+
+
+def paired_worker(argv):
+    """Under torchrun: the engines built side by side in the same processes, stepped in turn (the
+    order rotating every round, each step between two barriers), each step recorded on the
+    timeline. Rank 0 prints one JSON object: per round, each engine's seconds, bubble and per-stage
+    F/B/W/wait milliseconds, the load average, and the one-way time of one message."""
+    rounds, warmup, extra = int(argv[0]), int(argv[1]), argv[2:]
+    margs = {name: pm.parse_args(PAIRED + extra + ["--schedule", name.split("-")[0]]) for name in ENGINES}
+    with distributed(margs["1f1b"]) as env:
+        pos = pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)))
+        engines = {name: engine(margs[name], env, pos, autograd_w=name == "zb-autograd-w") for name in ENGINES}
+        data = SyntheticData(margs["1f1b"].seed)
+        batches = [data.batch(s, margs["1f1b"].batch_size) for s in range(4)]
+        first = margs["1f1b"]
+        message_ms = one_way_ms(pos, first.batch_size // first.microbatches, first.hidden)
+        rows = []
+        for k in range(warmup + rounds):
+            load = loadavg()
+            names = ENGINES[k % len(ENGINES):] + ENGINES[:k % len(ENGINES)]
+            row = {name: timed_step(engines[name], batches[k % len(batches)], pos, margs[name]) for name in names}
+            if k >= warmup:
+                rows.append({"load": [load, loadavg()], **row})
+        if env.rank == 0:
+            print("PAIRED " + json.dumps({"args": PAIRED + extra, "microbatches": first.microbatches,
+                                          "message_ms": message_ms, "rounds": rows}), flush=True)
+
+
+def engine(margs, env, pos, autograd_w=False):
+    model, runner = pm.setup_stage(margs, env, pos)
+    if autograd_w:              # a weight with a gradient hook takes its W through autograd (zero_bubble.py)
+        for chunk in runner.chunks:
+            for p in chunk.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: None)
+    opt = make_optimizer([p for chunk in runner.chunks for p in chunk.parameters()], margs)
+    actions = schedule_actions(margs.schedule, pos, margs.microbatches)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = pm.train_step(runner, actions, x if pos.is_first_stage else None, y if pos.is_last_stage else None,
+                             margs.microbatches, margs.batch_size)
+        opt.step()
+        return None if loss is None else loss.item()
+    return step, runner
+
+
+def timed_step(engine, batch, pos, margs):
+    """One step between two barriers, on the timeline; its seconds, loss, bubble and split."""
+    step, runner = engine
+    dist.barrier()
+    runner.events, runner.origin = [], time.perf_counter()
+    loss = step(*batch)
+    dist.barrier()
+    seconds = time.perf_counter() - runner.origin
+    trace = gather_timeline(runner, pos, margs)
+    runner.events = None
+    losses = [None] * pos.pp_size
+    dist.all_gather_object(losses, loss)
+    split = split_ms(trace, kinds={"forward": "F", "backward": "B", "weight": "W", "wait": "wait"})
+    return {"s": seconds, "loss": losses[-1], "bubble": trace["otherData"]["bubble_measured"], "split_ms": split,
+            "per_mb_ms": per_microbatch_ms(trace)}
+
+
+def per_microbatch_ms(trace):
+    """{stage: {kind: median milliseconds of one action}}: the durations the arithmetic takes."""
+    durations = {}
+    for e in trace["traceEvents"]:
+        if e.get("cat") in ("forward", "backward", "weight"):
+            durations.setdefault(str(e["pid"]), {}).setdefault(e["name"][0], []).append(e["dur"] / 1000)
+    return {stage: {k: statistics.median(v) for k, v in kinds.items()} for stage, kinds in sorted(durations.items())}
+
+
+def one_way_ms(pos, mb_size, hidden, repeat=50):
+    """Half a ping-pong of one activation (mb_size x hidden floats) between the two stages: a message's
+    cost when its receiver is already waiting."""
+    t, peer = torch.zeros(mb_size, hidden), 1 - pos.pp_rank
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        if pos.pp_rank == 0:
+            dist.send(t, peer), dist.recv(t, peer)
+        else:
+            dist.recv(t, peer), dist.send(t, peer)
+        times.append((time.perf_counter() - start) / 2 * 1e3)
+    return statistics.median(times)
+
+
+def loadavg():
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def simulate(schedule, ms, message_ms, p, m):
+    """The arithmetic: the span of one step of `schedule` (its compute order from mp.pp.schedules)
+    when every action lasts the measured median ms[stage][F, B or W] and every message message_ms;
+    an action starts once its rank is free and its input is in. Returns (span ms, bubble)."""
+    orders = [compute_order(schedule, p, m, r) for r in range(p)]
+    done, free, at = {}, [0.0] * p, [0] * p
+    while any(at[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            if at[r] == len(orders[r]):
+                continue
+            kind, mb, _ = orders[r][at[r]]
+            need = {"F": ("F", mb, r - 1) if r > 0 else None, "W": ("B", mb, r),
+                    "B": ("B", mb, r + 1) if r < p - 1 else ("F", mb, r)}[kind]
+            if need is None or need in done:
+                ready = 0.0 if need is None else done[need] + (message_ms if need[2] != r else 0.0)
+                free[r] = done[(kind, mb, r)] = max(free[r], ready) + ms[str(r)][kind]
+                at[r], moved = at[r] + 1, True
+        assert moved, "the compute orders wait on each other"
+    work = sum(ms[str(r)][kind] for r in range(p) for kind, _, _ in orders[r])
+    return max(free), 1 - work / (p * max(free))
+
+
+def summarise_paired(result):
+    """Per engine: the median of the round-by-round ratios to 1f1b, the median step, bubble, split and
+    action durations; the arithmetic's span of each schedule from those durations; the loads seen."""
+    rounds = result["rounds"]
+    out = {"message_ms": round(result["message_ms"], 3), "rounds": len(rounds),
+           "load": [min(r["load"][0] for r in rounds), max(r["load"][1] for r in rounds)]}
+    for name in ENGINES:
+        runs = [r[name] for r in rounds]
+        ms = {st: {k: statistics.median(r["per_mb_ms"][st][k] for r in runs) for k in runs[0]["per_mb_ms"][st]}
+              for st in runs[0]["per_mb_ms"]}
+        span, bubble = simulate(name.split("-")[0], ms, result["message_ms"], len(ms), result["microbatches"])
+        out[name] = {"over_1f1b": statistics.median(r[name]["s"] / r["1f1b"]["s"] for r in rounds),
+                     "ratios": [round(r[name]["s"] / r["1f1b"]["s"], 3) for r in rounds],
+                     "step_ms": statistics.median(r["s"] for r in runs) * 1e3,
+                     "bubble": statistics.median(r["bubble"] for r in runs),
+                     "split_ms": runs[len(runs) // 2]["split_ms"],
+                     "per_mb_ms": {st: {k: round(v, 2) for k, v in d.items()} for st, d in ms.items()},
+                     "sim_span_ms": round(span, 1), "sim_bubble": round(bubble, 3),
+                     "loss_diff": max(abs(r[name]["loss"] - r["1f1b"]["loss"]) for r in rounds)}
+    for name in ENGINES:
+        out[name]["sim_over_1f1b"] = round(out[name]["sim_span_ms"] / out["1f1b"]["sim_span_ms"], 3)
+    return out
+
+
+def run_paired(rounds, warmup, extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--",
+           os.path.abspath(__file__), "--paired-worker", str(rounds), str(warmup), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=1800)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PAIRED ")]
+    if proc.returncode or not lines:
+        sys.exit(f"error: the paired run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return summarise_paired(json.loads(lines[0][len("PAIRED "):]))
+
+
+# ----------------------------------------------------------------------------- the pieces, in one process
+
+def pieces(repeat=60):
+    """Single-process medians (ms) of one microbatch's actions on each stage of the --paired model:
+    F; 1F1B's backward (autograd, fused); zb's B; its W added directly; its W through autograd (a
+    no-op hook on every weight); and the products of one 768 x 768 layer. Interleaved round by round."""
+    torch.set_num_threads(1)
+    margs = add_pipeline_flags(base_parser("")).parse_args(PAIRED)   # unchecked: one process stands for 2 stages
+    model, m = build_model(margs), margs.microbatches
+    mb = margs.batch_size // m
+    x, labels = SyntheticData(margs.seed).batch(0, mb)
+    cases, out = {}, {}
+    for stage, (start, end) in enumerate(pm.partition(len(model), 2, margs.balance)):
+        plain = torch.nn.Sequential(*model[start:end])
+        split, hooked = copy.deepcopy(plain), copy.deepcopy(plain)
+        stashes = {"W": split_weight_grads(split), "W autograd": split_weight_grads(hooked)}
+        for p in hooked.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: None)
+        inp = x if stage == 0 else torch.randn(mb, margs.hidden).requires_grad_()
+        head = (lambda y: F.cross_entropy(y, labels) / m) if stage == 1 else (lambda y: (y * y).sum())
+        cases[stage] = (plain, split, hooked, stashes, inp, head)
+        x = plain(x).detach()
+    times = {}
+    for k in range(repeat):
+        for stage, case in cases.items():
+            for name, ms in time_stage(*case, k).items():
+                times.setdefault(str(stage), {}).setdefault(name, []).append(ms)
+    out = {stage: {name: round(statistics.median(v[5:]), 3) for name, v in d.items()} for stage, d in times.items()}
+    out["layer"] = time_layer(mb, margs.hidden, repeat)
+    return out
+
+
+def time_stage(plain, split, hooked, stashes, inp, head, k):
+    """One round of the pieces of one stage, microbatch number k in the stashes."""
+    def clocked(fn):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    result, kept = {}, {}
+    result["F"] = clocked(lambda: kept.update(plain=head(plain(inp))))
+    result["1F1B backward"] = clocked(lambda: kept.pop("plain").backward())
+    for name, model in (("W", split), ("W autograd", hooked)):
+        loss = head(model(inp))
+        with stashes[name].backward_of(k):
+            b = clocked(lambda: loss.backward())
+        result.setdefault("B", b)
+        result[name] = clocked(lambda: stashes[name].weight_grads(k))
+    return result
+
+
+def time_layer(mb, hidden, repeat):
+    """One layer's products (ms): dx = dy A, dA = dy^T x into a new tensor, that plus the add into
+    A.grad (autograd's accumulation), and one addmm_ into A.grad (the direct W)."""
+    w, grad, x, dy = (torch.randn(*s) for s in ((hidden, hidden), (hidden, hidden), (mb, hidden), (mb, hidden)))
+    ops = {"dx": lambda: dy @ w, "dA": lambda: dy.t() @ x, "dA then add": lambda: grad.add_(dy.t() @ x),
+           "addmm_": lambda: grad.addmm_(dy.t(), x)}
+    times = {name: [] for name in ops}
+    for _ in range(repeat * 4):
+        for name, op in ops.items():
+            start = time.perf_counter()
+            op()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: round(statistics.median(v), 3) for name, v in times.items()}
+
+
 def main():
+    if sys.argv[1:2] == ["--paired-worker"]:
+        return paired_worker(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench", "zero_bubble.json"))
     p.add_argument("--microbatches", default="4,8,16")
@@ -87,7 +340,22 @@ def main():
     p.add_argument("--stages", default="2,4",
                    help="2 and/or 4; 4: 1f1b and 2bw only, on a 16-layer mlp (4 processes on this machine's cores), "
                         "at the microbatch counts >= 4")
+    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                   help="instead: 1f1b, zb and zb with W through autograd stepped in turn in one pair of processes "
+                        "(mlp 8x768, --balance 2,6, batch 256, m 8), ROUNDS rounds after 3 warm-up rounds")
+    p.add_argument("--pieces", action="store_true",
+                   help="instead: one process, each stage's F, 1F1B backward, B and W of one microbatch, timed alone")
     args = p.parse_args()
+    if args.pieces:
+        print(json.dumps({"load": loadavg(), "pieces": pieces(), "load_after": loadavg()}, indent=1))
+        return
+    if args.paired:
+        summary = run_paired(args.paired, 3, [])
+        print(json.dumps(summary, indent=1))
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "model": PAIRED, "paired": summary}, f, indent=1)
+        return
     rows = []
     for stages in (int(s) for s in args.stages.split(",")):
         configs = CONFIGS if stages == 2 else {k: CONFIGS[k] for k in ("1f1b", "2bw")}
