@@ -3,7 +3,6 @@ identically: CIFAR-10 through torchvision (downloaded once per machine, under a 
 synthetic, learnable, CIFAR-shaped stand-in made from the seed; plus the slices and the test split."""
 import fcntl
 import functools
-import itertools
 import os
 import shutil
 import tempfile
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mp.dist import awaiting
+from mp.dropout import MASK32, mix
 from mp.errors import fail
 from mp.models import NUM_CLASSES
 
@@ -32,9 +32,16 @@ class SyntheticData:
     std 1. The strongest samples are learnt within 50-100 steps (the cnn's loss passes 2.0 near
     step 50 at the defaults); the faintest are noise, so no model gets them all right (the cnn:
     about 88% test accuracy after 300 steps). Batches are generated from (seed, step) on demand,
-    so memory stays small however long the run."""
+    so memory stays small however long the run.
+
+    A step's labels and contrasts (one number a sample) come from one generator, so every rank
+    draws them all, cheaply. A sample's noise (3,072 numbers) comes from a generator of its own,
+    seeded from (seed, step, its index in the batch): a replica or a microbatch draws exactly its
+    own samples' images, and every cut of the batch gives the same numbers. The seeds are 32-bit
+    hashes (mt19937 takes 32 bits), so in a long run a few samples may share their noise: harmless."""
     name = "synthetic"
     CONTRAST = 0.5   # was 0.03-0.15 until issue 28: the loss sat at 2.30 for ~100 steps
+    TEST_STEP = MASK32   # the test set's noise is keyed as this step, which no run reaches
 
     def __init__(self, seed, test_size=2000, note=None):
         g = torch.Generator().manual_seed(seed)
@@ -42,36 +49,51 @@ class SyntheticData:
         self.prototypes = F.interpolate(coarse, size=32, mode="bilinear", align_corners=False)
         self.seed = seed
         self.note = note       # why --data auto fell back to this set (None when asked for)
-        self.test_set = self._draw(torch.Generator().manual_seed(seed + 7919), test_size)
+        y, contrast = self._classes(seed + 7919, test_size)
+        self.test_set = self._images(y, contrast, self.TEST_STEP, 0, test_size), y
 
-    def _draw(self, g, n):
-        y, images = self._lazy(g, n, 1)
-        return next(images), y
-
-    def _lazy(self, g, n, parts):
-        """The labels, and the images in `parts` equal consecutive parts, each made when asked for:
-        the generator's noise comes out in the same order however the batch is cut."""
+    def _classes(self, key, n):
+        """The labels and contrasts of n samples, from the generator seeded with key."""
+        g = torch.Generator().manual_seed(key)
         y = torch.randint(NUM_CLASSES, (n,), generator=g)
-        contrast = self.CONTRAST * torch.rand(n, 1, 1, 1, generator=g)
+        return y, self.CONTRAST * torch.rand(n, 1, 1, 1, generator=g)
 
-        def images(k=n // parts):
-            for i in range(parts):
-                s = slice(i * k, (i + 1) * k)
-                yield contrast[s] * self.prototypes[y[s]] + torch.randn(k, 3, 32, 32, generator=g)
-        return y, images()
+    def _images(self, y, contrast, step, first, count):
+        """Samples first .. first+count-1: each its class pattern at its contrast, plus its own noise."""
+        s = slice(first, first + count)
+        return contrast[s] * self.prototypes[y[s]] + self._noise(step, first, count)
+
+    def _noise(self, step, first, count):
+        """Standard normal noise of samples first .. first+count-1 of a step: sample i's from a
+        generator seeded from (seed, step, i), so no sample's noise waits for another's."""
+        key = mix(mix(self.seed & MASK32) ^ (step & MASK32))
+        out, g = torch.empty(count, 3, 32, 32), torch.Generator()
+        for j in range(count):
+            out[j].normal_(generator=g.manual_seed(mix(key ^ (first + j))))
+        return out
+
+    def _step_classes(self, step, batch_size):
+        return self._classes(self.seed * 1_000_003 + step, batch_size)
 
     def batch(self, step, batch_size):
-        return self._draw(torch.Generator().manual_seed(self.seed * 1_000_003 + step), batch_size)
+        y, contrast = self._step_classes(step, batch_size)
+        return self._images(y, contrast, step, 0, batch_size), y
 
     def labels(self, step, batch_size):
-        """batch(step, batch_size)[1] without drawing the images (the labels are drawn first)."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return torch.randint(NUM_CLASSES, (batch_size,), generator=g)
+        """batch(step, batch_size)[1] without drawing the images."""
+        return self._step_classes(step, batch_size)[0]
 
-    def image_parts(self, step, batch_size, parts):
-        """batch(step, batch_size)[0] as `parts` equal consecutive parts, each drawn only when the
-        one before has been taken (a pipeline's first stage streams its microbatches)."""
-        return self._lazy(torch.Generator().manual_seed(self.seed * 1_000_003 + step), batch_size, parts)[1]
+    def images(self, step, batch_size, first, count):
+        """batch(step, batch_size)[0][first:first + count], drawing only those samples' noise."""
+        return self._images(*self._step_classes(step, batch_size), step, first, count)
+
+    def image_parts(self, step, batch_size, parts, which=None):
+        """batch(step, batch_size)[0] cut into `parts` equal consecutive parts: those numbered in
+        `which` (default: all), each drawn only when the one before has been taken (a pipeline's
+        first stage streams its microbatches); parts not in `which` are never drawn."""
+        y, contrast = self._step_classes(step, batch_size)
+        k = batch_size // parts
+        return (self._images(y, contrast, step, i * k, k) for i in (range(parts) if which is None else which))
 
 
 class Cifar10Data:
@@ -79,6 +101,7 @@ class Cifar10Data:
     per epoch, so batch k is the same on every rank and in every program."""
     name = "cifar10"
     note = None
+    _permutation = (None, None)   # ((seed, epoch), that epoch's order): the one computed last
 
     def __init__(self, torchvision, data_dir, seed):
         self.train = self._load(torchvision, data_dir, train=True)
@@ -103,10 +126,14 @@ class Cifar10Data:
         return (x.float() / 255 - mean) / std
 
     def _order(self, step, batch_size):
+        """The indices of step's batch: a slice of its epoch's permutation, computed once per epoch
+        (a randperm of 50,000 per call would cost more than the batch it orders)."""
         per_epoch = len(self.train[1]) // batch_size
         epoch, i = divmod(step, per_epoch)
-        order = torch.randperm(len(self.train[1]), generator=torch.Generator().manual_seed(self.seed + epoch))
-        return order[i * batch_size:(i + 1) * batch_size]
+        if self._permutation[0] != (self.seed, epoch):     # a step of another epoch replaces it
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._permutation = (self.seed, epoch), torch.randperm(len(self.train[1]), generator=g)
+        return self._permutation[1][i * batch_size:(i + 1) * batch_size]
 
     def batch(self, step, batch_size):
         idx = self._order(step, batch_size)
@@ -116,10 +143,15 @@ class Cifar10Data:
         """batch(step, batch_size)[1] without normalising the images."""
         return self.train[1][self._order(step, batch_size)]
 
-    def image_parts(self, step, batch_size, parts):
-        """batch(step, batch_size)[0] as `parts` equal consecutive parts, each normalised when asked for."""
-        idx, k = self._order(step, batch_size), batch_size // parts
-        return (self.normalise(self.train[0][idx[i * k:(i + 1) * k]]) for i in range(parts))
+    def images(self, step, batch_size, first, count):
+        """batch(step, batch_size)[0][first:first + count], gathering and normalising only those samples."""
+        return self.normalise(self.train[0][self._order(step, batch_size)[first:first + count]])
+
+    def image_parts(self, step, batch_size, parts, which=None):
+        """batch(step, batch_size)[0] cut into `parts` equal consecutive parts: those numbered in
+        `which` (default: all), each normalised when asked for; parts not in `which` are never read."""
+        k = batch_size // parts
+        return (self.images(step, batch_size, i * k, k) for i in (range(parts) if which is None else which))
 
     @functools.cached_property
     def test_set(self):  # normalised once: every evaluation reuses it
@@ -287,29 +319,29 @@ def dp_slice(tensor, dp_rank, dp_size):
 
 
 def next_batch(data, step, args, pos, replicas, device, stream=False):
-    """(inputs, labels) of this step, each only where it is read: the middle stages load nothing.
+    """(inputs, labels) of this step, each only where it is read: the middle stages load nothing,
+    and a replica's first stage draws only its own samples (dp_slice's) of the global batch.
     stream: the first stage's inputs as StreamedInputs, drawn one microbatch at a time."""
+    labels = data.labels(step, args.batch_size) if pos.is_last_stage else None
+    y = to_device(replicas.slice(labels), device) if labels is not None else None
     if pos.is_first_stage and stream:
-        x = StreamedInputs(data, step, args.batch_size, args.microbatches, replicas, device)
-        labels = data.labels(step, args.batch_size) if pos.is_last_stage else None
-        return x, (to_device(replicas.slice(labels), device) if labels is not None else None)
+        return StreamedInputs(data, step, args.batch_size, args.microbatches, replicas, device), y
     if pos.is_first_stage:
-        x, y = (to_device(replicas.slice(t), device) for t in data.batch(step, args.batch_size))
-        return x, (y if pos.is_last_stage else None)
-    if pos.is_last_stage:                 # the same samples' labels, without drawing their images
-        return None, to_device(replicas.slice(data.labels(step, args.batch_size)), device)
-    return None, None
+        n = args.batch_size // replicas.dp_size
+        return to_device(data.images(step, args.batch_size, replicas.dp_rank * n, n), device), y
+    return None, y                        # the last stage: the same samples' labels, without their images
 
 
 class StreamedInputs:
     """The first stage's microbatches of one step, each drawn from the data set when its forward
     reads it (in order), and held from then on only by the runner, until its backward: the first
     stage never holds the global batch's images, so 1F1B's memory is flat in M there too. Replica d
-    of D reads parts d*m .. d*m+m-1 of the global batch cut into D*m: dp_slice's samples."""
+    of D draws parts d*m .. d*m+m-1 of the global batch cut into D*m (dp_slice's samples), and no
+    other replica's."""
 
     def __init__(self, data, step, batch_size, m, replicas, device):
-        parts = data.image_parts(step, batch_size, m * replicas.dp_size)
-        self.parts = itertools.islice(parts, replicas.dp_rank * m, None)   # earlier replicas' parts: made, dropped
+        mine = range(replicas.dp_rank * m, (replicas.dp_rank + 1) * m)
+        self.parts = data.image_parts(step, batch_size, m * replicas.dp_size, which=mine)
         self.next_mb, self.samples, self.device = 0, batch_size // replicas.dp_size, device
 
     def __len__(self):

@@ -1,6 +1,7 @@
 """The data path a user takes: --data cifar10 through torchvision's CIFAR10, downloaded once from a
 loopback mirror of a fabricated archive; --data auto falling back offline; a corrupt archive."""
 import argparse
+import itertools
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import torch
 
 import cifar_mirror as cm
 from mp.dist import Env
-from mp.data import Cifar10Data, SyntheticData, agree_on_data
+from mp.data import Cifar10Data, SyntheticData, agree_on_data, dp_slice, next_batch
 from helpers import PYTHON, ROOT, launch, read_log, run_ranks
 
 ARGS = ["--model", "mlp", "--layers", "4", "--hidden", "32", "--steps", "4", "--batch-size", "16",
@@ -160,3 +161,132 @@ def test_synthetic_batches_agree_however_they_are_drawn():
         mean = xs[ys == c].mean(0).flatten()
         cosines = torch.nn.functional.cosine_similarity(mean[None], data.prototypes.flatten(1))
         assert cosines.argmax() == c and cosines[c] > 0.5, cosines
+
+
+# ----------------------------------------------------------------------------- one batch, any cut
+
+
+class Replica:
+    """Replica dp_rank of dp_size, as pipeline_dp_joint.py hands it to next_batch."""
+
+    def __init__(self, dp_rank, dp_size):
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def slice(self, tensor):
+        return dp_slice(tensor, self.dp_rank, self.dp_size)
+
+
+def fake_cifar(n=100, seed=5):
+    """A Cifar10Data with n random CIFAR-shaped training samples, without the files."""
+    data = Cifar10Data.__new__(Cifar10Data)
+    data.train = torch.randint(256, (n, 3, 32, 32), dtype=torch.uint8), torch.randint(10, (n,))
+    data.seed = seed
+    return data
+
+
+def first_stage_inputs(data, step, batch_size, m, replica, stream):
+    """What a first (and last) stage of `replica` trains on at `step`: its images, whole, and its labels."""
+    args = argparse.Namespace(batch_size=batch_size, microbatches=m)
+    pos = argparse.Namespace(is_first_stage=True, is_last_stage=True)
+    x, y = next_batch(data, step, args, pos, replica, torch.device("cpu"), stream=stream)
+    return (torch.cat([x[mb] for mb in range(m)]) if stream else x), y
+
+
+BATCH = 24
+CUTS = [(d, m) for d in range(1, BATCH + 1) for m in range(1, BATCH + 1) if BATCH % (d * m) == 0]
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "cifar"])
+def test_every_cut_of_a_batch_gives_its_samples(kind):
+    """Every (D replicas, m microbatches) that divides the batch, streamed or whole: replica d's
+    images and labels are dp_slice's of batch(), bit for bit (step 5 is in CIFAR's second epoch)."""
+    data = SyntheticData(5) if kind == "synthetic" else fake_cifar()
+    assert len(CUTS) == 30
+    for step in (0, 5):
+        x, y = data.batch(step, BATCH)
+        for (dp, m), stream in itertools.product(CUTS, (True, False)):
+            for d in range(dp):
+                got_x, got_y = first_stage_inputs(data, step, BATCH, m, Replica(d, dp), stream)
+                want = (dp_slice(x, d, dp), dp_slice(y, d, dp))
+                assert torch.equal(got_x, want[0]) and torch.equal(got_y, want[1]), (kind, step, dp, m, d, stream)
+        assert torch.equal(data.images(step, BATCH, 7, 5), x[7:12])     # any run of samples, not only parts
+
+
+def test_the_permutation_is_drawn_once_per_epoch_and_orders_as_before(monkeypatch):
+    """One randperm per epoch, however many times and ways its steps are drawn; the batches are the
+    slices of torch.randperm(N, seed + epoch), as before the cache."""
+    data, calls = fake_cifar(), []
+    randperm = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: calls.append(a) or randperm(*a, **k))
+    per_epoch = 100 // 16
+    for step in range(2 * per_epoch):
+        epoch, i = divmod(step, per_epoch)
+        order = randperm(100, generator=torch.Generator().manual_seed(5 + epoch))[i * 16:(i + 1) * 16]
+        x, y = data.batch(step, 16)
+        assert torch.equal(x, Cifar10Data.normalise(data.train[0][order])) and torch.equal(y, data.train[1][order])
+        assert torch.equal(data.labels(step, 16), y) and torch.equal(torch.cat(list(data.image_parts(step, 16, 4))), x)
+        assert torch.equal(data.images(step, 16, 3, 9), x[3:12])
+        assert len(calls) == epoch + 1, (step, calls)
+    data.batch(0, 16)                               # back to epoch 0 (a new run in the same process): drawn again
+    assert len(calls) == 3 and all(a == (100,) for a in calls)
+
+
+def count_noise(monkeypatch):
+    """The number of noise values drawn from here on (torch.randn and Tensor.normal_)."""
+    drawn = [0]
+    randn, normal_ = torch.randn, torch.Tensor.normal_
+
+    def counting_randn(*size, **kw):
+        out = randn(*size, **kw)
+        drawn[0] += out.numel()
+        return out
+
+    def counting_normal_(self, *a, **kw):
+        drawn[0] += self.numel()
+        return normal_(self, *a, **kw)
+    monkeypatch.setattr(torch, "randn", counting_randn)
+    monkeypatch.setattr(torch.Tensor, "normal_", counting_normal_)
+    return drawn
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_replica_draws_only_its_own_samples(monkeypatch, stream):
+    """Replica d of 3 generates the noise of its 8 samples of 24, and a stream one microbatch (4)
+    at a time; on CIFAR-10 it gathers and normalises its 8 samples alone."""
+    synthetic, cifar = SyntheticData(5), fake_cifar()
+    drawn = count_noise(monkeypatch)
+    normalised = []
+    normalise = Cifar10Data.normalise
+    monkeypatch.setattr(Cifar10Data, "normalise", staticmethod(lambda x: normalised.append(len(x)) or normalise(x)))
+    per_sample = 3 * 32 * 32
+    for d in range(3):
+        drawn[0] = 0
+        first_stage_inputs(synthetic, 2, BATCH, 2, Replica(d, 3), stream)
+        assert drawn[0] == 8 * per_sample, (d, drawn[0] / per_sample)
+        normalised.clear()
+        first_stage_inputs(cifar, 2, BATCH, 2, Replica(d, 3), stream)
+        assert sum(normalised) == 8, (d, normalised)
+    if stream:                                      # and each microbatch only when its forward reads it
+        drawn[0] = 0
+        x, _ = next_batch(synthetic, 2, argparse.Namespace(batch_size=BATCH, microbatches=2),
+                          argparse.Namespace(is_first_stage=True, is_last_stage=False), Replica(2, 3),
+                          torch.device("cpu"), stream=True)
+        assert drawn[0] == 0
+        x[0]
+        assert drawn[0] == 4 * per_sample
+
+
+def test_the_synthetic_labels_and_contrasts_are_those_drawn_before_per_sample_noise():
+    """Only the noise changed when each sample got its own generator (issue 35): a step's labels and
+    contrasts are still the first draws of the generator seeded with seed * 1_000_003 + step, so
+    what is left of an image without its class pattern is noise, with none of the pattern in it."""
+    data = SyntheticData(5)
+    g = torch.Generator().manual_seed(5 * 1_000_003 + 11)
+    labels = torch.randint(10, (24,), generator=g)
+    contrast = SyntheticData.CONTRAST * torch.rand(24, 1, 1, 1, generator=g)
+    x, y = data.batch(11, 24)
+    assert torch.equal(y, labels) and torch.equal(data.labels(11, 24), labels)
+    pattern = data.prototypes[y]
+    noise = x - contrast * pattern
+    left = (noise * pattern).flatten(1).sum(1) / (pattern * pattern).flatten(1).sum(1)   # the pattern's share
+    assert left.abs().max() < 0.15 and 0.9 < noise.std() < 1.1, (left, noise.std())
