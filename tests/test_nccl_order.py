@@ -21,7 +21,6 @@ import pipeline_microbatch as pm
 from helpers import FAST, run_ranks, slow
 from mp.data import SyntheticData
 from mp.dist import Env
-from mp.optim import make_optimizer
 from mp.pp.schedules import SCHEDULES, eval_actions, schedule_actions
 from mp.pp.training import pipeline_job
 
@@ -156,9 +155,10 @@ def play(schedule, m, rank, world, swap=False):
         if swap and rank == 0:
             patch.setattr(mp.pp.training, "schedule_actions", swapped_sends)
         job = pipeline_job(args, env, pos, model, runner, SyntheticData(args.seed, test_size=700), pm.train_step)
-    optimizer = make_optimizer(job.params, args)
+    optimizer = job.optimizer(job.params, args)
     # (the last stage's loss, else None; this rank's sum of squared gradients: without clipping no collective)
-    steps = [(loss, squares.item()) for loss, squares in (job.step(k, optimizer) for k in range(args.steps))]
+    steps = [(loss if loss is None else loss.item(), squares.item())
+             for loss, squares in (job.step(k, optimizer) for k in range(args.steps))]
     held = runner.versions.held() if runner.versions else job.params   # 2bw: both weight versions
     return dict(steps=steps, grads=[p.grad for p in held], weights=[p.detach() for p in held],
                 evaluation=job.evaluate())
