@@ -96,8 +96,9 @@ def own_check(parse, argv):
 
 def program_argv(args, model, m=None, schedule=None):
     """The program's flags for one run of the benchmark: the sizes and training settings given here."""
-    argv = ["--model", model, "--batch-size", str(args.batch_size), "--seed", str(args.seed), "--lr", str(args.lr),
+    argv = ["--model", model, "--batch-size", str(args.batch_size), "--seed", str(args.seed),
             "--momentum", str(args.momentum), "--data", "synthetic", "--backend", args.backend]
+    argv += ["--lr", str(args.lr)] if args.lr is not None else []   # None: the optimizer's default
     for flag in SIZE_FLAGS[model]:        # only the sizes this model reads (the cnn has none)
         argv += [f"--{flag}", str(getattr(args, flag))]
     if schedule is not None:
@@ -221,9 +222,10 @@ def torch_pipeline(margs, env, pos):
 
 
 def one_step(model, opt):
-    """step(x, y) -> the loss of single_baseline.train_step: step 0's dropout keys (the benchmarks
-    run without dropout) and no gradient norm (nothing clips, nothing logs it)."""
-    return lambda x, y: single_baseline.train_step(model, opt, x, y, 0, lambda params: None)[0]
+    """step(x, y) -> the loss of single_baseline.train_step, read as a float (as the other engines'
+    steps here read theirs): step 0's dropout keys (the benchmarks run without dropout) and no
+    gradient norm (nothing clips, nothing logs it)."""
+    return lambda x, y: single_baseline.train_step(model, opt, x, y, 0, lambda params: None)[0].item()
 
 
 def baseline_engine(margs, env):

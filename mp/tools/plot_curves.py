@@ -51,9 +51,11 @@ MEANINGS = {"forward": "forward", "recompute": "forward again (R, --recompute)",
 HATCHES = ["", "////", "....", "xxxx"]   # chunk a, b, c, d of an interleaved rank
 SPARE = ["#8172B3", "#C44E52", "#937860", "#DA8BC3", "#CCB974"]  # categories a trace adds later
 # the settings two runs must share for their losses to be compared step by step
-SAME = ("model", "activation", "data", "seed", "batch_size", "lr", "momentum", "steps", "dropout", "clip_grad_norm")
-# a log written before these flags existed ran without them (and with gelu)
-OFF = {"dropout": 0.0, "clip_grad_norm": None, "activation": "gelu"}
+SAME = ("model", "activation", "data", "seed", "batch_size", "lr", "momentum", "steps", "dropout", "clip_grad_norm",
+        "optimizer", "weight_decay", "beta1", "beta2", "adam_eps")
+# a log written before these flags existed ran without them (and with gelu, SGD without decay)
+OFF = {"dropout": 0.0, "clip_grad_norm": None, "activation": "gelu", "optimizer": "sgd", "weight_decay": 0.0,
+       "beta1": 0.9, "beta2": 0.999, "adam_eps": 1e-8}
 SIZES = {"mlp": ("layers", "hidden"), "vit": ("layers", "hidden", "heads"), "cnn": ()}
 
 
