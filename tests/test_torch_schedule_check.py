@@ -3,7 +3,7 @@ an independent oracle. Each rank's compute actions, as pipeline_microbatch.py's 
 become torch's actions ("stage kind microbatch": "1F3" is virtual stage 1's forward of microbatch 3,
 "1B3" its full backward, zb's split backward "1I3" (input gradient) and "1W3" (weight gradient);
 interleaved's virtual stage is chunk * p + rank, on rank stage % p), and torch then
-  _validate_schedule       every stage runs each microbatch's F once, then its B (or I, then W)
+  _validate_schedule       every stage runs each microbatch's F, and its B (or I, then W) after it
   _add_send_recv           torch's own sends and receives between those compute orders (raises when
                            the ranks' orders wait on each other: a deadlock in the schedule itself)
   _simulate_comms_compute  plays the ranks against each other; raises when they stop progressing.
