@@ -27,7 +27,8 @@ class Job:
     program: str                    # the name in the log's config record
     model: nn.Module                # what this rank holds, named as in the full model (checkpoints)
     step: Callable                  # step(k, optimizer) -> (step k's loss, a tensor on the ranks that hold it,
-                                    # else None; its grad norm, a tensor: mp.clipping.clip_global's value)
+                                    # else None; a tensor: its grad norm, or without clipping this rank's
+                                    # sum of squares, which finish() turns into the norm: clip_global's value)
     params: list                    # what the optimizer steps
     layout: dict                    # checkpoint.layout_of(...): the layout a checkpoint says wrote it
     owner: bool = True              # this rank writes the log and the console lines
