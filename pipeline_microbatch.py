@@ -213,7 +213,7 @@ class Messenger:
     def wait(self, work, parts):
         """gloo: block the CPU, at most --timeout-s. nccl: order my stream after the message and
         let the CPU queue on (no timeout: with one, nccl's wait spins the CPU); a hang is caught by
-        the one bounded wait at the end of each step (mp.dist.clock), which names self.last."""
+        the loop's one bounded wait, its read of the logged steps (mp.loop), which names self.last."""
         if self.device.type == "cuda":
             work.wait()
             return

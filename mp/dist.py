@@ -82,8 +82,9 @@ def awaiting(what, timeout_s):
 
 def group_timeout(env, timeout_s):
     """The process group's timeout. On nccl it arms the watchdog, which aborts the process (no
-    `error:` line) once a collective has run that long; a hang inside a step should reach the step's
-    own bounded wait (clock) first, which starts at the step's end: hence twice the time, and a margin."""
+    `error:` line) once a collective has run that long; a hang inside a step should reach the loop's
+    own bounded wait first (its read of the logged steps, every --log-every steps, mp.loop), which starts
+    when the host gets there: hence twice the time, and a margin."""
     return datetime.timedelta(seconds=timeout_s if env.device.type != "cuda" else 2 * timeout_s + 30)
 
 
