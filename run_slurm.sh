@@ -47,6 +47,7 @@ ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, 
 OPTIMIZER=${OPTIMIZER:-sgd}            # sgd | adamw: --optimizer for both programs (--lr's default follows it)
 DP=${DP:-2}                            # pipeline_dp_joint.py, parallel_3d.py: data-parallel replicas
 TP=${TP:-2}                            # parallel_3d.py: tensor-parallel ranks per stage
+ZERO=${ZERO:-0}                        # pipeline_dp_joint.py, parallel_3d.py: 1 = ZeRO-1 (--zero 1, docs/optimizers.md)
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}                     # auto | cifar10 | synthetic
@@ -89,6 +90,13 @@ case "$PROGRAM" in
     *) fail "PROGRAM=$PROGRAM is not one of the parallel programs: set PROGRAM to pipeline_microbatch.py," \
             "pipeline_dp_joint.py, tensor_parallel.py or parallel_3d.py" ;;
 esac
+if [ "$ZERO" != 0 ]; then   # ZeRO-1 splits the optimizer state over data-parallel replicas: those programs only
+    case "$PROGRAM" in
+        pipeline_dp_joint.py|parallel_3d.py) PARALLEL+=(--zero "$ZERO") ;;
+        *) fail "ZERO=$ZERO splits the optimizer state over data-parallel replicas, and $PROGRAM has none:" \
+                "unset ZERO, or set PROGRAM to pipeline_dp_joint.py or parallel_3d.py" ;;
+    esac
+fi
 case "$NPROC" in
     ''|*[!0-9]*|0) fail "NPROC=$NPROC must be a positive integer: the ranks per node (e.g. its GPUs)" ;;
 esac

@@ -213,7 +213,9 @@ def test_outside_a_slurm_job_the_script_says_how_to_submit_it(tmp_path):
     (dict(ACTIVATION="tanh"), "error: ACTIVATION=tanh is not an activation here: set ACTIVATION=gelu or"),
     (dict(PROGRAM="tensor_parallel.py", BALANCE="auto"),
      "error: BALANCE=auto splits pipeline stages, and tensor_parallel.py has none: unset BALANCE"),
-], ids=["program", "nproc", "repo", "activation", "balance"])
+    (dict(ZERO="1"), "error: ZERO=1 splits the optimizer state over data-parallel replicas, and "
+                     "pipeline_microbatch.py has none: unset ZERO"),
+], ids=["program", "nproc", "repo", "activation", "balance", "zero"])
 def test_bad_knobs_are_refused_before_anything_runs(tmp_path, knobs, message):
     """As inside a job (the SLURM_* variables set by hand): one error line, exit status 2, nothing written."""
     run = outside_slurm(tmp_path, SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1", SLURM_JOB_NUM_NODES="1", **knobs)
