@@ -106,6 +106,8 @@ def label_of(records, path):
     if (args.get("virtual_stages") or 1) > 1:
         parts.append(f"v={args['virtual_stages']}")
     parts += [flag for flag in ("recompute", "hybrid") if args.get(flag)]   # what changes how the run computes
+    if args.get("zero"):
+        parts.append(f"ZeRO-{args['zero']}")
     if args.get("delay"):
         parts.append(f"--delay {args['delay']}: 2BW's rule")
     if args.get("balance"):
@@ -163,7 +165,8 @@ def title_of(runs, mismatches):
     activation = args.get("activation", OFF["activation"])
     model = args.get("model", "?") + ("" if activation == OFF["activation"] else f" ({activation})")
     title = (f"model {model}, {data}; baseline batch {args.get('batch_size', '?')}, "
-             f"{args.get('steps', '?')} steps, lr {args.get('lr', '?')}, seed {args.get('seed', '?')}")
+             f"{args.get('steps', '?')} steps, {args.get('optimizer', 'sgd')} lr {args.get('lr', '?')}, "
+             f"seed {args.get('seed', '?')}")
     if args.get("dropout") or args.get("clip_grad_norm"):
         title += f", dropout {args.get('dropout') or 0}, clip {args.get('clip_grad_norm') or 'off'}"
     diffs = largest_differences(runs)
