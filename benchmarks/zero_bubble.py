@@ -4,7 +4,7 @@ it cuts (2 processes on 2 cores: the schedule is measured, not the oversubscript
 runs 4 stages of a 16-layer mlp (4 processes on 2 cores: oversubscribed, say so when quoting).
 
     python benchmarks/zero_bubble.py --out logs/bench/zero_bubble.json     # about 4 minutes on 2 cores
-    python benchmarks/zero_bubble.py --paired 30 --out logs/bench/zero_bubble_paired.json   # about 2 minutes
+    python benchmarks/zero_bubble.py --paired 80 --out logs/bench/zero_bubble_paired.json   # about a minute
 
 Each configuration runs `--rounds` times, the configurations of one microbatch count in turn
 (1f1b, zb, 1f1b --recompute, ...), so a drift of the machine's speed hits all alike; a run's step
@@ -250,6 +250,11 @@ def summarise_paired(result):
                      "loss_diff": max(abs(r[name]["loss"] - r["1f1b"]["loss"]) for r in rounds)}
     for name in ENGINES:
         out[name]["sim_over_1f1b"] = round(out[name]["sim_span_ms"] / out["1f1b"]["sim_span_ms"], 3)
+    # the schedule alone: zb's order with a split that costs nothing (B + W = 1F1B's backward)
+    fused, zb = out["1f1b"]["per_mb_ms"], out["zb"]["per_mb_ms"]
+    free = {st: {"F": fused[st]["F"], "B": zb[st]["B"], "W": fused[st]["B"] - zb[st]["B"]} for st in zb}
+    span, _ = simulate("zb", free, result["message_ms"], len(free), result["microbatches"])
+    out["zb"]["sim_free_split_over_1f1b"] = round(span / out["1f1b"]["sim_span_ms"], 3)
     return out
 
 
