@@ -201,7 +201,7 @@ class WeightGradStash:
         """W: dA of every split layer for microbatch mb, added to A.grad. A weight that has gradient
         hooks (data parallelism's, a replica's average) takes dA through autograd, which fires them;
         any other weight takes it directly: A.grad set, or dA added in place by one GEMM (what
-        autograd's accumulation does, less its temporary and its engine call per layer)."""
+        autograd's accumulation does, less its temporary and its autograd function per layer)."""
         hooked = []
         for layer, x, dy in self.pending.pop(mb, []):
             weight = layer.weight
