@@ -206,8 +206,9 @@ def test_a_checkpoint_from_before_the_optimizer_flags_resumes_as_sgd(tmp_path):
 
 def test_the_launchers_read_optimizer_everywhere_and_zero_where_there_are_replicas():
     """mp.tools.knobs reads the knobs from the scripts: OPTIMIZER from shared_knobs (run_slurm.sh: its
-    own line), ZERO from the two launchers whose parallel program has a data-parallel axis."""
+    own line), ZERO from the two launchers whose parallel program has a data-parallel axis and from
+    run_slurm.sh, which passes it to those two programs only (test_slurm checks its refusal)."""
     launchers = ["run_pipeline.sh", "run_joint.sh", "run_tp.sh", "run_3d.sh", "run_slurm.sh"]
     read = {name: knobs.knobs_of(os.path.join(knobs.ROOT, name)) for name in launchers}
     assert all("OPTIMIZER" in read[name] for name in launchers)
-    assert [name for name in launchers if "ZERO" in read[name]] == ["run_joint.sh", "run_3d.sh"]
+    assert [name for name in launchers if "ZERO" in read[name]] == ["run_joint.sh", "run_3d.sh", "run_slurm.sh"]
