@@ -57,10 +57,11 @@ def main():
         for name in args.cases.split(","):
             program, nproc, flags = CASES[name]
             pairs = []
-            for _ in range(args.rounds):
-                before = step_time(args.before, program, nproc, flags, folder)
-                after = step_time(ROOT, program, nproc, flags, folder)
-                pairs.append((before, after))
+            for i in range(args.rounds):
+                # who goes first alternates, so that a machine warming up or slowing down hits both alike
+                order = (0, 1) if i % 2 == 0 else (1, 0)
+                times = {k: step_time((args.before, ROOT)[k], program, nproc, flags, folder) for k in order}
+                pairs.append((times[0], times[1]))
             ratios = [a / b for b, a in pairs]
             rows[name] = {"before_ms": 1e3 * statistics.median(b for b, _ in pairs),
                           "after_ms": 1e3 * statistics.median(a for _, a in pairs),

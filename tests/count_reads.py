@@ -4,7 +4,12 @@ all-reduces they start, and writes the counts to COUNT_DIR/rank-<rank>.json when
 
 Counted: inside each step (the program's job.step) and inside the loop's reading of the logged
 scalars (mp.loop.StepScalars.read): everything the training loop does between its set-up and its
-summary, evaluation and checkpoints aside (the tests run without them)."""
+summary, evaluation and checkpoints aside (the tests run without them).
+
+SYNC_DEBUG=1 on a CUDA device also runs every step after the first under
+torch.cuda.set_sync_debug_mode("error"): an operation inside a step that makes the CPU wait for the
+GPU (a read, a blocking copy) then raises, naming it. The first step is left out: it sets the
+device's libraries up (and mp.buckets counts its hooks' calls there)."""
 import json
 import os
 import runpy
@@ -40,10 +45,15 @@ dist.all_reduce = counted("all_reduce", dist.all_reduce, "all_reduce")
 def around(fn, inside_step):
     def wrapper(*args, **kwargs):
         counting[0], in_step[0] = True, inside_step
+        strict = inside_step and counts["steps"] > 1 and os.environ.get("SYNC_DEBUG") == "1"
+        if strict and torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("error")
         try:
             return fn(*args, **kwargs)
         finally:
             counting[0], in_step[0] = False, False
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode("default")
     return wrapper
 
 

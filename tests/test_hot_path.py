@@ -63,3 +63,24 @@ def test_data_parallel_all_reduces_do_not_grow_with_the_microbatches(zero, tmp_p
         per_m[m] = [r["step_all_reduce"] for r in ranks]
     assert per_m[2] == per_m[8], per_m
     assert all(n == (0 if zero else 20) for n in per_m[2]), per_m   # the cnn's stages: one bucket each
+
+
+def test_the_timeline_shows_the_bucket_all_reduces_overlapping_the_last_backward(tmp_path):
+    """Item 4's overlap, seen where a student would look: the joint program's --timeline (replica 0, the
+    last step, after the first has counted the accumulations). An mlp of 1024-wide layers gives each
+    weight a bucket of its own (mp.buckets cuts them at 4 MB), so a stage's first buckets are final,
+    and their all-reduces start, while the step's last backward still runs on the layers before them."""
+    trace = tmp_path / "t.json"
+    run = launch("pipeline_dp_joint.py", FAST + ["--dp", "2", "--model", "mlp", "--layers", "4", "--hidden", "1024",
+                                                  "--steps", "3", "--batch-size", "16", "--microbatches", "2",
+                                                  "--timeline", str(trace)], tmp_path, nproc=4)
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = json.loads(trace.read_text())["traceEvents"]
+    for stage in (0, 1):
+        mine = [e for e in events if e.get("pid") == stage]
+        buckets = [e for e in mine if e["cat"] == "collective"]
+        last_backward_end = max(e["ts"] + e["dur"] for e in mine if e["cat"] == "backward")
+        # at most 4 MB a bucket, last layer first: stage 0 [b2] [W2] [b1] [W1], stage 1 [b4 W4 b3] [W3]
+        assert len(buckets) == {0: 4, 1: 2}[stage], buckets
+        assert all(e["tid"] == 1 and e["name"].startswith("all-reduce") for e in buckets), buckets
+        assert min(e["ts"] for e in buckets) < last_backward_end, (stage, buckets, last_backward_end)

@@ -48,3 +48,17 @@ def test_gpu_losses_stay_near_the_cpu_baseline(tmp_path):
     gpu = launch("single_baseline.py", GPU, tmp_path, log_name="gpu.jsonl")
     cpu = launch("single_baseline.py", FAST + ["--backend", "gloo", "--steps", "20"], tmp_path, log_name="cpu.jsonl")
     assert_same_losses(gpu, cpu, atol=1e-2)
+
+
+def test_no_step_makes_the_cpu_wait_for_the_gpu(tmp_path, monkeypatch):
+    """Issue 35's promise on the device itself: every program's steps (the second on) run under
+    torch.cuda.set_sync_debug_mode("error") (tests/count_reads.py, SYNC_DEBUG=1), so a read or a
+    blocking copy inside a step raises; the log's reads every --log-every steps are outside them."""
+    monkeypatch.setenv("SYNC_DEBUG", "1")
+    monkeypatch.setenv("COUNT_DIR", str(tmp_path))
+    for i, (program, extra) in enumerate([("single_baseline.py", [])] + PROGRAMS):
+        monkeypatch.setenv("COUNT_PROGRAM", program)
+        run = launch("tests/count_reads.py", GPU + extra + ["--log-every", "10"], tmp_path, log_name=f"s{i}.jsonl")
+        assert run.returncode == 0, (program, extra, run.stderr[-3000:])
+        counts = json.loads((tmp_path / "rank-0.json").read_text())
+        assert counts["steps"] == 20 and counts["step_reads"] == 0, (program, extra, counts)
