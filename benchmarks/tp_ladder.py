@@ -165,7 +165,7 @@ def plot(result, args, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
-    from mp.tools.plot_curves import save
+    from mp.tools.figure import save
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     full = result["losses"]["full"]
     left.plot(full, lw=3, color="black", alpha=0.3, label="full model, one process [baseline]")

@@ -1,12 +1,12 @@
 """The committed figures in plots/ are what docs/running.md's one command draws, and the numbers the
 README quotes come from them, or say where and when they were measured. Reads the PNGs' text
-chunks (plot_curves.save writes the runs' settings and results there); runs nothing."""
+chunks (mp.tools.figure.save writes the runs' settings and results there); runs nothing."""
 import os
 import re
 
 import pytest
 
-from mp.tools import plot_curves
+from mp.tools.figure import png_record
 from helpers import ROOT
 
 # each launcher's figures under the names it gives them with the documented knobs (off their defaults)
@@ -52,7 +52,7 @@ def test_the_command_rewrites_the_committed_figures_and_nothing_else_does():
 
 
 def loss_record(figure):
-    title, record = plot_curves.png_record(os.path.join(ROOT, "plots", figure))
+    title, record = png_record(os.path.join(ROOT, "plots", figure))
     assert record.get("kind") == "curves", f"plots/{figure} was not drawn by this mp.tools.plot_curves: redraw it"
     return title, record["runs"]
 
@@ -93,7 +93,7 @@ def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
 
 def test_the_timeline_figure_shows_the_documented_schedules():
     s = settings("run_pipeline")
-    _, record = plot_curves.png_record(os.path.join(ROOT, "plots", FIGURES["run_pipeline"][1]))
+    _, record = png_record(os.path.join(ROOT, "plots", FIGURES["run_pipeline"][1]))
     assert record.get("kind") == "timeline", f"plots/{FIGURES['run_pipeline'][1]} was not drawn by this mp.tools.plot_curves"
     traces = record["traces"]
     assert [t["schedule"] for t in traces] == s["SCHEDULE"].split()
@@ -105,7 +105,7 @@ def test_the_timeline_figure_shows_the_documented_schedules():
 def test_the_2bw_figure_draws_it_on_its_delay_1_reference_beside_the_synchronous_baseline():
     s = settings("run_pipeline")
     assert "2bw" in s["SCHEDULE"].split()
-    _, record = plot_curves.png_record(os.path.join(ROOT, "plots", FIGURES["run_pipeline"][2]))
+    _, record = png_record(os.path.join(ROOT, "plots", FIGURES["run_pipeline"][2]))
     (reference, pipedream), (synchronous,) = record["runs"], record["beside"]
     assert reference["program"] == "single_baseline" and reference["args"]["delay"] == 1
     assert pipedream["args"]["schedule"] == "2bw" and pipedream["largest_difference"] <= 1e-4
@@ -136,7 +136,7 @@ def figure_numbers():
     """Every number the committed loss figures carry, as the README writes them."""
     out = set()
     for figure in sum(FIGURES.values(), []):
-        _, record = plot_curves.png_record(os.path.join(ROOT, "plots", figure))
+        _, record = png_record(os.path.join(ROOT, "plots", figure))
         for run in record.get("runs", []):
             if run["largest_difference"] is not None:
                 out.add(f"{run['largest_difference']:.1e}".replace("e-0", "e-"))
@@ -163,7 +163,7 @@ def test_the_figures_numbers_the_readme_quotes_are_the_current_ones():
 def test_the_committed_ladder_figure_draws_the_contract_line():
     """plots/tp_ladder.png came from benchmarks/tp_ladder.py's plot(), which draws the 1e-4 line on
     its difference panel and records it; an older drawing has no "contract" in its record."""
-    title, record = plot_curves.png_record(os.path.join(ROOT, "plots", "tp_ladder.png"))
+    title, record = png_record(os.path.join(ROOT, "plots", "tp_ladder.png"))
     assert record.get("kind") == "tp_ladder" and record.get("contract") == 1e-4, "redraw: " + OTHER_COMMANDS["tp_ladder.png"]
     assert record["args"]["steps"] == 300 and "relu" in title
     assert record["largest_difference"]["pair"] > record["contract"]    # ReLU crosses it (docs/tensor_parallel.md)

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from mp.tools import plot_curves
+from mp.tools import plot_curves, plot_timeline
 from helpers import PYTHON, ROOT, written
 
 
@@ -100,7 +100,7 @@ def test_recompute_gets_its_own_logs_legend_and_titles_and_the_help_names_real_f
     assert "recompute" in plot_curves.label_of(records, "x")
     assert "recompute" not in plot_curves.label_of([json.loads(line) for line in plain.splitlines()], "x")
     trace = json.loads((logs / f"timeline_cnn{tag}_1f1b_p4_m4_b64_recompute.json").read_text())
-    assert plot_curves.gantt_title(trace["otherData"]).startswith("1f1b, --recompute: 4 stages")
+    assert plot_timeline.gantt_title(trace["otherData"]).startswith("1f1b, --recompute: 4 stages")
     for png in (f"pipeline_loss{tag}.png", f"pipeline_timeline{tag}.png", f"pipeline_loss_1f1b{tag}_recompute.png",
                 f"pipeline_timeline_1f1b{tag}_recompute.png"):
         assert (logs / "plots" / png).stat().st_size > 10_000, png

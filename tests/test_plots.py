@@ -6,7 +6,8 @@ import pytest
 
 from helpers import FAST, launch
 
-from mp.tools import plot_curves
+from mp.tools import plot_curves, plot_timeline
+from mp.tools.figure import png_record
 
 
 def test_loss_curves_against_the_baseline(tmp_path, baseline):
@@ -59,7 +60,8 @@ def fake_log(path, batch_size=32, steps=5, loss_shift=0.0, evals=(), program="si
 def drawn_figure(monkeypatch):
     """Keep the figure plot_curves would save, to read its titles and lines."""
     kept = {}
-    monkeypatch.setattr(plot_curves, "save", lambda fig, out, record=None: kept.setdefault("fig", fig))
+    for module in (plot_curves, plot_timeline):
+        monkeypatch.setattr(module, "save", lambda fig, out, record=None: kept.setdefault("fig", fig))
     return kept
 
 
@@ -111,7 +113,7 @@ def test_timelines_share_one_axis_and_name_chunks_and_new_categories(tmp_path, m
             "schedule": schedule, "stages": 4, "microbatches": 2, "virtual_stages": v, "bubble_measured": 0.6,
             "bubble_theory": 0.4, "device": "cpu", "cpu_cores": 2}}))
         paths.append(str(path))
-    plot_curves.plot_timelines(paths, str(tmp_path / "t.png"))
+    plot_timeline.plot_timelines(paths, str(tmp_path / "t.png"))
     top, bottom = measured_axes(kept["fig"])
     assert top.get_xlim() == bottom.get_xlim()                       # the shorter schedule looks shorter
     assert {"F0", "B0", "W0"} <= {t.get_text() for t in top.texts}
@@ -157,7 +159,7 @@ def test_unequal_stages_are_named_in_the_title_and_equal_ones_are_not(tmp_path, 
     kept = drawn_figure(monkeypatch)
     unequal = fake_trace(tmp_path / "u.json", [6, 2, 2, 2])
     equal = fake_trace(tmp_path / "e.json", [2, 2, 2.2, 2], recompute=True)
-    plot_curves.plot_timelines([unequal, equal], str(tmp_path / "t.png"))
+    plot_timeline.plot_timelines([unequal, equal], str(tmp_path / "t.png"))
     top, bottom = measured_axes(kept["fig"])
     assert "stages unequal: rank 0 computes 6.0 ms a step, rank 1 2.0 ms (3.0x)" in top.get_title(), top.get_title()
     assert "unequal" not in bottom.get_title() and bottom.get_title().startswith("1f1b, --recompute: 4 stages")
@@ -168,15 +170,15 @@ def test_interleaved_chunks_are_hatched_and_names_that_do_not_fit_are_left_out(t
     kept = drawn_figure(monkeypatch)
     # rank 0's boxes are 100 times shorter than rank 1's, on a one-step axis of about 2 s
     path = fake_trace(tmp_path / "i.json", [0.04, 4], chunks=2, dur_wait=2_000_000)
-    plot_curves.plot_timelines([path], str(tmp_path / "t.png"))
+    plot_timeline.plot_timelines([path], str(tmp_path / "t.png"))
     ax, = measured_axes(kept["fig"])
     boxes = [p for p in ax.patches if p.get_height() == 0.8]
-    assert {str(p.get_hatch() or "") for p in boxes} == {"", plot_curves.HATCHES[1]}   # chunk a plain, b hatched
+    assert {str(p.get_hatch() or "") for p in boxes} == {"", plot_timeline.HATCHES[1]}   # chunk a plain, b hatched
     texts = {(t.get_text(), round(t.get_position()[1])) for t in ax.texts}
     assert texts == set(), texts                                     # 2 s of axis: no box is wide enough
     path = fake_trace(tmp_path / "j.json", [0.04, 4], chunks=2, dur_wait=2000)
     kept.clear()
-    plot_curves.plot_timelines([path], str(tmp_path / "t.png"))
+    plot_timeline.plot_timelines([path], str(tmp_path / "t.png"))
     ax, = measured_axes(kept["fig"])
     texts = {(t.get_text(), round(t.get_position()[1])) for t in ax.texts}
     assert texts == {("F0a", 1), ("B0a", 1), ("F0b", 1), ("B0b", 1)}, texts   # rank 1's fit, rank 0's do not
@@ -190,10 +192,10 @@ def test_each_timeline_is_drawn_beside_its_plan_and_the_title_says_why_they_diff
                        bubble_theory=3 / 7, cpu_cores=2)
     out = tmp_path / "t.png"
     plot_curves.main(["--timeline", trace, "-o", str(out)])
-    _, record = plot_curves.png_record(str(out))
+    _, record = png_record(str(out))
     assert record["traces"][0]["planned"] == {"ticks": 14, "idle": pytest.approx(3 / 7)}
     kept = drawn_figure(monkeypatch)
-    plot_curves.plot_timelines([trace], str(out))
+    plot_timeline.plot_timelines([trace], str(out))
     plan, = planned_axes(kept["fig"])
     cells = [cell for row in clock_cells("gpipe", 4, 4) for cell in row if cell != "."]
     assert len([p for p in plan.patches if round(p.get_height(), 9) == 0.8]) == len(cells) == 32   # a box per F and B
@@ -209,9 +211,9 @@ def test_2bw_gets_a_time_axis_of_its_own_and_does_not_squeeze_the_others(tmp_pat
     short = fake_trace(tmp_path / "a.json", [1, 1, 1, 1])
     longer = fake_trace(tmp_path / "b.json", [2, 2, 2, 2])
     pipedream = fake_trace(tmp_path / "c.json", [20, 20, 20, 20], schedule="2bw", microbatches=4, steps=2)
-    plot_curves.plot_timelines([short, longer, pipedream], str(tmp_path / "t.png"))
+    plot_timeline.plot_timelines([short, longer, pipedream], str(tmp_path / "t.png"))
     a, b, c = measured_axes(kept["fig"])
-    spans = [plot_curves.span_ms(plot_curves.read_trace(t)) for t in (short, longer, pipedream)]
+    spans = [plot_timeline.span_ms(plot_timeline.read_trace(t)) for t in (short, longer, pipedream)]
     assert a.get_xlim() == b.get_xlim() == pytest.approx((-0.02 * spans[1], 1.02 * spans[1]))   # one-step charts
     assert c.get_xlim() == pytest.approx((-0.02 * spans[2], 1.02 * spans[2])) and spans[2] > 3 * spans[1]
     assert "its own axis" in c.get_xlabel() and "steady" in planned_axes(kept["fig"])[2].get_title()

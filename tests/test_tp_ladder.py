@@ -38,6 +38,6 @@ def test_the_difference_panel_draws_the_contract_line_and_whole_steps(tmp_path):
     assert any("1e-4" in t.get_text() for t in right.get_legend().get_texts())   # named where it is read
     for ax in (left, right):
         assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_xticks()
-    from mp.tools.plot_curves import png_record
+    from mp.tools.figure import png_record
     _, record = png_record(str(out))
     assert record["contract"] == 1e-4 and record["largest_difference"]["pair"] == pytest.approx(3e-4)

@@ -3,7 +3,7 @@
     python -m mp.tools.schedule --schedule zb --stages 4 --microbatches 4
     python -m mp.tools.schedule --schedule interleaved --stages 4 --microbatches 8 --virtual-stages 2 -o plan.png
 
-The tables are mp.pp.schedules' clock_table; the drawing is mp.tools.plot_curves', which also draws
+The tables are mp.pp.schedules' clock_table; the drawing is mp.tools.plot_timeline's, which also draws
 the planned chart beside each measured timeline (python -m mp.tools.plot_curves --timeline, as
 run_pipeline.sh calls it).
 """
@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from mp.pp.schedules import SCHEDULES, clock_cells, clock_table
-from mp.tools import plot_curves
+from mp.tools import plot_timeline
 
 
 def parse_args(argv=None):
@@ -54,8 +54,8 @@ def bad(message):
 
 def describe(schedule, p, m, v):
     """The heading of a printed or drawn table: the sizes, the ticks and the bubble of the formula
-    (plot_curves.plan_title, which also heads the planned chart beside each measured timeline)."""
-    return plot_curves.plan_title(schedule, p, m, v)
+    (plot_timeline.plan_title, which also heads the planned chart beside each measured timeline)."""
+    return plot_timeline.plan_title(schedule, p, m, v)
 
 
 def main(argv=None):
@@ -64,7 +64,7 @@ def main(argv=None):
     print(describe(s, p, m, v))
     print("\n".join(clock_table(s, p, m, v)))
     if args.out:
-        plot_curves.plot_clock_table(clock_cells(s, p, m, v), describe(s, p, m, v), args.out)
+        plot_timeline.plot_clock_table(clock_cells(s, p, m, v), describe(s, p, m, v), args.out)
 
 
 if __name__ == "__main__":
