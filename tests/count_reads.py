@@ -37,6 +37,7 @@ def counted(name, real, key):
 
 
 in_step = [False]
+SYNC_DEBUG = os.environ.get("SYNC_DEBUG") == "1" and torch.cuda.is_available()
 for method in ("item", "tolist", "__float__", "__bool__"):
     setattr(torch.Tensor, method, counted(method, getattr(torch.Tensor, method), "reads"))
 dist.all_reduce = counted("all_reduce", dist.all_reduce, "all_reduce")
@@ -45,14 +46,14 @@ dist.all_reduce = counted("all_reduce", dist.all_reduce, "all_reduce")
 def around(fn, inside_step):
     def wrapper(*args, **kwargs):
         counting[0], in_step[0] = True, inside_step
-        strict = inside_step and counts["steps"] > 1 and os.environ.get("SYNC_DEBUG") == "1"
-        if strict and torch.cuda.is_available():
+        strict = inside_step and counts["steps"] > 1 and SYNC_DEBUG
+        if strict:
             torch.cuda.set_sync_debug_mode("error")
         try:
             return fn(*args, **kwargs)
         finally:
             counting[0], in_step[0] = False, False
-            if torch.cuda.is_available():
+            if strict:
                 torch.cuda.set_sync_debug_mode("default")
     return wrapper
 
