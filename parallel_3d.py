@@ -48,23 +48,23 @@ import torch.distributed as dist
 
 from mp.check import report_replicas
 from mp.data import agree_on_data, load_data
-from mp.dist import distributed, exit_now, group_timeout, torchrun_env
+from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import fail, note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
 from mp.loop import train
 from mp.models import num_blocks
 from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
-from mp.pp.training import pipeline_check, pipeline_job
+from mp.pp.training import pipeline_check, stage_batch
 from mp.tp.collectives import split_sizes, tp_rank, tp_size
 from mp.tp.flags import validate_degree, validate_sequence_parallel
 from mp.tp.mappings import gather_from_tp_region
 from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import sum_sequence_parallel_grads
 # the three programs it composes: the grid's replicas, a pipeline's stages, the tensor-parallel layers
-from pipeline_dp_joint import DataParallelReplicas
-from pipeline_microbatch import PipelineRank, partition, setup_stage, train_step
+from pipeline_dp_joint import clip, data_parallel_buckets, train_job
+from pipeline_microbatch import PipelineRank, forward_backward, partition, setup_stage
 from tensor_parallel import (ColumnParallelConv2d, ColumnParallelLinear, RowParallelConv2d, RowParallelLinear,
-                             parallelize_block)
+                             parallelize_block, sync_tp_grads)
 
 PROGRAM = "parallel_3d"
 
@@ -161,7 +161,7 @@ def build_stage(args, env, grid):
     model, runner = setup_stage(args, env, pos, shard)   # zb: the shards' ops defer their weight gradients to W
     # the norms and the embedding that see my tokens only: summed after the step's last backward
     # (TensorParallelReplicas), not after each microbatch's
-    partial_sums = sum_sequence_parallel_grads(model, grid.tp_group, per_backward=False)
+    partial_sums = sum_sequence_parallel_grads(model, grid.tp_group)
     # on a GPU, keep TP-replicated parameters identical (CPU gradients already are): once a step
     replicated = average_replicated_grads(model, grid.tp_group, env.device)
     # the gradient norm (mp.clipping): summed over my stage's tp shards (its replicated tensors
@@ -170,22 +170,23 @@ def build_stage(args, env, grid):
     return pos, model, runner, (partial_sums, replicated)
 
 
-class TensorParallelReplicas(DataParallelReplicas):
-    """The data-parallel hooks of the 2-D program, and first, once a step after the last backward, the
-    tp group's own sums: the gradients each tp rank took from its own tokens only (sequence
-    parallelism) summed, and on a GPU the replicated parameters' gradients averaged. Their buckets
-    start after these sums (late), the others' during the backward."""
-
-    def __init__(self, grid, timeout_s, runner, zero, partial_sums, replicated):
-        self.partial_sums, self.replicated = partial_sums, replicated
-        late = (partial_sums.params if partial_sums else []) + (replicated.params if replicated else [])
-        super().__init__(grid, timeout_s, runner, zero, late)
-
-    def before_average(self):
-        if self.partial_sums:
-            self.partial_sums.sum()   # whole on every tp rank first, then averaged over the replicas
-        if self.replicated:
-            self.replicated.average()
+def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeline, tp_sums):
+    """One optimizer step on the 3-D grid, in the order it runs: pipeline_dp_joint.train_step with the
+    tensor-parallel sums between the backward and the data-parallel average."""
+    timeline.begin(step)
+    samples = args.batch_size // grid.dp_size     # my replica's contiguous slice of the global batch
+    x, y = stage_batch(data, step, args, runner, runner.messenger.device, (grid.dp_rank, grid.dp_size))
+    grads.zero_grad()                     # the buckets zeroed, each .grad a view into its bucket again
+    with runner.keys.training(step):      # tp collectives inside every layer; dp buckets start in the backward
+        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, grid.dp_rank * samples, grads=grads)
+    sync_tp_grads(*tp_sums)               # tensor parallelism first: its partial gradients made whole,
+    grads.final_late()                    # then their buckets start too
+    grads.wait()                          # data parallelism: every bucket's all-reduce, then / D
+    with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
+        norm = clip(runner, optimizer, args, grid)   # over tp shards, stages (--zero 1: and replicas)
+    runner.update(optimizer)              # --zero 1: my slices, then the all-gather
+    timeline.end(step)
+    return loss, norm
 
 
 # ----------------------------------------------------------------------------- scatter/gather at a cut
@@ -286,20 +287,25 @@ def main(argv=None):
         pos, model, runner, tp_sums = build_stage(args, env, grid)
         if env.rank == 0:
             print(describe(grid, runner.messenger.shapes), flush=True)
-        # the data-parallel hooks of the 2-D program, over the ranks with my (pp, tp) coordinates;
-        # the loss is logged by tp rank 0 of replica 0's last stage (replicas.tp_rank)
-        replicas = TensorParallelReplicas(grid, args.timeout_s, runner, args.zero == 1, *tp_sums)
+        # the data-parallel buckets of the 2-D program over the ranks with my (pp, tp) coordinates; the
+        # gradients the tp sums complete start their buckets after those sums (late)
+        late = [p for sums in tp_sums if sums for p in sums.params]
+        grads = data_parallel_buckets(model, runner, grid, args, late)
         if args.check:   # my shards against the matching slices of a full model in this process
-            status = pipeline_check(env, args, model, runner, data, train_step, replicas)
-        else:
-            status = train(args, env, pipeline_job(args, env, pos, model, runner, data, train_step, replicas, PROGRAM))
-            # both reports are collectives: every rank runs both
-            data_replicas = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across "
-                                            f"the {grid.dp_size} replicas of every stage", env, args.timeout_s)
-            tp_replicas = report_replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
-                                          f"bit-identical across the {grid.tp_size} tensor-parallel ranks", env,
-                                          args.timeout_s)
-            status = status or data_replicas or tp_replicas
+            exit_now(pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
+                                    grads, sum_first=partial(sync_tp_grads, *tp_sums)))
+        # the loss is logged by tp rank 0 of replica 0's last stage
+        timeline, job = train_job(args, env, grid, runner, model, data, grads, PROGRAM,
+                                  step=partial(train_step, tp_sums=tp_sums))
+        status = train(args, env, job)
+        timeline.write()
+        # both reports are collectives: every rank runs both
+        data_replicas = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across "
+                                        f"the {grid.dp_size} replicas of every stage", env, args.timeout_s)
+        tp_replicas = report_replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
+                                      f"bit-identical across the {grid.tp_size} tensor-parallel ranks", env,
+                                      args.timeout_s)
+        status = status or data_replicas or tp_replicas
     exit_now(status)
 
 

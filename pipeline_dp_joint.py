@@ -29,22 +29,28 @@ all-reduce crosses nodes. Adding tensor parallelism makes a third, innermost axi
 (arange(world).view(dp, pp, tp), parallel_3d.py, whose Grid adds it): the tp ranks of one
 stage exchange activations inside every layer, so they belong on the fastest links of all.
 """
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
+from mp import checkpoint
 from mp.buckets import GradBuckets
 from mp.check import report_replicas
 from mp.clipping import clip_global
-from mp.data import agree_on_data, dp_slice, load_data
+from mp.data import agree_on_data, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import fail, note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
-from mp.loop import train
+from mp.loop import Job, Sums, train
 from mp.optim import make_optimizer
+from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.flags import add_pipeline_flags, validate_pipeline, validate_zero
-from mp.pp.training import pipeline_check, pipeline_job
+from mp.pp.schedules import schedule_actions
+from mp.pp.timeline import Timeline
+from mp.pp.training import pipeline_check, stage_batch
 from mp.zero import ZeroOptimizer
-from pipeline_microbatch import PipelineRank, setup_stage, train_step   # one pipeline, composed
+from pipeline_microbatch import PipelineRank, forward_backward, setup_stage   # one pipeline, composed
 
 PROGRAM = "pipeline_dp_joint"
 
@@ -96,68 +102,79 @@ class Grid:
         return PipelineRank(self.pp_rank, self.pp_size, self.ranks[self.dp_rank].tolist(), virtual, self.pp_group)
 
 
-class DataParallelReplicas:
-    """The data-parallel hooks of a pipeline's step (mp.pp.training): slice the batch, average the
-    gradients and the logged loss over my column of the grid. zero: --zero 1 (mp.zero)."""
-
-    def __init__(self, grid, timeout_s, runner, zero=False, late=()):
-        self.dp_rank, self.dp_size, self.group, self.zero = grid.dp_rank, grid.dp_size, grid.dp_group, zero
-        self.waiting = (f"stage {grid.pp_rank} of pipeline {grid.dp_rank} waited for the all-reduce with its "
-                        f"data-parallel group, ranks {grid.dp_peers}", timeout_s)
-        self.tp_rank = grid.tp_rank    # the loss is logged by tp rank 0 of replica 0's last stage
-        # the gradients as views into flat buckets, each all-reduced as soon as the last microbatch's
-        # backward has finished it (mp.buckets); 2bw steps its two weight versions in turn, so its
-        # gradients are averaged after the backward instead, in one flat all-reduce
-        self.buckets = None if runner.versions else GradBuckets(runner.parameters(), self.group, self.waiting,
-                                                                shard=zero, recorder=runner, late=late)
-
-    def slice(self, tensor):
-        return dp_slice(tensor, self.dp_rank, self.dp_size)     # contiguous: the slices tile the batch
-
-    def zero_grad(self, optimizer):
-        if self.buckets:
-            self.buckets.zero_grad()
-        elif optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-
-    def sync_grads(self, params):
-        """The batch-mean gradient: each replica's gradient is its slice's mean, so the average of
-        the D of them: all-reduced (summed) bucket by bucket during the backward, then divided by D.
-        --zero 1: reduce-scattered instead, each replica getting the mean of its slice only."""
-        if self.buckets:
-            self.buckets.wait(before=self.before_average)
-            return
-        self.before_average()
-        if self.dp_size > 1:
-            with awaiting(*self.waiting):
-                all_reduce_flat([p.grad for p in params], self.group, divide_by=self.dp_size)
-
-    def before_average(self):
-        """The sums that complete some gradients before they are averaged (parallel_3d.py's tp replicas)."""
-
-    def clip(self, params, max_norm, groups, counted):
-        """The global norm, and clipping; --zero 1: over the slices (the replicas' squares summed too)."""
-        if not self.zero:
-            return clip_global(params, max_norm, groups, counted)
-        return clip_global(self.optimizer.slices, max_norm, self.norm_groups(groups), squares=self.optimizer.squares(counted))
-
-    def norm_groups(self, groups):
-        return list(groups) + [self.group] if self.zero else groups
-
-    def average(self, losses):
-        """The batch mean of the logged steps: each last stage holds its slice's mean loss; average over
-        the column (one all-reduce for all the steps being logged; nccl reduces GPU tensors only: they are)."""
-        with awaiting(*self.waiting):
-            dist.all_reduce(losses, group=self.group)
-        return losses / self.dp_size
-
-    def make_optimizer(self, params, args):
-        """torch's optimizer over my parameters; --zero 1: over my slices of the buckets (mp.zero)."""
-        self.optimizer = ZeroOptimizer(self.buckets, args) if self.zero else make_optimizer(params, args)
-        return self.optimizer
+def data_parallel_buckets(model, runner, grid, args, late=()):
+    """The gradients as views into flat buckets (mp.buckets), each all-reduced (--zero 1: reduce-
+    scattered) over my column of the grid as soon as the executor says its gradients are final, so that
+    it overlaps the rest of the backward. None under 2bw, which steps its two weight versions in turn:
+    its gradients are averaged after the backward instead, in one flat all-reduce."""
+    if runner.versions:
+        return None
+    grads = GradBuckets(runner.parameters(), grid.dp_group, waiting(grid, args), shard=args.zero == 1,
+                        recorder=runner, late=late, direct=runner.deferred_weights())
+    grads.name_params(model.named_parameters())   # for its error lines
+    return grads
 
 
-# ----------------------------------------------------------------------------- training
+def waiting(grid, args):
+    """What a wait on my data-parallel group says when it gives up (mp.dist.awaiting's arguments)."""
+    return (f"stage {grid.pp_rank} of pipeline {grid.dp_rank} waited for the all-reduce with its data-parallel "
+            f"group, ranks {grid.dp_peers}", args.timeout_s)
+
+
+def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeline):
+    """One optimizer step of D pipelines, in the order it runs; pipeline_microbatch.train_step with
+    the replicas' slice of the batch and their gradient average. The loss (my slice's mean, on the
+    last stages) is averaged over the replicas when the loop logs it (Sums), not in the step."""
+    timeline.begin(step)
+    samples = args.batch_size // grid.dp_size     # my replica's contiguous slice of the global batch
+    x, y = stage_batch(data, step, args, runner, runner.messenger.device, (grid.dp_rank, grid.dp_size))
+    if grads:
+        grads.zero_grad()                 # the buckets zeroed, each .grad a view into its bucket again
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    if runner.versions:                   # 2bw: its first step warms up, its last drains
+        actions = runner.versions.actions(step)
+    with runner.keys.training(step):      # buckets start during the backward, as the executor says
+        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, grid.dp_rank * samples, grads=grads)
+    # data parallelism: each replica's gradient is its slice's mean; the batch's is their average
+    if grads:
+        grads.wait()                      # every bucket's all-reduce (or reduce-scatter), then / D
+    elif grid.dp_size > 1:                # 2bw: one flat all-reduce after the backward
+        with awaiting(*waiting(grid, args)):
+            all_reduce_flat([p.grad for p in runner.parameters()], grid.dp_group, divide_by=grid.dp_size)
+    with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
+        norm = clip(runner, optimizer, args, grid)
+    runner.update(optimizer)              # --zero 1: my slices, then the all-gather; 2bw: the versions swap
+    timeline.end(step)
+    return loss, norm
+
+
+def clip(runner, optimizer, args, grid):
+    """The global gradient norm, and clipping (mp.clipping): over the stages (and parallel_3d.py's tp
+    shards); --zero 1: each replica holds the mean gradient of its slices only, so over the slices,
+    the replicas' squares summed too."""
+    if not args.zero:
+        return clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups, runner.counted)
+    return clip_global(optimizer.slices, args.clip_grad_norm, runner.norm_groups + [grid.dp_group],
+                       squares=optimizer.squares(runner.counted))
+
+
+def train_job(args, env, grid, runner, model, data, grads, program, step=train_step):
+    """The loop's Job for D pipelines: the step (this file's, or parallel_3d.py's), the optimizer
+    (--zero 1: mp.zero's, over my slices of the buckets), my layout, who logs."""
+    optimizer = ZeroOptimizer(grads, args) if args.zero else make_optimizer(runner.parameters(), args)
+    actions = schedule_actions(args.schedule, runner.pos, args.microbatches)   # the same every step
+    owner = runner.pos.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0   # logs the loss
+    timeline = Timeline(args, runner, runner.pos, owner)
+    layout = checkpoint.layout_of(program, env, dp=grid.dp_size, pp=grid.pp_size, tp=env.world_size //
+                                  (grid.dp_size * grid.pp_size), schedule=args.schedule, virtual_stages=runner.pos.virtual)
+    return timeline, Job(
+        partial(step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args, grid=grid,
+                grads=grads, timeline=timeline),
+        model, optimizer, layout, owner,
+        evaluate=lambda: evaluate_pipeline(runner, runner.pos, data, env.device) if grid.dp_rank == 0 else None,
+        sums=Sums(replicas=grid.dp_group, norm_groups=runner.norm_groups + [grid.dp_group] * (args.zero == 1)),
+        versions=runner.versions.weights if runner.versions else None)
 
 
 def main(argv=None):
@@ -172,14 +189,16 @@ def main(argv=None):
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)
         pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
         model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
-        replicas = DataParallelReplicas(grid, args.timeout_s, runner, zero=args.zero == 1)
+        grads = data_parallel_buckets(model, runner, grid, args)
         if args.check:   # each replica checks its slice of the first batch
-            status = pipeline_check(env, args, model, runner, data, train_step, replicas)
-        else:
-            status = train(args, env, pipeline_job(args, env, pos, model, runner, data, train_step, replicas, PROGRAM))
-            same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across the "
-                                   f"{grid.dp_size} replicas of every stage", env, args.timeout_s)
-            status = status or same
+            exit_now(pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
+                                    grads))
+        timeline, job = train_job(args, env, grid, runner, model, data, grads, PROGRAM)
+        status = train(args, env, job)
+        timeline.write()
+        same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across the "
+                               f"{grid.dp_size} replicas of every stage", env, args.timeout_s)
+        status = status or same
     exit_now(status)
 
 

@@ -31,24 +31,29 @@ import contextlib
 import datetime
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mp import checkpoint
+from mp.clipping import clip_global
 from mp.data import StreamedInputs, agree_on_data, load_data
-from mp.dist import distributed, exit_now, torchrun_env
+from mp.dist import awaiting, distributed, exit_now, one_work_per_op, torchrun_env
 from mp.dropout import DropoutKeys
 from mp.errors import CommError, note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
-from mp.loop import train
+from mp.loop import Job, Sums, train
 from mp.models import build_model, num_blocks
+from mp.optim import make_optimizer
+from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.flags import add_pipeline_flags, validate_pipeline
 from mp.pp.pipedream import TwoVersions
-from mp.pp.schedules import flow_name
-from mp.pp.timeline import TimelineRecorder
-from mp.pp.training import pipeline_check, pipeline_job
+from mp.pp.schedules import flow_name, schedule_actions
+from mp.pp.timeline import Timeline, TimelineRecorder
+from mp.pp.training import pipeline_check, stage_batch
 from mp.pp.zero_bubble import split_weight_grads
 from mp.tp.collectives import split_sizes
 
@@ -177,31 +182,27 @@ class Messenger:
         start = time.perf_counter()           # the timeline's wait includes the posting
         if any(kind == "send" for kind, _, _ in parts):
             self.finish()                     # the previous exchange's sends
-        ops = []
-        for kind, peer, msg in parts:
-            if kind == "send":
-                send = self.send_forward if msg[0] == "act" else self.send_backward
-                ops.append(send(outbox.pop(msg), peer, msg))
-            else:
-                recv = self.recv_forward if msg[0] == "act" else self.recv_backward
-                ops.append(recv(peer, msg, mb_size))
+        ops = [self.post(kind, peer, msg, outbox, mb_size) for kind, peer, msg in parts]
         # one batch: on nccl a send and a receive that cross must share one group call, or both block
-        works = dist.batch_isend_irecv(ops) if ops else []
-        # gloo gives one Work per op; nccl one for the whole batch, which then stands for each part
-        works = works if len(works) == len(ops) else works * len(ops)
-        received = []
-        for part, work in zip(parts, works):
-            if part[0] == "recv" and work not in received:
-                self.wait(work, [part])
-                received.append(work)
-        # a send whose Work was waited with a receive (nccl) is done with it: a Work is waited once
-        self.sending += [(None if work in received else work, op.tensor, part)
+        works = one_work_per_op(dist.batch_isend_irecv(ops) if ops else [], ops)   # gloo and nccl differ here
+        waited = []
+        for (kind, peer, msg), work in zip(parts, works):
+            if kind == "recv" and work not in waited:   # a Work is waited once
+                self.wait(work, [(kind, peer, msg)])
+                waited.append(work)
+        self.sending += [(None if work in waited else work, op.tensor, part)   # nccl: done with a receive
                          for part, op, work in zip(parts, ops, works) if part[0] == "send"]
         self.last = f"{flow_name(parts)} " + " ".join(f"mb{m[1]}" for _, _, m in parts)
         if record:
             mbs = [m[1] for k, _, m in sorted(parts, key=lambda part: part[0] != "send")]  # in the name's order
             record("wait", f"wait {flow_name(parts)} " + " ".join(f"mb{mb}" for mb in mbs), mbs[-1], start)
         return {msg: op.tensor for (kind, _, msg), op in zip(parts, ops) if kind == "recv"}
+
+    def post(self, kind, peer, msg, outbox, mb_size):
+        """One part of an exchange: which of the four cases it is follows from its kind and what it carries."""
+        if kind == "send":
+            return (self.send_forward if msg[0] == "act" else self.send_backward)(outbox.pop(msg), peer, msg)
+        return (self.recv_forward if msg[0] == "act" else self.recv_backward)(peer, msg, mb_size)
 
     def finish(self):
         """Wait for the sends still in flight (before the next sends, and at the end of a step)."""
@@ -256,18 +257,30 @@ class StageRunner(TimelineRecorder):
         self.stashes, self.versions = [split_weight_grads(chunk) for chunk in chunks] if split else None, versions
         self.keys = keys or DropoutKeys(seed=0)   # the model's (setup_stage): its dropout layers read them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
+        # whose gradients a chunk's last B of a step makes final, and its last W (zb's split weights)
+        deferred = {id(w) for stash in self.stashes or [] for w in stash.weights}
+        self.final_after = {("B", c): [p for p in chunk.parameters() if id(p) not in deferred]
+                            for c, chunk in enumerate(chunks)}
+        self.final_after.update({("W", c): stash.weights for c, stash in enumerate(self.stashes or [])})
 
-    def run(self, actions, inputs, head, mb_size, first_sample=0):
+    def deferred_weights(self):
+        """zb's split weights, whose gradients W writes in place (mp.buckets: no hook on them)."""
+        return [w for stash in self.stashes or [] for w in stash.weights]
+
+    def run(self, actions, inputs, head, mb_size, first_sample=0, grads=None):
         """inputs: microbatches for virtual stage 0 (first stage only), indexed by microbatch and
         read when their forward runs. head(mb, output) -> the scaled loss to differentiate (or None
         when not training), on the last virtual stage. first_sample: the global batch index of
-        microbatch 0's first sample (a data-parallel replica's offset), for the dropout masks."""
+        microbatch 0's first sample (a data-parallel replica's offset), for the dropout masks.
+        grads: data parallelism's buckets (mp.buckets), told which gradients are final as soon as a
+        chunk has run its last backward of the step (its last B, and its last W under zb)."""
         training, outbox = torch.is_grad_enabled(), {}
         # (activations kept for a backward, messages received): a flushed pipeline starts empty
         saved, inbox = self.versions.carry_in(training) if self.versions else ({}, {})
         self.mb_size, self.first_sample, self.step = mb_size, first_sample, getattr(self.keys, "step", None)
         recording = self.record if self.events is not None else None
-        for action in actions:
+        last = {(a[0], a[2]): i for i, a in enumerate(actions) if a[0] in ("B", "W")} if grads else {}
+        for i, action in enumerate(actions):
             if action[0] == "comm":
                 inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording))
                 continue
@@ -278,7 +291,11 @@ class StageRunner(TimelineRecorder):
             elif kind == "B":
                 start = self.backward(mb, chunk, saved.pop((mb, chunk)), outbox, inbox, start)
             elif self.stashes:                # W (unsplit layers took their weight gradients in B)
-                self.stashes[chunk].weight_grads(mb)
+                for weight in self.stashes[chunk].weight_grads(mb):
+                    if grads:                 # written in place, no hook ran: W tells the buckets itself
+                        grads.arrived(weight)
+            if last.get((kind, chunk)) == i:  # this chunk's last backward of the step: its gradients are final
+                grads.final(self.final_after[(kind, chunk)])
             self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
         self.messenger.finish()
         if self.versions:                     # 2bw: the next batch's first forwards stay in flight
@@ -345,11 +362,13 @@ class StageRunner(TimelineRecorder):
         return start
 
 
-def train_step(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None):
-    """One global batch (or this replica's slice) through the pipeline; the accumulated gradients are
-    the batch-mean gradient. x: inputs (first stage), y: labels (last stage), samples: the batch size
-    (every stage must know it), first_sample: the slice's offset in the global batch, outputs: a dict
-    to keep each microbatch's logits in (--check). Returns the mean loss on the last stage, else None."""
+def forward_backward(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None, grads=None):
+    """One global batch (or this replica's slice) through the pipeline's schedule; the accumulated
+    gradients are the batch-mean gradient. x: inputs (first stage), y: labels (last stage), samples:
+    the batch size (every stage must know it), first_sample: the slice's offset in the global batch,
+    outputs: a dict to keep each microbatch's logits in (--check), grads: the data-parallel buckets
+    (StageRunner.run tells them when each gradient is final). Returns the mean loss on the last stage,
+    else None."""
     losses = []
 
     def head(mb, logits):
@@ -363,11 +382,31 @@ def train_step(runner, actions, x, y, m, samples=None, first_sample=0, outputs=N
         x if isinstance(x, (StreamedInputs, list)) else x.chunk(m)   # only the first stage reads inputs,
     y_mb = y.chunk(m) if runner.pos.is_last_stage else None          # only the last stage reads labels
     samples = samples or len(x if x is not None else y)
-    runner.run(actions, x_mb, head, samples // m, first_sample)
+    runner.run(actions, x_mb, head, samples // m, first_sample, grads)
     return torch.stack(losses).sum() if losses else None
 
 
 # ----------------------------------------------------------------------------- training
+
+
+def train_step(step, runner, optimizer, actions, data, args, timeline):
+    """One optimizer step of the pipeline, in the order it runs. Nothing is read back from the device:
+    the loss (on the last stage, else None) and the norm stay tensors, read by the loop (mp.loop)
+    every --log-every steps."""
+    timeline.begin(step)                  # --timeline: records the steps it draws (else a no-op)
+    x, y = stage_batch(data, step, args, runner, runner.messenger.device)   # first stage: inputs, last: labels
+    optimizer.zero_grad(set_to_none=True)
+    if runner.versions:                   # 2bw: its first step warms up, its last drains
+        actions = runner.versions.actions(step)
+    with runner.keys.training(step):      # the dropout masks of this step's samples (mp.dropout)
+        loss = forward_backward(runner, actions, x, y, args.microbatches, args.batch_size)   # every stage: its size
+    # one pipeline: each stage's accumulated gradients are final, there is nothing to synchronise
+    # (pipeline_dp_joint.py averages them over its replicas here)
+    with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
+        norm = clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups)   # over all stages
+    runner.update(optimizer)              # 2bw: W(t+1) into the older version's buffer, then they swap
+    timeline.end(step)
+    return loss, norm
 
 
 def setup_stage(args, env, pos, shard=None):
@@ -375,7 +414,7 @@ def setup_stage(args, env, pos, shard=None):
     and the runner of its chunks; returns (model, runner)."""
     model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
     messenger = Messenger(pos, shapes, env.device, args.timeout_s)
-    versions = TwoVersions(chunks, pos, args.microbatches) if args.schedule == "2bw" else None
+    versions = TwoVersions(chunks, pos, args.microbatches, args.steps, model) if args.schedule == "2bw" else None
     return model, StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
                               recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)
 
@@ -390,9 +429,20 @@ def main(argv=None):
         pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages)
         model, runner = setup_stage(args, env, pos)
         if args.check:   # one step against the full model in this process (mp.check)
-            status = pipeline_check(env, args, model, runner, data, train_step)
-        else:   # a PipelineError ends the run in distributed(), which reports it
-            status = train(args, env, pipeline_job(args, env, pos, model, runner, data, train_step))
+            exit_now(pipeline_check(env, args, model, runner, data, forward_backward))
+        optimizer = make_optimizer(runner.parameters(), args)
+        actions = schedule_actions(args.schedule, pos, args.microbatches)   # my actions, the same every step
+        timeline = Timeline(args, runner, pos, owner=pos.is_last_stage)
+        layout = checkpoint.layout_of(PROGRAM, env, dp=1, pp=pos.pp_size, tp=1, schedule=args.schedule,
+                                      virtual_stages=pos.virtual)
+        # a PipelineError ends the run in distributed(), which reports it
+        status = train(args, env, Job(
+            partial(train_step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args,
+                    timeline=timeline),
+            model, optimizer, layout, owner=pos.is_last_stage,     # the last stage holds the loss
+            evaluate=lambda: evaluate_pipeline(runner, pos, data, env.device),
+            sums=Sums(norm_groups=runner.norm_groups), versions=runner.versions.weights if runner.versions else None))
+        timeline.write()
     exit_now(status)
 
 

@@ -19,6 +19,7 @@ from mp.errors import fail, stop_on_interrupt
 from mp.flags import base_parser, validate_common
 from mp.loop import Job, evaluate, train, whole_model_run
 from mp.models import build_model
+from mp.optim import make_optimizer
 
 PROGRAM = "single_baseline"
 
@@ -83,21 +84,22 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         model = build_model(args).to(env.device)
+        optimizer = make_optimizer(model.parameters(), args)
         stale = copy.deepcopy(model) if args.delay else None   # --delay 1: W(t-1), W(0) at first
         # a checkpoint holds both weights under --delay 1 (saved as stale/...), one otherwise
         versions = [(name, p, old, p) for (name, p), old in zip(model.named_parameters(), stale.parameters())] \
             if stale else None
         grad_norm = clip_grad_norm(args.clip_grad_norm)
 
-        def step(k, optimizer):
-            x, y = (to_device(t, env.device) for t in data.batch(k, args.batch_size))
+        def step(k):
+            x, y = (to_device(t, env.device) for t in data.batch(k, args.batch_size))   # the whole global batch
             if stale is None:
                 return train_step(model, optimizer, x, y, k, grad_norm)
             return delayed_train_step(model, stale, optimizer, x, y, k, grad_norm)
 
-        train(args, env, Job(PROGRAM, model, step, list(model.parameters()), checkpoint.layout_of(PROGRAM, env),
+        train(args, env, Job(step, model, optimizer, checkpoint.layout_of(PROGRAM, env),
                              evaluate=lambda: evaluate(data, env.device, whole_model_run(model, env.device)),
-                             versions=lambda: versions))
+                             versions=versions))
 
 
 if __name__ == "__main__":

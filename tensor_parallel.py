@@ -5,8 +5,8 @@ by output features (column-parallel), feed its split output straight into a Line
 features (row-parallel), and the pair needs one all-reduce in forward and one in backward. The
 degree is the world size; every rank sees the whole global batch and logs the baseline's losses.
 
-What this adds to single_baseline.py (whose train_step and evaluate it imports unchanged), in
-order: the conjugate operators (autograd functions around one collective of mp/tp/collectives.py),
+What this adds to single_baseline.py (its train_step is the baseline's, with the replicated
+gradients synchronised before the norm), in order: the conjugate operators (autograd functions around one collective of mp/tp/collectives.py),
 the sharded layers (ColumnParallelLinear, RowParallelLinear and their conv and attention kin), and
 parallelize(), which slices the baseline's model into them block by block.
 
@@ -49,15 +49,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mp import checkpoint
-from mp.check import check_and_exit, report_replicas
-from mp.clipping import clip_global, finish_norms
+from mp.check import check_and_exit, report_replicas, whole_model_step
+from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
 from mp.dist import awaiting, distributed, exit_now, torchrun_env
 from mp.dropout import KeyedDropout
 from mp.errors import note_one_rank, stop_on_interrupt
 from mp.flags import base_parser, validate_common
-from mp.loop import Job, evaluate, train, whole_model_run
+from mp.loop import Job, Sums, evaluate, train, whole_model_run
 from mp.models import Attention, build_model, num_blocks
+from mp.optim import make_optimizer
 from mp.tp.collectives import all_reduce, split_sizes, tp_rank, tp_size
 from mp.tp.flags import validate_degree, validate_hybrid, validate_sequence_parallel
 from mp.tp.hybrid import HybridCNN
@@ -65,7 +66,6 @@ from mp.tp.mappings import (gather_from_sequence_parallel_region, gather_from_tp
                             reduce_scatter_to_sequence_parallel_region)
 from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import shard_sequence, sum_sequence_parallel_grads
-from single_baseline import train_step   # the baseline's step, unchanged: the model is what differs
 
 PROGRAM = "tensor_parallel"
 
@@ -321,6 +321,34 @@ def summed_where_partial(model, group, hybrid):
 # ----------------------------------------------------------------------------- training
 
 
+def sync_tp_grads(partial_sums, replicated):
+    """Tensor parallelism's gradient synchronisation, once a step after the last backward: the
+    replicated parameters that each rank applied to its part of the data only (--hybrid's
+    convolutions, --sequence-parallel's norms) get their partial gradients summed; on a GPU the other
+    replicated gradients are averaged, so that last-bit differences cannot grow (mp.tp.replicas).
+    Each is None where there is nothing to do (on the CPU the replicated gradients are identical)."""
+    if partial_sums:
+        partial_sums.sum()
+    if replicated:
+        replicated.average()
+
+
+def train_step(step, model, optimizer, data, args, device, group, tp_grads):
+    """One optimizer step of single_baseline.py's, on this rank's shards: the same order, the
+    collectives inside the layers, and the replicated parameters' gradients synchronised before the
+    norm. The logits are whole on every rank, so each computes the loss; tp rank 0 logs it."""
+    x, y = (to_device(t, device) for t in data.batch(step, args.batch_size))   # the whole batch, on every rank
+    optimizer.zero_grad(set_to_none=True)
+    with model.dropout_keys.training(step):
+        loss = F.cross_entropy(model(x), y)   # f, g and the gathers run inside the parallel layers
+    loss.backward()
+    sync_tp_grads(*tp_grads)
+    # the gradient norm sums the shards' squares over the group, each replicated tensor counted once
+    norm = clip_global(model.parameters(), args.clip_grad_norm, [group], counted_once(model, group))
+    optimizer.step()
+    return loss.detach(), norm        # tensors: the loop reads them every --log-every steps
+
+
 def main(argv=None):
     stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
@@ -330,39 +358,39 @@ def main(argv=None):
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         group = dist.group.WORLD
         model = build_parallel_model(args, group, env.device, args.hybrid)
+        # partial gradients to sum (--hybrid, --sequence-parallel), and on a GPU the replicated ones to average
+        tp_grads = (model.conv_gradients if args.hybrid else model.sequence_grads,
+                    average_replicated_grads(model, group, env.device))
         waited = f"rank {env.rank} waited for the tensor-parallel collectives of"
-        replicated = average_replicated_grads(model, group, env.device)   # None on the CPU: identical already
-        # the gradient norm sums the shards' squares over the group, each replicated tensor counted once
-        norm = ([group], counted_once(model, group))
-
-        def grad_norm(params):                # after the backward (single_baseline.train_step calls it)
-            if replicated:
-                replicated.average()
-            return clip_global(params, args.clip_grad_norm, *norm)
-
-        def finish(losses, norms):            # every --log-every steps: the norms' sums, once for all
-            with awaiting(f"{waited} the logged norms", args.timeout_s):
-                return losses, finish_norms(norms, norm[0], args.clip_grad_norm is not None)
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             what = f"tensor parallelism{' --hybrid' if args.hybrid else ''}"
-            return check_and_exit(env, args, what, model, None, x, y, norm=norm)
+            return check_and_exit(env, args, what, model, check_step(model, tp_grads), x, y,
+                                  norm=([group], counted_once(model, group)))
+        optimizer = make_optimizer(model.parameters(), args)
 
-        def step(k, optimizer):
-            # the whole batch on every rank; the logits are whole too, so each rank computes the loss
-            x, y = (to_device(t, env.device) for t in data.batch(k, args.batch_size))
+        def step(k):
             with awaiting(f"{waited} step {k}", args.timeout_s):
-                return train_step(model, optimizer, x, y, k, grad_norm)
+                return train_step(k, model, optimizer, data, args, env.device, group, tp_grads)
 
         def test():
             with awaiting(f"{waited} the evaluation", args.timeout_s):   # every rank: the forward has collectives
                 return evaluate(data, env.device, whole_model_run(model, env.device))
 
         layout = checkpoint.layout_of(PROGRAM, env, tp=env.world_size, hybrid=args.hybrid)
-        train(args, env, Job(PROGRAM, model, step, list(model.parameters()), layout, owner=env.rank == 0,
-                             evaluate=test, finish=finish))   # tp rank 0 owns the (replicated) loss
+        train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0,   # tp rank 0 owns the loss
+                             evaluate=test, sums=Sums(norm_groups=[group])))
         return report_replicas(replicated_parameters(model), group, "replicated parameters bit-identical across "
                                f"the {env.world_size} tensor-parallel ranks", env, args.timeout_s)
+
+
+def check_step(model, tp_grads):
+    """--check's step (mp.check): forward and backward on the first batch, then the gradients synchronised."""
+    def step(x, y):
+        logits, loss = whole_model_step(model)(x, y)
+        sync_tp_grads(*tp_grads)
+        return logits, loss
+    return step
 
 
 if __name__ == "__main__":

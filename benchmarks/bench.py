@@ -188,7 +188,7 @@ def ours_pipeline(margs, env, pos):
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
-        loss = pm.train_step(runner, actions, x if pos.is_first_stage else None,
+        loss = pm.forward_backward(runner, actions, x if pos.is_first_stage else None,
                              y if pos.is_last_stage else None, margs.microbatches, margs.batch_size)
         opt.step()
         return loss.item() if loss is not None else None

@@ -3,21 +3,26 @@ final, so that the communication overlaps the rest of the backward (DDP's idea, 
 
 Each parameter's .grad is a view into one flat bucket (a bucket holds consecutive parameters in the
 order backward finishes them: the last layers first), so a bucket goes to the collective as it is:
-no copy in, no copy out. A post-accumulate hook counts each parameter's accumulations in the step; a
-pipeline accumulates once per microbatch, and zero-bubble's W accumulates the weights later than B
-does the rest, so how many make a gradient final is counted in the first step (which starts every
-collective after its backward, as a plain all-reduce would) and expected from then on. When the last
-parameter of a bucket is final, the bucket's collective starts (async_op=True) and the backward goes
-on; wait() waits for all of them just before the optimizer step.
+no copy in, no copy out. When a gradient is final is said, never inferred: the code that runs the
+backward calls final(params) once it has run the last backward that touches them (the pipeline's
+executor after a chunk's last B of the step, or its last W under zero-bubble). When every parameter
+of a bucket is final, the bucket's collective starts (async_op=True) and the backward goes on; wait()
+waits for all of them just before the optimizer step.
 
     backward of the last microbatch:   [ layer 8 | layer 7 | layer 6 | ... | layer 1 ]
     bucket 0 (layers 8-6):                       all-reduce ------>
     bucket 1 (layers 5-1):                                           all-reduce --->   wait, step
 
-Every replica runs the same schedule on the same stage, so the hooks fire in the same order on each,
-and the buckets' collectives are started in the same order on every rank of the group (gloo and
-nccl need that). shard=True (--zero 1, mp.zero): each bucket is padded to a multiple of the group's
-size and reduce-scattered, so each replica receives the sum of its 1/D of every bucket only.
+A mistake here would be silent (a bucket summed before its last gradient arrived averages part of
+the gradient), so it is made loud instead: a hook on each parameter notes a gradient that arrives
+after its bucket started, and wait() stops with one error line naming the parameter, as it does for
+a bucket that never started (a parameter never said final). The weights that zero-bubble's W writes
+itself (in place, no autograd, so no hook would run) are `direct`: W reports them through arrived().
+
+Every replica runs the same schedule on the same stage, so the buckets start in the same order on
+every rank of the group (gloo and nccl need that). shard=True (--zero 1, mp.zero): each bucket is
+padded to a multiple of the group's size and reduce-scattered, so each replica receives the sum of
+its 1/D of every bucket only.
 """
 import time
 
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mp.dist import awaiting, buckets
+from mp.errors import CommError
 
 # torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn); either works
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -44,7 +50,7 @@ class Bucket:
         self.numel, self.parts = n, parts
         self.grad = torch.zeros(-(-n // parts) * parts, dtype=params[0].dtype, device=device)
         self.views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(params, self.offsets)]
-        self.work, self.ready = None, 0
+        self.work, self.started, self.final = None, False, set()
 
     def hold_params(self):
         """--zero 1: the parameters' data become views into one flat tensor too, so that an all-gather
@@ -71,50 +77,81 @@ class Bucket:
         return tensor[rank * size:(rank + 1) * size]
 
 
+class BucketError(CommError):                # mp.dist.distributed() prints it as one error: line
+    pass
+
+
 class GradBuckets:
     """The gradients of params, summed over `group` and divided by its size (the replicas' mean) in
     flat buckets started during the backward. waiting: (what, timeout_s) for mp.dist.awaiting.
-    recorder: the pipeline runner, whose timeline (when it records) gets each collective's span."""
+    recorder: the pipeline runner, whose timeline (when it records) gets each collective's span.
+    late: gradients that other ranks' sums complete after the backward (parallel_3d.py's tensor-
+    parallel sums): final() leaves them alone and final_late() says them final after those sums.
+    direct: weights whose gradients our own code writes in place (zero-bubble's W): no hook on them."""
 
-    def __init__(self, params, group, waiting, shard=False, bucket_mb=BUCKET_MB, recorder=None, late=()):
+    def __init__(self, params, group, waiting, shard=False, bucket_mb=BUCKET_MB, recorder=None, late=(), direct=()):
         params = [p for p in params if p.requires_grad][::-1]   # backward finishes the last layers first
-        # late: gradients that other ranks' sums complete after the backward (wait's `before`): their
-        # buckets start only then, or the sum would race the collective on the same memory
-        self.late = {id(p) for p in late}
+        self.late_ids = {id(p) for p in late}
+        self.late = [p for p in params if id(p) in self.late_ids]
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.waiting, self.sharded, self.recorder = waiting, shard, recorder
         device = params[0].device if params else torch.device("cpu")
         self.buckets = [Bucket(ps, self.size if shard else 1, device) for ps in buckets(params, bucket_mb * 2**20)]
         self.where = {id(p): b for b in self.buckets for p in b.params}
-        self.counts, self.expected = {}, None        # accumulations in this step; per step (after the first)
+        self.names = {}                               # id -> a name for error lines (name_params)
+        self.too_late = None                          # the first gradient that arrived after its bucket started
+        direct = {id(p) for p in direct}
         for p in params:
-            p.register_post_accumulate_grad_hook(self.accumulated)
+            if id(p) not in direct:
+                p.register_post_accumulate_grad_hook(self.arrived)
         self.shard_grads = [torch.zeros(b.grad.numel() // self.size, dtype=b.grad.dtype, device=device)
                             for b in self.buckets] if shard else None
         if shard:
             for b in self.buckets:
                 b.hold_params()
 
+    def name_params(self, named):
+        """Name the parameters (named: [(name, p)]) for the error lines."""
+        self.names.update({id(p): name for name, p in named})
+
     def zero_grad(self):
         """Before a step's first backward: zero buckets, and each .grad a view into its bucket again (an
         optimizer's zero_grad(set_to_none=True) would drop the views)."""
         for b in self.buckets:
             b.grad.zero_()
-            b.work, b.ready = None, 0
+            b.work, b.started, b.final = None, False, set()
             for p, view in zip(b.params, b.views):
                 p.grad = view
-        self.counts = {}
+        self.too_late = None
 
-    def accumulated(self, p):
-        self.counts[id(p)] = self.counts.get(id(p), 0) + 1
-        if self.expected is not None and self.counts[id(p)] == self.expected.get(id(p)) and id(p) not in self.late:
-            b = self.where[id(p)]
-            b.ready += 1
-            if b.ready == len(b.params):
-                self.start(b)
+    def arrived(self, p):
+        """A gradient was added to p's (the hooks; zero-bubble's W calls it for the weights it writes)."""
+        b = self.where.get(id(p))
+        if b is not None and b.started and self.too_late is None:
+            self.too_late = p
+
+    def final(self, params):
+        """The caller ran the last backward that touches these parameters in this step: start each bucket
+        whose parameters are all final (the late ones wait for final_late())."""
+        for p in params:
+            b = self.where.get(id(p))
+            if b is None or id(p) in self.late_ids:
+                continue
+            self._final(b, p)
+
+    def final_late(self):
+        """The late gradients are complete (their sums over other ranks are done): start their buckets."""
+        for p in self.late:
+            self._final(self.where[id(p)], p)
+
+    def _final(self, b, p):
+        b.final.add(id(p))
+        if len(b.final) == len(b.params) and not b.started:
+            self.start(b)
 
     def start(self, b):
         """The bucket's collective, without waiting for it."""
+        b.started = True
         if self.size == 1:
             return
         if self.sharded:
@@ -127,21 +164,31 @@ class GradBuckets:
             b.work.get_future().add_done_callback(
                 lambda _: events.append(("collective", name, None, 0, start, time.perf_counter())))
 
-    def wait(self, before=None):
-        """After the step's last backward: run before() (the late gradients' sums), start what the hooks
-        did not (the first step: all), wait for every bucket, divide by the group's size. Afterwards
-        each .grad (unsharded), or each replica's shard_grads (sharded), is the mean over the replicas."""
-        if self.expected is None:
-            self.expected = dict(self.counts)
-        if before is not None:
-            before()
+    def wait(self):
+        """After the step's last backward, before the update: wait for every bucket, divide by the
+        group's size. Afterwards each .grad (unsharded), or each replica's shard_grads (sharded), is the
+        mean over the replicas. A bucket that never started, or a gradient that arrived after its
+        bucket started, stops the run with one error line naming the parameter."""
         for b in self.buckets:
-            if b.work is None:
-                self.start(b)
+            if not b.started:
+                missing = next(p for p in b.params if id(p) not in b.final)
+                raise BucketError(f"the gradient of {self.name(missing)} was never said final in this step, so its "
+                                  f"bucket's {self.collective()} never started (the code that runs the backward "
+                                  f"calls GradBuckets.final once it is done with a parameter)")
         with awaiting(*self.waiting):
             for b in self.buckets:
                 if b.work is not None:
                     b.work.wait()
+        if self.too_late is not None:
+            raise BucketError(f"a gradient of {self.name(self.too_late)} arrived after its bucket's "
+                              f"{self.collective()} had started: the replicas would average part of it; say a "
+                              f"parameter final (GradBuckets.final) only after its last backward of the step")
         for b, flat in zip(self.buckets, self.shard_grads if self.sharded else [b.grad for b in self.buckets]):
             if self.size > 1:
                 flat /= self.size
+
+    def name(self, p):
+        return self.names.get(id(p), f"a parameter of shape {list(p.shape)}")
+
+    def collective(self):
+        return "reduce-scatter" if self.sharded else "all-reduce"

@@ -318,17 +318,19 @@ def dp_slice(tensor, dp_rank, dp_size):
 # ----------------------------------------------------------------------------- a pipeline's inputs
 
 
-def next_batch(data, step, args, pos, replicas, device, stream=False):
+def next_batch(data, step, args, pos, device, replica=(0, 1), stream=False):
     """(inputs, labels) of this step, each only where it is read: the middle stages load nothing,
     and a replica's first stage draws only its own samples (dp_slice's) of the global batch.
-    stream: the first stage's inputs as StreamedInputs, drawn one microbatch at a time."""
+    replica: (dp_rank, dp_size). stream: the first stage's inputs as StreamedInputs, drawn one
+    microbatch at a time."""
+    dp_rank, dp_size = replica
     labels = data.labels(step, args.batch_size) if pos.is_last_stage else None
-    y = to_device(replicas.slice(labels), device) if labels is not None else None
+    y = to_device(dp_slice(labels, dp_rank, dp_size), device) if labels is not None else None
     if pos.is_first_stage and stream:
-        return StreamedInputs(data, step, args.batch_size, args.microbatches, replicas, device), y
+        return StreamedInputs(data, step, args.batch_size, args.microbatches, replica, device), y
     if pos.is_first_stage:
-        n = args.batch_size // replicas.dp_size
-        return to_device(data.images(step, args.batch_size, replicas.dp_rank * n, n), device), y
+        n = args.batch_size // dp_size
+        return to_device(data.images(step, args.batch_size, dp_rank * n, n), device), y
     return None, y                        # the last stage: the same samples' labels, without their images
 
 
@@ -339,10 +341,11 @@ class StreamedInputs:
     of D draws parts d*m .. d*m+m-1 of the global batch cut into D*m (dp_slice's samples), and no
     other replica's."""
 
-    def __init__(self, data, step, batch_size, m, replicas, device):
-        mine = range(replicas.dp_rank * m, (replicas.dp_rank + 1) * m)
-        self.parts = data.image_parts(step, batch_size, m * replicas.dp_size, which=mine)
-        self.next_mb, self.samples, self.device = 0, batch_size // replicas.dp_size, device
+    def __init__(self, data, step, batch_size, m, replica, device):
+        dp_rank, dp_size = replica
+        mine = range(dp_rank * m, (dp_rank + 1) * m)
+        self.parts = data.image_parts(step, batch_size, m * dp_size, which=mine)
+        self.next_mb, self.samples, self.device = 0, batch_size // dp_size, device
 
     def __len__(self):
         return self.samples

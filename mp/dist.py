@@ -202,6 +202,14 @@ def bounded_wait(finished, timeout_s, awaited):
         time.sleep(20e-6)
 
 
+def one_work_per_op(works, ops):
+    """What dist.batch_isend_irecv(ops) returned, as one Work per op on every backend, so that a caller
+    can wait each message's own. gloo returns one Work per op. nccl runs the batch as one group call and
+    returns one Work for all of it, which then stands for each op: waiting it waits the whole batch, so
+    the caller waits it once (with the first receive) and counts the batch's sends as done with it."""
+    return works if len(works) == len(ops) else works * len(ops)
+
+
 def all_reduce_flat(tensors, group, divide_by=1, bucket_mb=16):
     """Sum each tensor over `group` in place (then divide it by divide_by): the tensors flattened into
     buckets of at most bucket_mb, one all-reduce a bucket. Flattened: each collective pays a fixed

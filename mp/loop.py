@@ -1,47 +1,52 @@
 """The one training loop, which every program runs with its own step, and the one evaluation.
 
-A program builds what it holds of the model and hands train() a Job: its step (draw the batch, forward,
-backward, clip, update: the lesson), and what the loop needs to know around it (what the optimizer
-steps, who writes the log, how to evaluate, what a checkpoint holds). The loop does the rest the same
-way for every program: resume from a checkpoint, time each step from the batch's drawing on, log it,
-evaluate every --eval-every steps, save every --save-every, and write the summary record.
+A program writes its step out in its own file (draw the batch, zero the gradients, forward and
+backward, synchronise, clip, update: the lesson) and hands train() that step with the few things the
+loop needs around it (a Job). The loop does the rest the same way for every program: resume from a
+checkpoint, time each step from the batch's drawing on, read the steps' scalars every --log-every
+steps and log them, evaluate every --eval-every steps, save every --save-every, write the summary.
 """
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from mp import checkpoint
+from mp.clipping import finish_norms
 from mp.data import test_batches
-from mp.dist import bounded_wait
+from mp.dist import awaiting, bounded_wait
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
-from mp.optim import make_optimizer, optimizer_state_mb
+from mp.optim import optimizer_state_mb
+
+
+@dataclass
+class Sums:
+    """The collectives that finish the logged scalars, once for all the steps being logged (every
+    --log-every steps), so that no step waits for them: the loss averaged over the data-parallel
+    replicas (each replica's last stage holds its slice's mean), and without clipping the gradient
+    norm's sums of squares summed over the groups that split the model (each rank kept its own)."""
+    replicas: object = None       # the data-parallel group whose losses are averaged (None: one replica)
+    norm_groups: list = None      # the groups the squares are summed over (None: the step's norm is whole)
 
 
 @dataclass
 class Job:
-    """What one program hands the loop."""
-    program: str                    # the name in the log's config record
-    model: nn.Module                # what this rank holds, named as in the full model (checkpoints)
-    step: Callable                  # step(k, optimizer) -> (step k's loss, a tensor on the ranks that hold it,
-                                    # else None; a tensor: its grad norm, or without clipping this rank's
-                                    # sum of squares, which finish() turns into the norm: clip_global's value)
-    params: list                    # what the optimizer steps
-    layout: dict                    # checkpoint.layout_of(...): the layout a checkpoint says wrote it
-    owner: bool = True              # this rank writes the log and the console lines
-    evaluate: Callable = None       # () -> (test loss, test accuracy), or None where this rank does not report
-    versions: Callable = lambda: None   # () -> the weights a checkpoint holds (2bw, --delay 1), None: the model's
-    held: Callable = None           # () -> the parameters this rank holds (the summary's param_mb; default: params)
-    summary: dict = field(default_factory=dict)   # more fields for the summary record
-    awaited: Callable = lambda step: "the step's queued work"   # what a GPU step that never ends waited for
-    after_step: Callable = lambda step: None     # after the step's clock stopped (the pipeline's timeline)
-    # (losses, norms) of the steps being logged, stacked -> the logged values: the collectives that
-    # finish them once for all those steps (data-parallel loss averages, the norms' sums over ranks)
-    finish: Callable = lambda losses, norms: (losses, norms)
-    optimizer: Callable = make_optimizer          # (params, args) -> the optimizer (--zero 1: mp.zero's)
+    """What a program hands the loop: its step, and what the loop needs around it."""
+    step: Callable                # step(k) -> (step k's loss: a tensor on the ranks that hold it, else None;
+                                  # its grad norm, a tensor: without clipping, this rank's sum of squares
+                                  # where sums.norm_groups says so)
+    model: nn.Module              # what this rank holds, named as in the full model (checkpoints)
+    optimizer: object             # what the step updates with (checkpoints keep its state)
+    layout: dict                  # checkpoint.layout_of(program, ...): the program and its layout
+    owner: bool = True            # this rank writes the log and the console lines
+    evaluate: Callable = None     # () -> (test loss, test accuracy), or None where this rank does not report
+    sums: Sums = field(default_factory=Sums)
+    versions: list = None         # [(name, current, stale, stepped)]: the weights a checkpoint holds under
+                                  # 2BW's rule (2bw, --delay 1; kept up to date by their owner); None: the model's
 
 
 class StepScalars:
@@ -66,8 +71,8 @@ class StepScalars:
         mark.record()
         return mark
 
-    def read(self, job, awaited):
-        """[(step, loss, norm, step time)] of the pending steps (every rank takes part in job.finish's
+    def read(self, job, args, rank):
+        """[(step, loss, norm, step time)] of the pending steps (every rank takes part in finish()'s
         collectives; only the owner reads numbers back)."""
         pending, self.pending = self.pending, []
         if not pending:
@@ -75,11 +80,11 @@ class StepScalars:
         losses = [p[3] for p in pending]
         losses = torch.stack(losses).double() if losses[0] is not None else None
         norms = torch.stack([p[4] for p in pending]).double()
-        losses, norms = job.finish(losses, norms)
+        losses, norms = finish(losses, norms, job.sums, args, rank)
         if not job.owner:
             return []
         if self.device.type == "cuda":   # the one CPU wait on the device's queue, bounded
-            bounded_wait(pending[-1][2].query, self.timeout_s, awaited)
+            bounded_wait(pending[-1][2].query, self.timeout_s, lambda: f"step {pending[-1][0]}'s queued work")
             times = [a.elapsed_time(b) / 1e3 for _, a, b, _, _ in pending]
         else:
             times = [b - a for _, a, b, _, _ in pending]
@@ -87,23 +92,33 @@ class StepScalars:
         return [(p[0], loss, norm, t) for p, loss, norm, t in zip(pending, values[0], values[1], times)]
 
 
+def finish(losses, norms, sums, args, rank):
+    """The logged values of several steps (stacked) from what the steps returned (Sums says how)."""
+    with awaiting(f"rank {rank} waited for the logged losses' and norms' sums", args.timeout_s):
+        if losses is not None and sums.replicas is not None:   # nccl reduces GPU tensors only: they are
+            dist.all_reduce(losses, group=sums.replicas)
+            losses = losses / dist.get_world_size(sums.replicas)
+        if sums.norm_groups is not None:
+            norms = finish_norms(norms, sums.norm_groups, args.clip_grad_norm is not None)
+    return losses, norms
+
+
 def train(args, env, job):
     """Train job from its checkpoint (or step 0) to --steps; returns the exit status (0)."""
-    optimizer = job.optimizer(job.params, args)
-    first, written_by = checkpoint.resume(args, job.model, optimizer, env.rank, job.versions())
+    optimizer, program = job.optimizer, job.layout["program"]
+    first, written_by = checkpoint.resume(args, job.model, optimizer, env.rank, job.versions)
     log = MetricsLog(args.log_file, enabled=job.owner, resuming=first > 0, steps=args.steps)
-    log.begin(job.program, args, env, first, written_by)
+    log.begin(program, args, env, first, written_by)
     progress = Progress(args.steps, enabled=job.owner)
     scalars = StepScalars(env.device, args.timeout_s)
     start_memory_count(env.device)
     for step in range(first, args.steps):
         start = scalars.start()               # every program times its step from the batch's drawing on
-        loss, norm = job.step(step, optimizer)
+        loss, norm = job.step(step)
         scalars.stop(step, start, loss, norm)
-        job.after_step(step)
         evaluating = job.evaluate and args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1)
         if (step + 1) % args.log_every == 0 or step == args.steps - 1 or evaluating or saving(args, step):
-            for k, loss, norm, step_time in scalars.read(job, lambda: job.awaited(step)):
+            for k, loss, norm, step_time in scalars.read(job, args, env.rank):
                 check_finite(loss, k)
                 log.write("train", step=k, loss=loss, grad_norm=norm, step_time_s=step_time,
                           samples_per_s=args.batch_size / step_time)
@@ -113,14 +128,25 @@ def train(args, env, job):
             if job.owner and result:
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
-        checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions())
-    held = job.held() if job.held else job.params
+        checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-              **memory_fields(env, held, job.model.full_param_mb), **optimizer_fields(env, optimizer), **job.summary)
+              **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, optimizer),
+              **{k: getattr(args, k) for k in ("schedule", "microbatches") if hasattr(args, k)})   # a pipeline's
     log.close()
     if job.owner:
         print(f"wrote {args.log_file}", flush=True)
     return 0
+
+
+def held(job):
+    """The weights this rank holds between steps (the summary's param_mb): the model's, and under 2BW's
+    rule the version before the last update too."""
+    if job.versions is None:
+        return list(job.model.parameters())
+    tensors = {}
+    for _, current, stale, _ in job.versions:
+        tensors.update({id(t): t for t in (current, stale) if t is not None})
+    return list(tensors.values())
 
 
 def saving(args, step):

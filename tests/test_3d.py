@@ -211,7 +211,7 @@ def test_check_compares_each_tensor_with_the_slice_it_holds(monkeypatch):
         shard = partial(tp.parallelize_block, model_name="mlp", group=None, n_blocks=3)
         env = torchrun_env("gloo")
         model, runner = pm.setup_stage(args, env, pos, shard)
-        step = check_step(runner, schedule_actions("1f1b", pos, 2), 2, pm.train_step)
+        step = check_step(runner, schedule_actions("1f1b", pos, 2), 2, pm.forward_backward)
         return check_one_step(args, model, step, x, y, reference=reference)
 
     results = check(build_model(args))

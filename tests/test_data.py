@@ -167,14 +167,9 @@ def test_synthetic_batches_agree_however_they_are_drawn():
 # ----------------------------------------------------------------------------- one batch, any cut
 
 
-class Replica:
+def Replica(dp_rank, dp_size):
     """Replica dp_rank of dp_size, as pipeline_dp_joint.py hands it to next_batch."""
-
-    def __init__(self, dp_rank, dp_size):
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-
-    def slice(self, tensor):
-        return dp_slice(tensor, self.dp_rank, self.dp_size)
+    return dp_rank, dp_size
 
 
 def fake_cifar(n=100, seed=5):
@@ -189,7 +184,7 @@ def first_stage_inputs(data, step, batch_size, m, replica, stream):
     """What a first (and last) stage of `replica` trains on at `step`: its images, whole, and its labels."""
     args = argparse.Namespace(batch_size=batch_size, microbatches=m)
     pos = argparse.Namespace(is_first_stage=True, is_last_stage=True)
-    x, y = next_batch(data, step, args, pos, replica, torch.device("cpu"), stream=stream)
+    x, y = next_batch(data, step, args, pos, torch.device("cpu"), replica, stream=stream)
     return (torch.cat([x[mb] for mb in range(m)]) if stream else x), y
 
 
@@ -270,8 +265,8 @@ def test_a_replica_draws_only_its_own_samples(monkeypatch, stream):
     if stream:                                      # and each microbatch only when its forward reads it
         drawn[0] = 0
         x, _ = next_batch(synthetic, 2, argparse.Namespace(batch_size=BATCH, microbatches=2),
-                          argparse.Namespace(is_first_stage=True, is_last_stage=False), Replica(2, 3),
-                          torch.device("cpu"), stream=True)
+                          argparse.Namespace(is_first_stage=True, is_last_stage=False), torch.device("cpu"),
+                          Replica(2, 3), stream=True)
         assert drawn[0] == 0
         x[0]
         assert drawn[0] == 4 * per_sample

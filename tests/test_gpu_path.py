@@ -59,7 +59,7 @@ def _one_work_case(rank, world, group):
         for batched in (GLOO_BATCH, as_on_nccl):
             pm.dist.batch_isend_irecv = batched
             _, runner = pm.setup_stage(args, env, pos)
-            losses.append(pm.train_step(runner, schedule_actions(schedule, pos, 4), x, y, 4))
+            losses.append(pm.forward_backward(runner, schedule_actions(schedule, pos, 4), x, y, 4))
             assert runner.messenger.sending == []
         pm.dist.batch_isend_irecv = GLOO_BATCH
         assert losses[0] == losses[1], (schedule, losses)

@@ -16,13 +16,14 @@ import os
 import pytest
 import torch
 
-import mp.pp.training
 import pipeline_microbatch as pm
 from helpers import FAST, run_ranks, slow
 from mp.data import SyntheticData
 from mp.dist import Env
+from mp.optim import make_optimizer
+from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.schedules import SCHEDULES, eval_actions, schedule_actions
-from mp.pp.training import pipeline_job
+from mp.pp.timeline import Timeline
 
 
 def posting_orders(all_actions):
@@ -144,24 +145,23 @@ def _untagged_case(rank, world, group):
 
 
 def play(schedule, m, rank, world, swap=False):
-    """Training steps and one evaluation of pipeline_microbatch.py's executor, as its training loop
-    runs them (mp.pp.training.pipeline_job). Returns what each rank can compare."""
+    """Training steps and one evaluation of pipeline_microbatch.py's executor, as its main() runs them
+    (pm.train_step on its schedule). Returns what each rank can compare."""
     steps = "3" if schedule == "2bw" else "2"
     args = pm.parse_args(MLP + ["--schedule", schedule, "--microbatches", str(m), "--steps", steps])
     env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
     pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
     model, runner = pm.setup_stage(args, env, pos)
-    with pytest.MonkeyPatch.context() as patch:
-        if swap and rank == 0:
-            patch.setattr(mp.pp.training, "schedule_actions", swapped_sends)
-        job = pipeline_job(args, env, pos, model, runner, SyntheticData(args.seed, test_size=700), pm.train_step)
-    optimizer = job.optimizer(job.params, args)
+    actions = (swapped_sends if swap and rank == 0 else schedule_actions)(args.schedule, pos, args.microbatches)
+    optimizer, data = make_optimizer(runner.parameters(), args), SyntheticData(args.seed, test_size=700)
+    timeline = Timeline(args, runner, pos, owner=False)
     # (the last stage's loss, else None; this rank's sum of squared gradients: without clipping no collective)
     steps = [(loss if loss is None else loss.item(), squares.item())
-             for loss, squares in (job.step(k, optimizer) for k in range(args.steps))]
-    held = runner.versions.held() if runner.versions else job.params   # 2bw: both weight versions
+             for loss, squares in (pm.train_step(k, runner, optimizer, actions, data, args, timeline)
+                                   for k in range(args.steps))]
+    held = runner.versions.held() if runner.versions else runner.parameters()   # 2bw: both weight versions
     return dict(steps=steps, grads=[p.grad for p in held], weights=[p.detach() for p in held],
-                evaluation=job.evaluate())
+                evaluation=evaluate_pipeline(runner, pos, data, env.device))
 
 
 def swapped_sends(*args, **kwargs):

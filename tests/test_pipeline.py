@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import pipeline_microbatch as pm
 from mp.pp.evaluate import evaluate_pipeline
-from mp.pp.training import OneReplica, check_step
+from mp.pp.training import check_step
 from mp.loop import evaluate, whole_model_run
 from mp.dist import Env, torchrun_env
 from mp.models import build_model
@@ -110,7 +110,7 @@ def _sends_in_flight_case(rank, world, group):
             assert all(part in last_sends for part in in_flight), (schedule, in_flight, last_sends)
             return inbox
         messenger.exchange = watched
-        pm.train_step(runner, schedule_actions(schedule, pos, 4), x, y, 4)
+        pm.forward_backward(runner, schedule_actions(schedule, pos, 4), x, y, 4)
         assert messenger.sending == [], f"{schedule}: sends left in flight after the step"
         assert last_sends, f"{schedule}: no exchange sent anything"
 
@@ -141,12 +141,12 @@ def test_check_fails_naming_a_tensor_that_differs():
     env, pos = torchrun_env("gloo"), pm.PipelineRank(0, 1, [0])
     x, y = load_data(args).batch(0, args.batch_size)
     model, runner = pm.setup_stage(args, env, pos)
-    results = check_one_step(args, model, check_step(runner, schedule_actions("1f1b", pos, 2), 2, pm.train_step), x, y)
+    results = check_one_step(args, model, check_step(runner, schedule_actions("1f1b", pos, 2), 2, pm.forward_backward), x, y)
     assert len(results) == 2 + 2 * len(list(model.parameters())) and max(d for _, d, _ in results) < 1e-5
     assert not [what for what, _, error in results if error]
     model, runner = pm.setup_stage(args, env, pos)
     runner.chunks[0] = torch.nn.Sequential(runner.chunks[0], Scale(1.001))   # not in the reference copy
-    results = check_one_step(args, model, check_step(runner, schedule_actions("1f1b", pos, 2), 2, pm.train_step), x, y)
+    results = check_one_step(args, model, check_step(runner, schedule_actions("1f1b", pos, 2), 2, pm.forward_backward), x, y)
     assert "output" in [what for what, _, error in results if error], results
 
 
@@ -214,24 +214,16 @@ def test_streamed_microbatches_are_the_batch_cut_in_order(data):
         images = torch.randint(256, (100, 3, 32, 32), dtype=torch.uint8)
         source.train, source.seed = (images, torch.randint(10, (100,))), 5
     args = pm.parse_args(MLP + ["--batch-size", "12", "--microbatches", "3"])
-    for step, replicas in [(0, OneReplica()), (4, OneReplica()), (2, Replica(1, 2)), (2, Replica(0, 4))]:
+    for step, (dp_rank, dp_size) in [(0, (0, 1)), (4, (0, 1)), (2, (1, 2)), (2, (0, 4))]:
         x, _ = source.batch(step, 12)
-        streamed, _ = next_batch(source, step, args, pm.PipelineRank(0, 2, [0, 1]), replicas, torch.device("cpu"),
-                                    stream=True)
-        mine = x.chunk(replicas.dp_size)[replicas.dp_rank].chunk(3)
-        assert len(streamed) == 12 // replicas.dp_size
+        streamed, _ = next_batch(source, step, args, pm.PipelineRank(0, 2, [0, 1]), torch.device("cpu"),
+                                 (dp_rank, dp_size), stream=True)
+        mine = x.chunk(dp_size)[dp_rank].chunk(3)
+        assert len(streamed) == 12 // dp_size
         for mb in range(3):
             assert torch.equal(streamed[mb], mine[mb]), (data, step, mb)
         with pytest.raises(AssertionError, match="out of order"):
             streamed[1]
-
-
-class Replica(OneReplica):
-    def __init__(self, dp_rank, dp_size):
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-
-    def slice(self, tensor):
-        return tensor.chunk(self.dp_size)[self.dp_rank]
 
 
 def plain_gpipe_step(chunk, pos, x_mb, head, m, in_shape):
@@ -286,7 +278,7 @@ def _plain_gpipe_case(rank, world, group):
             plain_gpipe_step(runner.chunks[0], pos, x.chunk(4), head, 4, (3, *runner.messenger.shapes[rank]))
             losses.append(torch.stack(mine).sum().item() if mine else None)
         else:
-            loss = pm.train_step(runner, schedule_actions("gpipe", pos, 4), x, y, 4)
+            loss = pm.forward_backward(runner, schedule_actions("gpipe", pos, 4), x, y, 4)
             losses.append(None if loss is None else loss.item())
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert losses[0] == losses[1], losses

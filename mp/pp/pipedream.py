@@ -41,26 +41,28 @@ class TwoVersions:
     masks, and what they leave (saved activations, received messages) is carried into the next step,
     renumbered from 0."""
 
-    def __init__(self, chunks, pos, m):
-        self.chunks, self.pos, self.m = chunks, pos, m
+    def __init__(self, chunks, pos, m, steps, model):
+        self.chunks, self.pos, self.m, self.steps = chunks, pos, m, steps
         self.names = [[name for name, _ in chunk.named_parameters()] for chunk in chunks]
         self.older = [[p for _, p in chunk.named_parameters()] for chunk in chunks]
         self.newer = [[p.detach().clone().requires_grad_() for p in ps] for ps in self.older]
         # where each module parameter's two versions sit (the buffers swap roles every step)
-        self.slot = {id(p): (c, j) for c, ps in enumerate(self.older) for j, p in enumerate(ps)}
+        slot = {id(p): (c, j) for c, ps in enumerate(self.older) for j, p in enumerate(ps)}
+        self.slots = [(name, slot[id(p)]) for name, p in model.named_parameters()]   # model: named as the full one
+        self.weights = []                     # what a checkpoint holds: kept up to date by step()
+        self.checkpointed()
         self.carried = ({}, {})               # the next batch's saved activations and received messages
         self.warm = False                     # has a step left the next batch's forwards in flight?
 
-    def step_actions(self, steps):
-        """step -> its action list: the first step this process trains (the run's first, or the first
+    def actions(self, step):
+        """This step's action list: the first step this process trains (the run's first, or the first
         after a resume) warms up, the last drains, the others do neither."""
-        return lambda step: schedule_actions("2bw", self.pos, self.m, first=not self.warm, last=step == steps - 1)
+        return schedule_actions("2bw", self.pos, self.m, first=not self.warm, last=step == self.steps - 1)
 
-    def weights(self, model):
-        """For checkpoints: (name, W(t+1), W(t), the tensor the optimizer steps) per parameter of
-        model (named as in the full model), between steps."""
-        slots = [(name, self.slot[id(p)]) for name, p in model.named_parameters()]
-        return [(name, self.newer[c][j], self.older[c][j], self.older[c][j]) for name, (c, j) in slots]
+    def checkpointed(self):
+        """For checkpoints (mp.checkpoint): (name, W(t+1), W(t), the tensor the optimizer steps) per
+        parameter of the model, between steps; the same list object, refilled after each swap."""
+        self.weights[:] = [(name, self.newer[c][j], self.older[c][j], self.older[c][j]) for name, (c, j) in self.slots]
 
     def carry_in(self, training):
         """What the last step left in flight, as this step's (saved, inbox). An evaluation between
@@ -107,6 +109,7 @@ class TwoVersions:
         for o in older:
             o.grad = None
         self.older, self.newer = self.newer, self.older
+        self.checkpointed()
         state = optimizer.state               # the momentum follows the buffer stepped next time
         for now, nxt in zip(older, newer):
             if now in state:
@@ -114,9 +117,9 @@ class TwoVersions:
         optimizer.param_groups[0]["params"] = newer
 
 
-def pipedream_inputs(x, data, step, args, pos, replicas, device):
+def pipedream_inputs(x, data, step, args, pos, replica, device):
     """2bw's first stage: this batch's microbatches, then the next batch's, whose first forwards
     run in this step (each batch is drawn twice there: as the next one, then as this one)."""
     m, ahead = args.microbatches, step + 1 < args.steps
-    upcoming = next_batch(data, step + 1, args, pos, replicas, device)[0].chunk(m) if ahead else []
+    upcoming = next_batch(data, step + 1, args, pos, device, replica)[0].chunk(m) if ahead else []
     return list(x.chunk(m)) + list(upcoming)

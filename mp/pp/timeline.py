@@ -66,19 +66,28 @@ def timeline_steps(args):
 
 
 class Timeline:
-    """--timeline over a training run: starts recording at the first of timeline_steps (all ranks
-    together, after a barrier: one clock) and writes the trace after the last."""
+    """--timeline over a training run: the step calls begin() first and end() last; recording starts at
+    the first of timeline_steps (all ranks together, after a barrier: one clock) and stops after the
+    last; write() gathers and writes the trace once training is over (a collective: every rank of the
+    pipeline calls it)."""
 
     def __init__(self, args, runner, pos, owner):
         self.args, self.runner, self.pos, self.owner = args, runner, pos, owner
         self.steps = timeline_steps(args) if args.timeline else []
+        self.recorded = None                  # the events of the recorded steps, once recording stopped
 
     def begin(self, step):
         if self.steps and step == self.steps[0]:
             dist.barrier()                    # one clock for the timeline: everyone starts together
             self.runner.events, self.runner.origin = [], time.perf_counter()
+        self.runner.record("step", f"step {step}", None, time.perf_counter())   # a mark, while it records
 
     def end(self, step):
         if self.runner.events is not None and step == self.steps[-1]:
+            self.recorded, self.runner.events = self.runner.events, None
+
+    def write(self):
+        if self.recorded is not None:
+            self.runner.events, self.recorded = self.recorded, None
             write_timeline(gather_timeline(self.runner, self.pos, self.args), self.args.timeline, self.owner)
             self.runner.events = None

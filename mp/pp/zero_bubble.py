@@ -171,9 +171,11 @@ def split_weight_grads(chunk):
     for parent in list(chunk.modules()):
         if hasattr(parent, "shards") and callable(getattr(parent, "op", None)):   # a tensor-parallel shard
             parent.op = SplitShardOp(parent, stash)
+            stash.weights.append(parent.weight)
         for name, child in list(parent.named_children()):
             if type(child) in SPLIT:              # exact types: tensor-parallel shards are not these
                 setattr(parent, name, SPLIT[type(child)](child, stash))
+                stash.weights.append(child.weight)
     return stash
 
 
@@ -184,6 +186,7 @@ class WeightGradStash:
     def __init__(self):
         self.pending = {}                         # microbatch -> [(layer, x, dy)], in backward order
         self.microbatch = None                    # the microbatch whose B is running
+        self.weights = []                         # the split layers' weights: W, not B, gives their gradients
 
     def put(self, layer, x, dy):
         assert self.microbatch is not None, "a split layer's backward ran outside a B action"
@@ -201,18 +204,23 @@ class WeightGradStash:
         """W: dA of every split layer for microbatch mb, added to A.grad. A weight that has gradient
         hooks (data parallelism's, a replica's average) takes dA through autograd, which fires them;
         any other weight takes it directly: A.grad set, or dA added in place by one GEMM (what
-        autograd's accumulation does, less its temporary and its autograd function per layer)."""
-        hooked = []
+        autograd's accumulation does, less its temporary and its autograd function per layer).
+        Returns the weights given their gradient directly (data parallelism's buckets hear of them
+        from the executor, mp.buckets.GradBuckets.arrived: no hook runs on them)."""
+        hooked, direct = [], []
         for layer, x, dy in self.pending.pop(mb, []):
             weight = layer.weight
             if has_grad_hooks(weight):
                 hooked.append(_DeferredWeightGrad.apply(weight, x, dy, layer))
-            elif weight.grad is None:             # the step's first W (the optimizer set grads to None)
+                continue
+            if weight.grad is None:               # the step's first W (the optimizer set grads to None)
                 weight.grad = layer.math.weight_grad(x, dy, weight.shape)
             else:
                 layer.math.add_weight_grad(weight.grad, x, dy)
+            direct.append(weight)
         if hooked:
             torch.autograd.backward(hooked)
+        return direct
 
 
 def has_grad_hooks(weight):

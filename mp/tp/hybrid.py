@@ -10,7 +10,8 @@ weights and little of the compute, so they stay tensor-parallel. One all-gather 
                                                   all-gather along the batch --> fc1 | fc2, fc3
     rank 1:  X[B/2:B] --conv blocks (replicated)--+  (backward: keep my slice)         +-- logits
 
-The conv weights' gradients are summed over the ranks in one all-reduce after backward.
+The conv weights' gradients are summed over the ranks in one all-reduce after backward (the step
+calls conv_gradients.sum()).
 
 The tensor-parallel layers are tensor_parallel.py's; this module adds the switch (gather_from_dp_region)
 and the model that runs it (HybridCNN); its flag check is mp.tp.flags.validate_hybrid.

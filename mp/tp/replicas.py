@@ -56,25 +56,14 @@ class SummedGradients:
     slice of the batch, a norm under --sequence-parallel to a slice of the tokens): their gradients
     summed over the group, flattened into buckets (mp.dist.all_reduce_flat: DDP's buckets, without
     their overlap). Summed, not averaged: the loss is already the mean over the global batch, so each
-    rank's gradient is its part's share of the full one.
+    rank's gradient is its part's share of the full one. The step calls sum() once, after its last
+    backward (a pipeline runs one backward per microbatch: summing after each would add the earlier
+    microbatches' sums again)."""
 
-    per_backward: sum as soon as one backward has accumulated every gradient (a hook per parameter),
-    for a program with one backward per step (tensor_parallel.py); a pipeline runs one backward per
-    microbatch, and summing after each would add the sums of earlier microbatches again, so it calls
-    sum() once, after the last backward of the step (parallel_3d.py)."""
-
-    def __init__(self, params, group, per_backward=True):
-        self.params, self.group, self.ready = list(params), group, 0
+    def __init__(self, params, group):
+        self.params, self.group = list(params), group
         for p in self.params:
-            if per_backward:
-                p.register_post_accumulate_grad_hook(self.accumulated)
             p.summed_over_ranks = True        # whole and identical after the sum: ReplicatedGrads skips it
-
-    def accumulated(self, _param):
-        self.ready += 1
-        if self.ready == len(self.params):
-            self.ready = 0
-            self.sum()
 
     def sum(self):
         grads = [p.grad for p in self.params if p.grad is not None]   # the same on every rank of the group

@@ -83,9 +83,9 @@ class SequenceParallelHead(nn.Module):
         return self.fc(self.reduce(share, self.group))
 
 
-def sum_sequence_parallel_grads(model, group, per_backward=True):
+def sum_sequence_parallel_grads(model, group):
     """The LayerNorms, row-parallel biases and patch embedding that act on my tokens only get partial
-    gradients: one all-reduce sums them (then they are whole, and the same, on every rank). Returns
-    the SummedGradients (None without sequence parallelism); per_backward: see SummedGradients."""
+    gradients: one all-reduce, after the step's backward, sums them (then they are whole, and the same,
+    on every rank). Returns the SummedGradients (None without sequence parallelism)."""
     params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-    return SummedGradients(params, group, per_backward) if params else None
+    return SummedGradients(params, group) if params else None
