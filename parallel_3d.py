@@ -55,14 +55,13 @@ from mp.loop import train
 from mp.models import num_blocks
 from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
 from mp.pp.training import pipeline_check, stage_batch
-from mp.tp.collectives import split_sizes, tp_rank, tp_size
+from mp.tp.collectives import all_gather, split_sizes, tp_rank, tp_size
 from mp.tp.flags import validate_degree, validate_sequence_parallel
-from mp.tp.mappings import gather_from_tp_region
 from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import sum_sequence_parallel_grads
 # the three programs it composes: the grid's replicas, a pipeline's stages, the tensor-parallel layers
 from pipeline_dp_joint import clip, data_parallel_buckets, train_job
-from pipeline_microbatch import PipelineRank, forward_backward, partition, setup_stage
+from pipeline_microbatch import Messenger, PipelineRank, forward_backward, partition, setup_stage
 from tensor_parallel import (ColumnParallelConv2d, ColumnParallelLinear, RowParallelConv2d, RowParallelLinear,
                              parallelize_block, sync_tp_grads)
 
@@ -149,18 +148,21 @@ def build_stage(args, env, grid):
     shards (tensor_parallel.parallelize_block over the tp group), and keeps the shards of its
     stage's blocks only. The zero sample that measures each cut runs through the sliced blocks,
     their tp collectives included (every rank of a tp group runs the same blocks), so a cut after a
-    column-parallel layer, a scattered cut or a sequence-parallel one gives this rank's part's shape.
+    column-parallel layer or a sequence-parallel one gives this rank's part's shape (a scattered cut's
+    message is CutMessenger's slice of the whole).
     Returns (my place in my pipeline, my stage's sliced blocks, named as in the full model, the
     runner of my chunks, (the partial gradients to sum over the tp group, the replicated gradients
     to average over it: each None where there are none))."""
     pos = grid.pipeline(args.virtual_stages)
     shard = partial(parallelize_block, model_name=args.model, group=grid.tp_group, n_blocks=num_blocks(args),
                     sequence_parallel=args.sequence_parallel)
+    scattered = set()   # the cuts whose activation is whole on every tp rank: filled while the blocks are built
     if args.scatter_gather and not args.sequence_parallel:   # sequence-parallel cuts are token shards already
-        shard = scatter_gather_cuts(shard, args, pos, grid.tp_group)
-    model, runner = setup_stage(args, env, pos, shard)   # zb: the shards' ops defer their weight gradients to W
+        shard = note_whole_cuts(shard, args, pos, grid.tp_group, scattered)
+    # zb: the shards' ops defer their weight gradients to W
+    model, runner = setup_stage(args, env, pos, shard, partial(CutMessenger, group=grid.tp_group, scattered=scattered))
     # the norms and the embedding that see my tokens only: summed after the step's last backward
-    # (TensorParallelReplicas), not after each microbatch's
+    # (train_step's sync_tp_grads), not after each microbatch's
     partial_sums = sum_sequence_parallel_grads(model, grid.tp_group)
     # on a GPU, keep TP-replicated parameters identical (CPU gradients already are): once a step
     replicated = average_replicated_grads(model, grid.tp_group, env.device)
@@ -192,18 +194,55 @@ def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeli
 # ----------------------------------------------------------------------------- scatter/gather at a cut
 
 
-class _ScatterToTP(torch.autograd.Function):
-    """Forward split (keep my slice of a whole activation); backward all-gather (the slices' gradients -> the whole one)."""
+class CutMessenger(Messenger):
+    """pipeline_microbatch.Messenger, where a cut's activation is whole on every tp rank (`scattered`:
+    the cuts, numbered by the virtual stage after them): each tp rank sends only its 1/t of the
+    flattened activation, and the receivers all-gather the t slices over their tp group. Its gradient
+    goes back the same way: the next stage's input gradient is whole on every tp rank (its first
+    layer's f all-reduced it), so each sends back its slice of it, and the sender all-gathers them."""
 
-    @staticmethod
-    def forward(ctx, x, group, sizes):
-        ctx.group, ctx.sizes = group, sizes
-        return x.narrow(1, sum(sizes[:tp_rank(group)]), sizes[tp_rank(group)]).contiguous()
+    def __init__(self, pos, shapes, device, timeout_s, group, scattered):
+        super().__init__(pos, shapes, device, timeout_s)
+        self.group, self.scattered = group, set(scattered)   # filled by the build, which ran first
 
-    @staticmethod
-    def backward(ctx, grad):
-        # every tp rank of the next stage sent back its slice of the same whole gradient
-        return gather_from_tp_region(grad, ctx.group, ctx.sizes, 1), None, None
+    def cut(self, msg):
+        """The scattered cut a message crosses (None: it goes whole): an activation enters the receiver's
+        virtual stage, a gradient leaves the sender's (the receiver's + 1)."""
+        what, _, vstage = msg
+        cut = vstage + (what == "grad")
+        return cut if cut in self.scattered else None
+
+    def sizes(self, cut):                         # each tp rank's share of the flattened activation
+        return split_sizes(math.prod(self.shapes[cut]), tp_size(self.group))
+
+    def mine(self, whole, cut):                   # what this tp rank sends across the cut
+        sizes, rank = self.sizes(cut), tp_rank(self.group)
+        return whole.flatten(1).narrow(1, sum(sizes[:rank]), sizes[rank])
+
+    def send_forward(self, y, peer, msg):         # my slice of my output
+        cut = self.cut(msg)
+        return super().send_forward(y if cut is None else self.mine(y, cut), peer, msg)
+
+    def send_backward(self, dx, peer, msg):       # my slice of my input's gradient
+        cut = self.cut(msg)
+        return super().send_backward(dx if cut is None else self.mine(dx, cut), peer, msg)
+
+    def buffer(self, msg, mb_size):
+        cut = self.cut(msg)
+        if cut is None:
+            return super().buffer(msg, mb_size)
+        return torch.empty((mb_size, self.sizes(cut)[tp_rank(self.group)]), device=self.device)
+
+    def exchange(self, parts, outbox, mb_size, record=None):
+        received = super().exchange(parts, outbox, mb_size, record)
+        for msg, part in received.items():        # the t slices all-gathered into the whole, in my tp group
+            cut = self.cut(msg)
+            if cut is not None:
+                received[msg] = all_gather(part, self.group, self.sizes(cut), 1).view(-1, *self.shapes[cut])
+        return received
+
+    def message_shape(self, cut):                 # per sample, on this rank (describe())
+        return [self.sizes(cut)[tp_rank(self.group)]] if cut in self.scattered else list(self.shapes[cut])
 
 
 def whole_output(block):
@@ -217,49 +256,21 @@ def whole_output(block):
     return not sharded[-1].sequence_parallel if isinstance(sharded[-1], row) else sharded[-1].gather_output
 
 
-class ScatteredCut:
-    """One cut whose activation is whole on every tp rank: the block before it ends by keeping my
-    1/t of the flattened features (the message), the block after it starts with an all-gather of
-    the t slices over its tp group. Both are hooks on the blocks, so the parameters keep their
-    names. The gradient goes back the same way: the next stage's input gradient is whole on every
-    tp rank (its first layer's f all-reduced it), so each sends back its slice of it."""
-
-    def __init__(self, group):
-        self.group, self.shape = group, None   # shape: per sample, set by the zero sample at build time
-
-    def sizes(self, n):
-        return split_sizes(n, tp_size(self.group))
-
-    def scatter(self, block, inputs, y):
-        self.shape = tuple(y.shape[1:])
-        flat = y.flatten(1)
-        return _ScatterToTP.apply(flat, self.group, self.sizes(flat.shape[1]))
-
-    def gather(self, block, inputs):
-        x, = inputs
-        whole = gather_from_tp_region(x, self.group, self.sizes(math.prod(self.shape)), 1)
-        return (whole.view(-1, *self.shape),)
-
-
-def scatter_gather_cuts(shard, args, pos, group):
-    """shard(i, block), with a ScatteredCut at every cut between virtual stages that follows a block
-    ending whole. Every rank builds every block in order, so the block after a cut finds the cut
-    that the block before it made (and measured) on the same rank."""
+def note_whole_cuts(shard, args, pos, group, scattered):
+    """shard(i, block), noting in `scattered` each cut between virtual stages that follows a block ending
+    whole. Every rank builds every block in order, so it knows every cut, its own or not."""
     bounds = partition(num_blocks(args), pos.pp_size * pos.virtual, args.balance)
-    starts, cuts = {start for start, _ in bounds[1:]}, {}
+    cut_after = {start - 1: cut for cut, (start, _) in enumerate(bounds) if cut > 0}
 
-    def shard_and_cut(i, block):
+    def shard_and_note(i, block):
         block = shard(i, block)
-        if i in cuts:
-            block.register_forward_pre_hook(cuts.pop(i).gather)
-        if i + 1 in starts and tp_size(group) > 1 and whole_output(block):
-            cuts[i + 1] = ScatteredCut(group)
-            block.register_forward_hook(cuts[i + 1].scatter)
+        if i in cut_after and tp_size(group) > 1 and whole_output(block):
+            scattered.add(cut_after[i])
         return block
-    return shard_and_cut
+    return shard_and_note
 
 
-def describe(grid, shapes):
+def describe(grid, messenger):
     """The grid with the three kinds of group marked, and what each tp rank sends at each cut."""
     lines = [f"grid = arange({grid.ranks.numel()}).view(dp {grid.dp_size}, pp {grid.pp_size}, tp {grid.tp_size}):",
              str(grid.ranks)]
@@ -268,7 +279,7 @@ def describe(grid, shapes):
             "dp": "same stage and tp rank, one gradient all-reduce per step"}
     for name in ("tp", "pp", "dp"):
         lines.append(f"{name} groups ({what[name]}): " + " ".join(map(str, grid.lines[name])))
-    cuts = ", ".join(str(list(s)) for s in shapes[1:]) or "none (one stage)"
+    cuts = ", ".join(str(messenger.message_shape(c)) for c in range(1, len(messenger.shapes))) or "none (one stage)"
     lines.append(f"per-sample message at each cut, on tp rank 0: {cuts}")
     return "\n".join(lines)
 
@@ -286,7 +297,7 @@ def main(argv=None):
         grid = Grid(env.rank, env.world_size, args.dp, args.tp, timeout=group_timeout(env, args.timeout_s))
         pos, model, runner, tp_sums = build_stage(args, env, grid)
         if env.rank == 0:
-            print(describe(grid, runner.messenger.shapes), flush=True)
+            print(describe(grid, runner.messenger), flush=True)
         # the data-parallel buckets of the 2-D program over the ranks with my (pp, tp) coordinates; the
         # gradients the tp sums complete start their buckets after those sums (late)
         late = [p for sums in tp_sums if sums for p in sums.params]

@@ -8,8 +8,9 @@ process group), then every rank steps its optimizer. The default is 2 pipelines
 x 3 stages, each stage working through 3 sequential microbatches.
 
 What this adds to pipeline_microbatch.py (itself the baseline plus a pipeline): the Grid of ranks
-and its row and column process groups, and the three data-parallel hooks of DataParallelReplicas
-(slice the batch, average the gradients, average the logged loss).
+and its row and column process groups, and in its train_step the replica's slice of the batch and
+the gradients averaged over the column (in flat buckets during the backward, mp.buckets); the logged
+loss is averaged over the column when the loop logs it (mp.loop.Sums).
 
     torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic
     torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic --check

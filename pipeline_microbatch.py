@@ -152,7 +152,6 @@ class Messenger:
     def __init__(self, pos, shapes, device, timeout_s):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
         self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
-        self.last = "no exchange yet"         # the last exchange's name: a hung step's error names it
 
     def send_forward(self, y, peer, msg):     # my output, to the next stage's input
         return dist.P2POp(dist.isend, y.contiguous(), peer, None, self.tag(msg))   # the backends send flat memory
@@ -192,7 +191,6 @@ class Messenger:
                 waited.append(work)
         self.sending += [(None if work in waited else work, op.tensor, part)   # nccl: done with a receive
                          for part, op, work in zip(parts, ops, works) if part[0] == "send"]
-        self.last = f"{flow_name(parts)} " + " ".join(f"mb{m[1]}" for _, _, m in parts)
         if record:
             mbs = [m[1] for k, _, m in sorted(parts, key=lambda part: part[0] != "send")]  # in the name's order
             record("wait", f"wait {flow_name(parts)} " + " ".join(f"mb{mb}" for mb in mbs), mbs[-1], start)
@@ -214,7 +212,7 @@ class Messenger:
     def wait(self, work, parts):
         """gloo: block the CPU, at most --timeout-s. nccl: order my stream after the message and
         let the CPU queue on (no timeout: with one, nccl's wait spins the CPU); a hang is caught by
-        the loop's one bounded wait, its read of the logged steps (mp.loop), which names self.last."""
+        the loop's one bounded wait, its read of the logged steps (mp.loop), which names the step."""
         if self.device.type == "cuda":
             work.wait()
             return
@@ -409,11 +407,11 @@ def train_step(step, runner, optimizer, actions, data, args, timeline):
     return loss, norm
 
 
-def setup_stage(args, env, pos, shard=None):
-    """This rank's blocks of the model (only those: build_stage_model; parallel_3d.py shards them)
-    and the runner of its chunks; returns (model, runner)."""
+def setup_stage(args, env, pos, shard=None, messenger=None):
+    """This rank's blocks of the model (only those: build_stage_model; parallel_3d.py shards them, and
+    brings its own Messenger) and the runner of its chunks; returns (model, runner)."""
     model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
-    messenger = Messenger(pos, shapes, env.device, args.timeout_s)
+    messenger = (messenger or Messenger)(pos, shapes, env.device, args.timeout_s)
     versions = TwoVersions(chunks, pos, args.microbatches, args.steps, model) if args.schedule == "2bw" else None
     return model, StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
                               recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)

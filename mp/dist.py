@@ -184,7 +184,7 @@ def clock(device, timeout_s=None, awaited=lambda: "the step's queued work"):
     """perf_counter for step times; on a GPU after the queued work (the optimizer step's kernels
     included) has run, or the clock would stop while the device is still busy. That is the step's
     one CPU wait on a GPU (nccl's waits only order the streams), so it is bounded: a step that never
-    finishes ends in one CommError naming awaited() (the last exchange) after timeout_s."""
+    finishes ends in one CommError naming awaited() after timeout_s."""
     if device.type == "cuda":
         done = torch.cuda.Event()
         done.record()
