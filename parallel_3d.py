@@ -303,20 +303,20 @@ def main(argv=None):
         late = [p for sums in tp_sums if sums for p in sums.params]
         grads = data_parallel_buckets(model, runner, grid, args, late)
         if args.check:   # my shards against the matching slices of a full model in this process
-            exit_now(pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
-                                    grads, sum_first=partial(sync_tp_grads, *tp_sums)))
-        # the loss is logged by tp rank 0 of replica 0's last stage
-        timeline, job = train_job(args, env, grid, runner, model, data, grads, PROGRAM,
-                                  step=partial(train_step, tp_sums=tp_sums))
-        status = train(args, env, job)
-        timeline.write()
-        # both reports are collectives: every rank runs both
-        data_replicas = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across "
-                                        f"the {grid.dp_size} replicas of every stage", env, args.timeout_s)
-        tp_replicas = report_replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
-                                      f"bit-identical across the {grid.tp_size} tensor-parallel ranks", env,
-                                      args.timeout_s)
-        status = status or data_replicas or tp_replicas
+            status = pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
+                                    grads, sum_first=partial(sync_tp_grads, *tp_sums))
+        else:   # the loss is logged by tp rank 0 of replica 0's last stage
+            timeline, job = train_job(args, env, grid, runner, model, data, grads, PROGRAM,
+                                      step=partial(train_step, tp_sums=tp_sums))
+            status = train(args, env, job)
+            timeline.write()
+            # both reports are collectives: every rank runs both
+            data_replicas = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical "
+                                            f"across the {grid.dp_size} replicas of every stage", env, args.timeout_s)
+            tp_replicas = report_replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
+                                          f"bit-identical across the {grid.tp_size} tensor-parallel ranks", env,
+                                          args.timeout_s)
+            status = status or data_replicas or tp_replicas
     exit_now(status)
 
 

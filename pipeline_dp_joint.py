@@ -110,8 +110,9 @@ def data_parallel_buckets(model, runner, grid, args, late=()):
     its gradients are averaged after the backward instead, in one flat all-reduce."""
     if runner.versions:
         return None
+    direct = [w for stash in runner.stashes or [] for w in stash.weights]   # zb's W writes these in place itself
     grads = GradBuckets(runner.parameters(), grid.dp_group, waiting(grid, args), shard=args.zero == 1,
-                        recorder=runner, late=late, direct=runner.deferred_weights())
+                        recorder=runner, late=late, direct=direct)
     grads.name_params(model.named_parameters())   # for its error lines
     return grads
 
@@ -192,14 +193,15 @@ def main(argv=None):
         model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
         grads = data_parallel_buckets(model, runner, grid, args)
         if args.check:   # each replica checks its slice of the first batch
-            exit_now(pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
-                                    grads))
-        timeline, job = train_job(args, env, grid, runner, model, data, grads, PROGRAM)
-        status = train(args, env, job)
-        timeline.write()
-        same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across the "
-                               f"{grid.dp_size} replicas of every stage", env, args.timeout_s)
-        status = status or same
+            status = pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
+                                    grads)
+        else:
+            timeline, job = train_job(args, env, grid, runner, model, data, grads, PROGRAM)
+            status = train(args, env, job)
+            timeline.write()
+            same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across the "
+                                   f"{grid.dp_size} replicas of every stage", env, args.timeout_s)
+            status = status or same
     exit_now(status)
 
 

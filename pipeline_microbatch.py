@@ -18,9 +18,10 @@ GPipe, the default, per clock tick on 4 stages x 4 microbatches (F2: forward of 
 
 In order: the stage (each rank keeps only its blocks), the four point-to-point cases over
 isend/irecv, the executor that plays a schedule's actions (F, B and the exchanges between them),
-the training step (only the last stage sees labels). Schedules are data (mp/pp/schedules.py); what a
-student may skip has one name each: zb's split backward (mp.pp.zero_bubble), 2bw's two weight
-versions (mp.pp.pipedream), --recompute, the loop (mp.loop, mp.pp.training), --check (mp.check).
+the training step, train_step (the batch, zero_grad, the schedule, clip, update; only the last stage
+sees labels). Schedules are data (mp/pp/schedules.py); what a student may skip has one name each:
+zb's split backward (mp.pp.zero_bubble), 2bw's two weight versions (mp.pp.pipedream), --recompute,
+a stage's batch (mp.pp.training.stage_batch), the loop (mp.loop), --check (mp.check).
 
 No deadlock on gloo, whose send completes only once the peer posts the receive: a rank posts the
 send of what it just computed together with the receive its next action needs, as one batch
@@ -261,10 +262,6 @@ class StageRunner(TimelineRecorder):
                             for c, chunk in enumerate(chunks)}
         self.final_after.update({("W", c): stash.weights for c, stash in enumerate(self.stashes or [])})
 
-    def deferred_weights(self):
-        """zb's split weights, whose gradients W writes in place (mp.buckets: no hook on them)."""
-        return [w for stash in self.stashes or [] for w in stash.weights]
-
     def run(self, actions, inputs, head, mb_size, first_sample=0, grads=None):
         """inputs: microbatches for virtual stage 0 (first stage only), indexed by microbatch and
         read when their forward runs. head(mb, output) -> the scaled loss to differentiate (or None
@@ -361,12 +358,11 @@ class StageRunner(TimelineRecorder):
 
 
 def forward_backward(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None, grads=None):
-    """One global batch (or this replica's slice) through the pipeline's schedule; the accumulated
-    gradients are the batch-mean gradient. x: inputs (first stage), y: labels (last stage), samples:
-    the batch size (every stage must know it), first_sample: the slice's offset in the global batch,
-    outputs: a dict to keep each microbatch's logits in (--check), grads: the data-parallel buckets
-    (StageRunner.run tells them when each gradient is final). Returns the mean loss on the last stage,
-    else None."""
+    """One global batch (or this replica's slice) through the schedule, accumulating the batch-mean
+    gradient. x: inputs (first stage), y: labels (last stage), samples: the batch size (every stage
+    must know it), first_sample: the slice's offset in the global batch, outputs: a dict to keep each
+    microbatch's logits in (--check), grads: the data-parallel buckets (StageRunner.run tells them
+    when each gradient is final). Returns the mean loss on the last stage, else None."""
     losses = []
 
     def head(mb, logits):
@@ -417,6 +413,23 @@ def setup_stage(args, env, pos, shard=None, messenger=None):
                               recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)
 
 
+def train_pipeline(args, env, pos, model, runner, data):
+    """The optimizer, the action list, and the loop (mp.loop) running train_step; the last stage logs."""
+    optimizer = make_optimizer(runner.parameters(), args)
+    actions = schedule_actions(args.schedule, pos, args.microbatches)   # my actions, the same every step
+    timeline = Timeline(args, runner, pos, owner=pos.is_last_stage)
+    layout = checkpoint.layout_of(PROGRAM, env, dp=1, pp=pos.pp_size, tp=1, schedule=args.schedule,
+                                  virtual_stages=pos.virtual)
+    status = train(args, env, Job(
+        partial(train_step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args,
+                timeline=timeline),
+        model, optimizer, layout, owner=pos.is_last_stage,     # the last stage holds the loss
+        evaluate=lambda: evaluate_pipeline(runner, pos, data, env.device),
+        sums=Sums(norm_groups=runner.norm_groups), versions=runner.versions.weights if runner.versions else None))
+    timeline.write()                      # the recorded steps' trace (--timeline), gathered once training is over
+    return status
+
+
 def main(argv=None):
     stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
@@ -427,20 +440,9 @@ def main(argv=None):
         pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages)
         model, runner = setup_stage(args, env, pos)
         if args.check:   # one step against the full model in this process (mp.check)
-            exit_now(pipeline_check(env, args, model, runner, data, forward_backward))
-        optimizer = make_optimizer(runner.parameters(), args)
-        actions = schedule_actions(args.schedule, pos, args.microbatches)   # my actions, the same every step
-        timeline = Timeline(args, runner, pos, owner=pos.is_last_stage)
-        layout = checkpoint.layout_of(PROGRAM, env, dp=1, pp=pos.pp_size, tp=1, schedule=args.schedule,
-                                      virtual_stages=pos.virtual)
-        # a PipelineError ends the run in distributed(), which reports it
-        status = train(args, env, Job(
-            partial(train_step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args,
-                    timeline=timeline),
-            model, optimizer, layout, owner=pos.is_last_stage,     # the last stage holds the loss
-            evaluate=lambda: evaluate_pipeline(runner, pos, data, env.device),
-            sums=Sums(norm_groups=runner.norm_groups), versions=runner.versions.weights if runner.versions else None))
-        timeline.write()
+            status = pipeline_check(env, args, model, runner, data, forward_backward)
+        else:            # a PipelineError ends the run in distributed(), which reports it
+            status = train_pipeline(args, env, pos, model, runner, data)
     exit_now(status)
 
 

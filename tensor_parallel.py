@@ -310,11 +310,12 @@ def parallelize(model, model_name, group, hybrid=False, sequence_parallel=False)
 
 
 def summed_where_partial(model, group, hybrid):
-    """Replicated parameters applied to a part of the data on each rank get partial gradients, summed
-    over the group after backward: --hybrid's convolutions (mp.tp.hybrid), sequence-parallel norms (mp.tp.sequence)."""
+    """Replicated parameters applied to a part of the data on each rank get partial gradients, which the
+    step sums over the group after its backward (model.partial_grads, a SummedGradients, or None):
+    --hybrid's convolutions (mp.tp.hybrid), sequence-parallel norms (mp.tp.sequence)."""
     if hybrid:
         return HybridCNN(model, group)
-    model.sequence_grads = sum_sequence_parallel_grads(model, group)
+    model.partial_grads = sum_sequence_parallel_grads(model, group)
     return model
 
 
@@ -359,8 +360,7 @@ def main(argv=None):
         group = dist.group.WORLD
         model = build_parallel_model(args, group, env.device, args.hybrid)
         # partial gradients to sum (--hybrid, --sequence-parallel), and on a GPU the replicated ones to average
-        tp_grads = (model.conv_gradients if args.hybrid else model.sequence_grads,
-                    average_replicated_grads(model, group, env.device))
+        tp_grads = (model.partial_grads, average_replicated_grads(model, group, env.device))
         waited = f"rank {env.rank} waited for the tensor-parallel collectives of"
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))

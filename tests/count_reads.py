@@ -65,9 +65,9 @@ loop.StepScalars.read = around(real_read, inside_step=False)
 def train(args, env, job):
     step = around(job.step, inside_step=True)
 
-    def each(k, optimizer):
+    def each(k):
         counts["steps"] += 1
-        return step(k, optimizer)
+        return step(k)
 
     job.step = each
     status = real_train(args, env, job)

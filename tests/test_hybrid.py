@@ -81,6 +81,7 @@ def case_replicated_conv_weights(rank, world, group):
         for m, o in ((model, opt), (full, full_opt)):
             o.zero_grad(set_to_none=True)
             F.cross_entropy(m(x), y).backward()
+            tp.sync_tp_grads(getattr(m, "partial_grads", None), None)   # as tensor_parallel.train_step does
             o.step()
     conv = [(n, p) for n, p in model.named_parameters() if n.startswith(("0.", "1."))]
     assert len(conv) == 6  # conv1, conv2 and the GroupNorm, weight and bias each

@@ -11,7 +11,7 @@ weights and little of the compute, so they stay tensor-parallel. One all-gather 
     rank 1:  X[B/2:B] --conv blocks (replicated)--+  (backward: keep my slice)         +-- logits
 
 The conv weights' gradients are summed over the ranks in one all-reduce after backward (the step
-calls conv_gradients.sum()).
+calls partial_grads.sum()).
 
 The tensor-parallel layers are tensor_parallel.py's; this module adds the switch (gather_from_dp_region)
 and the model that runs it (HybridCNN); its flag check is mp.tp.flags.validate_hybrid.
@@ -41,7 +41,7 @@ class HybridCNN(nn.Sequential):
     def __init__(self, model, group):
         super().__init__(*model)   # blocks 2-4 already made tensor-parallel (parallelize_block)
         self.group, self.full_param_mb, self.dropout_keys = group, model.full_param_mb, model.dropout_keys
-        self.conv_gradients = SummedGradients(
+        self.partial_grads = SummedGradients(
             [p for block in list(self)[:self.CONV_BLOCKS] for p in block.parameters()], group)
 
     def forward(self, x):
