@@ -175,7 +175,8 @@ def train_job(args, env, grid, runner, model, data, grads, program, step=train_s
                 grads=grads, timeline=timeline),
         model, optimizer, layout, owner,
         evaluate=lambda: evaluate_pipeline(runner, runner.pos, data, env.device) if grid.dp_rank == 0 else None,
-        sums=Sums(replicas=grid.dp_group, norm_groups=runner.norm_groups + [grid.dp_group] * (args.zero == 1)),
+        # logged: the replicas' losses averaged; the norm's squares summed as clip() sums them
+        sums=Sums(replicas=grid.dp_group, norm_groups=runner.norm_groups + ([grid.dp_group] if args.zero else [])),
         versions=runner.versions.weights if runner.versions else None)
 
 

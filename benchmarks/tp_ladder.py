@@ -22,6 +22,7 @@ all-gather.
 import argparse
 import copy
 import os
+import queue
 import sys
 import tempfile
 
@@ -193,13 +194,23 @@ def ladder(args):
     margs = argparse.Namespace(model="mlp", layers=2, hidden=args.hidden, heads=1, activation="relu", dropout=0.0,
                                seed=args.seed, lr=args.lr, momentum=0.9, batch_size=args.batch_size, steps=args.steps)
     ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
+    out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=worker, args=(r, args.nproc, os.path.join(tmp, "init"), margs, out))
                  for r in range(args.nproc)]
         for proc in procs:
             proc.start()
-        result = out.get()
+        result = None
+        while result is None:   # a rank that dies never puts its result: stop then, naming it, not hang
+            try:
+                result = out.get(timeout=1)
+            except queue.Empty:
+                dead = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+                if dead:
+                    for proc in procs:
+                        proc.kill()
+                    sys.exit(f"error: rank {dead[0]} of the ladder exited with status {procs[dead[0]].exitcode} "
+                             f"(its traceback is above)")
         for proc in procs:
             proc.join()
     return result

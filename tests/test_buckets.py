@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from helpers import run_ranks
 from mp.buckets import BucketError, GradBuckets
+from mp.pp.zero_bubble import has_grad_hooks, split_weight_grads
 
 
 def model_of(seed=0):
@@ -71,3 +72,36 @@ def _said_too_early_case(rank, world, group):
 
 def test_a_gradient_said_final_too_early_or_never_is_an_error(tmp_path):
     run_ranks(_said_too_early_case, 2, tmp_path)
+
+
+def _zb_in_place_case(rank, world, group):
+    """zb under data parallelism: the buckets hook every parameter but the weights W writes itself, so
+    W keeps its in-place path (no autograd, mp.pp.zero_bubble.has_grad_hooks is False for them) and
+    reports its writes; the averaged gradients are those of the plain backward, all-reduced."""
+    split, plain = model_of(), model_of()
+    stash = split_weight_grads(split)
+    grads = GradBuckets(list(split.parameters()), None, ("the test's all-reduce", 30), direct=stash.weights)
+    assert len(stash.weights) == 2 and not any(has_grad_hooks(w) for w in stash.weights)
+    assert all(has_grad_hooks(p) for p in split.parameters() if all(p is not w for w in stash.weights))
+    grads.zero_grad()
+    for mb in range(3):                                          # B of each microbatch, then their Ws
+        g = torch.Generator().manual_seed(10 * rank + mb)
+        x = torch.randn(4, 6, generator=g)
+        with stash.backward_of(mb):
+            split(x).square().mean().backward()
+        plain(x).square().mean().backward()
+    grads.final([p for p in split.parameters() if all(p is not w for w in stash.weights)])   # after the last B
+    for mb in range(3):
+        for weight in stash.weight_grads(mb):                   # in place, into the buckets' views
+            grads.arrived(weight)
+    grads.final(stash.weights)                                   # after the last W
+    grads.wait()
+    for p in plain.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    for (name, a), b in zip(split.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_zb_keeps_its_in_place_weight_gradients_under_data_parallelism(tmp_path):
+    run_ranks(_zb_in_place_case, 2, tmp_path)
