@@ -168,8 +168,9 @@ def train_job(args, env, grid, runner, model, data, grads, program, step=train_s
     actions = schedule_actions(args.schedule, runner.pos, args.microbatches)   # the same every step
     owner = runner.pos.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0   # logs the loss
     timeline = Timeline(args, runner, runner.pos, owner)
-    layout = checkpoint.layout_of(program, env, dp=grid.dp_size, pp=grid.pp_size, tp=env.world_size //
-                                  (grid.dp_size * grid.pp_size), schedule=args.schedule, virtual_stages=runner.pos.virtual)
+    tp = env.world_size // (grid.dp_size * grid.pp_size)   # parallel_3d.py's third axis, else 1
+    layout = checkpoint.layout_of(program, env, dp=grid.dp_size, pp=grid.pp_size, tp=tp, schedule=args.schedule,
+                                  virtual_stages=runner.pos.virtual)
     return timeline, Job(
         partial(step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args, grid=grid,
                 grads=grads, timeline=timeline),

@@ -5,10 +5,10 @@ by output features (column-parallel), feed its split output straight into a Line
 features (row-parallel), and the pair needs one all-reduce in forward and one in backward. The
 degree is the world size; every rank sees the whole global batch and logs the baseline's losses.
 
-What this adds to single_baseline.py (its train_step is the baseline's, with the replicated
-gradients synchronised before the norm), in order: the conjugate operators (autograd functions around one collective of mp/tp/collectives.py),
-the sharded layers (ColumnParallelLinear, RowParallelLinear and their conv and attention kin), and
-parallelize(), which slices the baseline's model into them block by block.
+What this adds to single_baseline.py, in order: the conjugate operators (autograd functions around
+one collective of mp/tp/collectives.py), the sharded layers (ColumnParallelLinear, RowParallelLinear
+and their conv and attention kin), parallelize(), which slices the baseline's model into them block
+by block, and train_step: the baseline's, with the replicated gradients synchronised before the norm.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model cnn
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --check
@@ -334,7 +334,7 @@ def sync_tp_grads(partial_sums, replicated):
         replicated.average()
 
 
-def train_step(step, model, optimizer, data, args, device, group, tp_grads):
+def train_step(step, model, optimizer, data, args, device, tp_grads, norm):
     """One optimizer step of single_baseline.py's, on this rank's shards: the same order, the
     collectives inside the layers, and the replicated parameters' gradients synchronised before the
     norm. The logits are whole on every rank, so each computes the loss; tp rank 0 logs it."""
@@ -344,10 +344,9 @@ def train_step(step, model, optimizer, data, args, device, group, tp_grads):
         loss = F.cross_entropy(model(x), y)   # f, g and the gathers run inside the parallel layers
     loss.backward()
     sync_tp_grads(*tp_grads)
-    # the gradient norm sums the shards' squares over the group, each replicated tensor counted once
-    norm = clip_global(model.parameters(), args.clip_grad_norm, [group], counted_once(model, group))
+    grad_norm = clip_global(model.parameters(), args.clip_grad_norm, *norm)   # the full model's norm
     optimizer.step()
-    return loss.detach(), norm        # tensors: the loop reads them every --log-every steps
+    return loss.detach(), grad_norm   # tensors: the loop reads them every --log-every steps
 
 
 def main(argv=None):
@@ -361,17 +360,18 @@ def main(argv=None):
         model = build_parallel_model(args, group, env.device, args.hybrid)
         # partial gradients to sum (--hybrid, --sequence-parallel), and on a GPU the replicated ones to average
         tp_grads = (model.partial_grads, average_replicated_grads(model, group, env.device))
+        # the gradient norm sums the shards' squares over the group, each replicated tensor counted once
+        norm = ([group], counted_once(model, group))
         waited = f"rank {env.rank} waited for the tensor-parallel collectives of"
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             what = f"tensor parallelism{' --hybrid' if args.hybrid else ''}"
-            return check_and_exit(env, args, what, model, check_step(model, tp_grads), x, y,
-                                  norm=([group], counted_once(model, group)))
+            return check_and_exit(env, args, what, model, check_step(model, tp_grads), x, y, norm=norm)
         optimizer = make_optimizer(model.parameters(), args)
 
         def step(k):
             with awaiting(f"{waited} step {k}", args.timeout_s):
-                return train_step(k, model, optimizer, data, args, env.device, group, tp_grads)
+                return train_step(k, model, optimizer, data, args, env.device, tp_grads, norm)
 
         def test():
             with awaiting(f"{waited} the evaluation", args.timeout_s):   # every rank: the forward has collectives
