@@ -73,7 +73,13 @@ def forked(request, cwd, timeout, env):
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(request.get("script", request.get("name")), timeout, stdout, stderr)
     codes = reply["codes"]
-    return (zygote.torchrun_status(codes) if request.get("torchrun") else codes[0]), stdout, stderr, codes
+    return (zygote.torchrun_status(codes) if request.get("torchrun") else worst(codes)), stdout, stderr, codes
+
+
+def worst(codes):
+    """One status for several ranks: the first rank's that failed (in rank order), else 0. Whichever
+    rank fails, and whenever (rank 0 may have finished cleanly long before), the launch failed."""
+    return next((c for c in codes if c != 0), 0)
 
 
 def launch(program, args, tmp_path, nproc=1, timeout=240, log_name=None, real=False):
@@ -136,8 +142,8 @@ def run_ranks(case, world, tmp_path, timeout=240):
     if not USE_ZYGOTE:
         torch_mp.spawn(_spawned_rank, args=(world, request), nprocs=world)
         return
-    code, stdout, stderr, _ = forked(request, str(tmp_path), timeout, dict(os.environ, OMP_NUM_THREADS="1"))
-    assert code == 0, f"{case.__name__} failed on a rank (exit status {code}):\n{stderr[-4000:]}"
+    code, stdout, stderr, codes = forked(request, str(tmp_path), timeout, dict(os.environ, OMP_NUM_THREADS="1"))
+    assert code == 0, f"{case.__name__} failed on a rank (exit statuses {codes}):\n{stderr[-4000:]}"
 
 
 def _spawned_rank(rank, world, request):

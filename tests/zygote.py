@@ -14,7 +14,15 @@ the ranks are stopped.
 
 What it cannot stand in for goes to the real interpreter: torchrun with other options
 (--max-restarts, --nnodes), signals sent to a launcher's process group. `TESTS_LAUNCHER=torchrun`
-sends every launch through the real python and torchrun (the same tests, slower)."""
+sends every launch through the real python and torchrun (the same tests, slower).
+
+A forked rank is made to look like a fresh interpreter where it can be: `random` and numpy's global
+generator are seeded anew in each rank (from the OS, as a new process seeds them), tests/ is not on a
+program's sys.path (only a test's own function, run_ranks, imports from there), and after a failure
+the other ranks get torchrun's grace. What cannot be made equal: every rank shares the server's
+string hash seed (PYTHONHASHSEED is read once, at start-up), so code that orders collectives by
+iterating a set of strings would agree across ranks here and not under torchrun; the modules the
+server imported are imported already; and the ranks start within milliseconds of each other."""
 import importlib
 import json
 import os
@@ -26,7 +34,8 @@ import sys
 import time
 import traceback
 
-GRACE_S = 5   # after a rank fails: how long the others get after SIGTERM before SIGKILL
+GRACE_S = 30  # after a rank fails: how long the others get after SIGTERM before SIGKILL (torchrun's agent: 30 s)
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def die_with_parent():
@@ -59,6 +68,16 @@ def preload():
 
 
 # --- in a rank ---------------------------------------------------------------------------------
+
+def _fresh_interpreter():
+    """What a new process would have that the fork copied from the server: its own random state (random
+    and numpy seeded from the OS), and a sys.path without tests/ (the server started as tests/zygote.py)."""
+    import random
+    import numpy
+    random.seed()                 # Python reseeds it after a fork already; numpy does not
+    numpy.random.seed()
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != TESTS]
+
 
 def _python_startup(env):
     """What a new interpreter does with this environment's PYTHONPATH: its entries go on sys.path, and a
@@ -122,6 +141,7 @@ def _rank(request, rank, env, fds):
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
+        _fresh_interpreter()
         _python_startup(env)
         _run(request, rank)
         status = 0
