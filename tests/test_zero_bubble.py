@@ -179,3 +179,51 @@ def test_a_hook_on_the_gradient_sends_w_through_autograd():
         stash.weight_grads(mb)
         torch.autograd.backward(plain(x), dy)
     torch.testing.assert_close(chunk[0].weight.grad, 2 * plain.weight.grad)
+
+
+def split_against_plain(chunk, x, mbs=2):
+    """B then W of `mbs` microbatches on the split chunk, and the plain backward on a copy: the
+    parameters' gradients (None where autograd gives none) and the outputs must be equal."""
+    plain = copy.deepcopy(chunk)
+    stash = split_weight_grads(chunk)
+    for mb in range(mbs):
+        out = chunk(x)
+        torch.testing.assert_close(out, plain(x))
+        with stash.backward_of(mb):
+            out.square().sum().backward()
+        plain(x).square().sum().backward()
+    for mb in range(mbs):
+        stash.weight_grads(mb)
+    for (name, a), b in zip(chunk.named_parameters(), plain.parameters()):
+        if b.grad is None:
+            assert a.grad is None, f"{name}: autograd gives it no gradient, the split gave one"
+        else:
+            torch.testing.assert_close(a.grad, b.grad, msg=name)
+    return stash
+
+
+def test_a_bias_free_first_layer_on_the_images_still_gets_its_weight_gradient():
+    """Stage 0's first layer reads the images (no gradient wanted) and has no bias: nothing else asks
+    autograd for the op, which the anchor keeps in the graph (issue 43)."""
+    torch.manual_seed(0)
+    chunk = nn.Sequential(nn.Linear(6, 5, bias=False), nn.GELU(), nn.Linear(5, 3))
+    stash = split_against_plain(chunk, torch.randn(4, 6))
+    assert chunk[0].weight.grad is not None and len(stash.weights) == 2
+
+
+def test_a_frozen_weight_is_left_alone():
+    torch.manual_seed(0)
+    chunk = nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 3))
+    chunk[2].weight.requires_grad_(False)
+    stash = split_against_plain(chunk, torch.randn(4, 6, requires_grad=True))
+    assert chunk[2].weight.grad is None and all(w is not chunk[2].weight for w in stash.weights)
+
+
+def test_hooks_on_a_replaced_layer_keep_running():
+    torch.manual_seed(0)
+    chunk = nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 3))
+    calls = []
+    chunk[0].register_forward_hook(lambda module, inputs, output: output * 2)   # changes the output
+    chunk[2].register_forward_pre_hook(lambda module, inputs: calls.append("pre"))
+    split_against_plain(chunk, torch.randn(4, 6, requires_grad=True))            # outputs equal: the hook ran
+    assert type(chunk[0]) is SplitLinear and calls.count("pre") == 6             # 2 split + 4 plain forwards

@@ -81,7 +81,7 @@ class _InputGradOnly(torch.autograd.Function):
     stash; the weight (given detached) gets nothing until W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
+    def forward(ctx, x, weight, bias, layer, anchor):
         ctx.save_for_backward(x, weight)
         ctx.layer, ctx.has_bias = layer, bias is not None
         return layer.math.op(x, weight, bias)
@@ -93,15 +93,22 @@ class _InputGradOnly(torch.autograd.Function):
         layer.stash.put(layer, x, dy)
         # the first stage's first layer reads the images, which need no gradient: skip its product
         dx = layer.math.input_grad(x.shape, weight, dy) if ctx.needs_input_grad[0] else None
-        return dx, None, layer.math.bias_grad(dy) if ctx.has_bias else None, None
+        db = layer.math.bias_grad(dy) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, None, db, None, None
 
 
 def split_op(layer, x, weight, bias=None):
     """The split forward: the weight goes in detached, so B has no edge to it at all; autograd
-    neither touches A.grad nor fires A's hooks with an empty gradient. W is the one that reaches A."""
-    if not torch.is_grad_enabled():           # evaluation, --recompute's first forward
+    neither touches A.grad nor fires A's hooks with an empty gradient. W is the one that reaches A.
+    A frozen weight (requires_grad False) is not split: autograd gives it nothing, as unsplit. When
+    nothing else needs a gradient (a bias-free first layer, whose input is the images), the anchor,
+    an empty tensor that asks for one, keeps the op in the graph, so that B still stashes (x, dy)."""
+    if not torch.is_grad_enabled() or not weight.requires_grad:   # evaluation, --recompute's first F, frozen
         return layer.math.op(x, weight, bias)
-    return _InputGradOnly.apply(x, weight.detach(), bias, layer)
+    return _InputGradOnly.apply(x, weight.detach(), bias, layer, ANCHOR)
+
+
+ANCHOR = torch.empty(0, requires_grad=True)   # see split_op; it never gets a gradient
 
 
 class _DeferredWeightGrad(torch.autograd.Function):
@@ -171,12 +178,24 @@ def split_weight_grads(chunk):
     for parent in list(chunk.modules()):
         if hasattr(parent, "shards") and callable(getattr(parent, "op", None)):   # a tensor-parallel shard
             parent.op = SplitShardOp(parent, stash)
-            stash.weights.append(parent.weight)
+            stash.weights += [parent.weight] if parent.weight.requires_grad else []
         for name, child in list(parent.named_children()):
             if type(child) in SPLIT:              # exact types: tensor-parallel shards are not these
-                setattr(parent, name, SPLIT[type(child)](child, stash))
-                stash.weights.append(child.weight)
+                twin = SPLIT[type(child)](child, stash)
+                keep_module_hooks(child, twin)
+                setattr(parent, name, twin)
+                stash.weights += [child.weight] if child.weight.requires_grad else []
     return stash
+
+
+def keep_module_hooks(old, new):
+    """The hooks registered on the replaced module (forward, pre-forward, backward) run on its twin:
+    the twin takes over the very dictionaries that hold them."""
+    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks"):
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+    new._is_full_backward_hook = getattr(old, "_is_full_backward_hook", None)
 
 
 class WeightGradStash:
@@ -210,6 +229,8 @@ class WeightGradStash:
         hooked, direct = [], []
         for layer, x, dy in self.pending.pop(mb, []):
             weight = layer.weight
+            if not weight.requires_grad:          # frozen since the forward: no gradient, as autograd's
+                continue
             if has_grad_hooks(weight):
                 hooked.append(_DeferredWeightGrad.apply(weight, x, dy, layer))
                 continue
