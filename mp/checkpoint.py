@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 
 from mp.errors import fail
 from mp.models import shard_of
-from mp.optim import load_param_state, param_state
+from mp.optim import after_save, load_param_state, param_state
 
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
 SETTINGS = ("model", "layers", "hidden", "heads", "activation", "data", "seed", "batch_size", "optimizer", "lr",
@@ -182,6 +182,8 @@ def save(args, next_step, model, optimizer, layout, rank, versions=None):
     dist.barrier()
     state = {key(kind, name, spec): t.detach() for kind, name, spec, t in held(model, optimizer, versions)}
     dcp.save(state, checkpoint_id=partial)
+    del state
+    after_save(optimizer)                                # --zero 1: the state gathered whole for the save goes
     dist.barrier()                                       # every rank's pieces are written
     if rank == 0:
         meta = {"step": next_step, "settings": settings(args), "layout": layout}

@@ -47,6 +47,13 @@ def param_state(optimizer, p):
             if torch.is_tensor(value)}      # SGD with --momentum 0 keeps momentum_buffer = None: nothing to save
 
 
+def after_save(optimizer):
+    """A checkpoint is written: an optimizer that gathered its sharded state whole for it (ZeRO-1's)
+    drops that copy."""
+    if hasattr(optimizer, "drop_gathered"):
+        optimizer.drop_gathered()
+
+
 def load_param_state(optimizer, p, state):
     """Set p's state from {kind: tensor} as param_state gives it (copies are kept, never the tensors
     given). The step stays a float32 tensor on the CPU, where torch's AdamW keeps it (not capturable)."""

@@ -18,8 +18,8 @@ Parameter per bucket that is a view of this replica's slice: elementwise updates
 AdamW's moments and decay) give exactly the numbers the whole update would. Clipping takes the
 global norm over the slices (every replica sums the squares of its slice; mp.clipping sums them over
 the replicas too). A checkpoint stays in the baseline model's coordinates: saving gathers each
-parameter's whole state (a collective over the replicas, once a save), resuming cuts this replica's
-slice out of it (docs/optimizers.md).
+parameter's whole state (a collective over the replicas, once a save) and drops it once written,
+resuming cuts this replica's slice out of it (docs/optimizers.md).
 """
 import torch
 import torch.nn as nn
@@ -41,7 +41,7 @@ class ZeroOptimizer:
             s.grad = g
         self.inner = optim.make_optimizer(self.slices, args)
         self.state, self.param_groups = self.inner.state, self.inner.param_groups
-        self.gathered = None          # each bucket's whole state, gathered for a save (until the next step)
+        self.gathered = None          # each bucket's whole state, gathered for a save (until it is written)
 
     def zero_grad(self, set_to_none=True):
         self.grads.zero_grad()
@@ -89,6 +89,11 @@ class ZeroOptimizer:
                 whole[kind] = torch.empty_like(b.param)
                 ALL_GATHER(whole[kind], mine.detach().contiguous(), group=self.grads.group)
         return whole
+
+    def drop_gathered(self):
+        """After the save: let go of the whole state, or every replica would hold all of it (what ZeRO-1
+        saves) until the next step, through its forward and backward."""
+        self.gathered = None
 
     def load_param_state(self, p, state):
         """Set my slice's state where it holds p (from p's whole state, as param_state gives it)."""

@@ -108,3 +108,46 @@ def test_zero_in_3d_trains_as_without_it(layout, tmp_path):
 ])
 def test_zero_where_it_cannot_run_is_one_error_line(parse, argv, world, message, monkeypatch, capsys):
     assert_one_error_line(parse, argv, world, message, monkeypatch, capsys)
+
+
+def state_bytes(optimizer):
+    """The bytes of optimizer state a ZeroOptimizer holds: its slices' state, and any whole state it
+    gathered for a save."""
+    inner = sum(t.numel() * t.element_size() for s in optimizer.inner.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim())
+    gathered = sum(t.numel() * t.element_size() for g in optimizer.gathered or [] for t in g.values() if t.dim())
+    return inner + gathered
+
+
+def _save_keeps_the_slice_case(rank, world, group):
+    """Issue 43, item 6: a --zero 1 save gathers each bucket's whole state, writes it, and lets it go:
+    afterwards the replica holds its slice's state only, as before the save."""
+    import argparse
+    import os
+
+    import torch.nn as nn
+
+    from mp import checkpoint
+    from mp.buckets import GradBuckets
+    from mp.zero import ZeroOptimizer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+    args = argparse.Namespace(optimizer="adamw", lr=1e-3, momentum=0.9, weight_decay=0.0, beta1=0.9, beta2=0.999,
+                              adam_eps=1e-8, checkpoint_dir=os.environ["SAVE_DIR"], model="mlp")
+    grads = GradBuckets(list(model.parameters()), None, ("the test's all-reduce", 30), shard=True)
+    optimizer = ZeroOptimizer(grads, args)
+    grads.zero_grad()
+    model(torch.randn(8, 64)).square().mean().backward()
+    grads.final(list(model.parameters()))
+    grads.wait()
+    optimizer.step()
+    before = state_bytes(optimizer)
+    whole = 2 * 4 * sum(p.numel() for p in model.parameters())   # AdamW's two moments, float32
+    assert before <= whole / world + 2 * 4 * world * len(grads.buckets)   # my slice (padding aside)
+    checkpoint.save(args, 1, model, optimizer, {"program": "test"}, rank)
+    assert optimizer.gathered is None and state_bytes(optimizer) == before, (state_bytes(optimizer), before)
+
+
+def test_a_zero_save_leaves_each_replica_its_slice_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAVE_DIR", str(tmp_path / "ck"))
+    run_ranks(_save_keeps_the_slice_case, 2, tmp_path)
