@@ -1,6 +1,7 @@
 """Runs one program (COUNT_PROGRAM, a file in the repository root) with its arguments, counting on each
 rank what its training steps read back from tensors (.item(), .tolist(), float(), bool()) and how many
-all-reduces they start, and writes the counts to COUNT_DIR/rank-<rank>.json when training ends.
+all-reduces, reduce-scatters and all-gathers they start, and writes the counts to
+COUNT_DIR/rank-<rank>.json when training ends.
 
 Counted: inside each step (the program's job.step) and inside the loop's reading of the logged
 scalars (mp.loop.StepScalars.read): everything the training loop does between its set-up and its
@@ -22,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import mp.loop as loop  # noqa: E402
 
-counts = {"steps": 0, "reads": 0, "all_reduce": 0, "step_reads": 0, "step_all_reduce": 0}
+counts = {"steps": 0, "reads": 0, "all_reduce": 0, "reduce_scatter": 0, "all_gather": 0,
+          "step_reads": 0, "step_all_reduce": 0, "step_reduce_scatter": 0, "step_all_gather": 0}
 counting = [False]
 
 
@@ -41,6 +43,12 @@ SYNC_DEBUG = os.environ.get("SYNC_DEBUG") == "1" and torch.cuda.is_available()
 for method in ("item", "tolist", "__float__", "__bool__"):
     setattr(torch.Tensor, method, counted(method, getattr(torch.Tensor, method), "reads"))
 dist.all_reduce = counted("all_reduce", dist.all_reduce, "all_reduce")
+# ZeRO-1's collectives (mp.buckets binds them when the program imports it, after this): torch 2.14's
+# names and the older ones, each counted once (neither calls the other through torch.distributed)
+for name, key in (("reduce_scatter_single", "reduce_scatter"), ("reduce_scatter_tensor", "reduce_scatter"),
+                  ("all_gather_single", "all_gather"), ("all_gather_into_tensor", "all_gather")):
+    if hasattr(dist, name):
+        setattr(dist, name, counted(name, getattr(dist, name), key))
 
 
 def around(fn, inside_step):

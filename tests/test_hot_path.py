@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import FAST, launch, slow
+from helpers import FAST, assert_same_losses, launch, slow
 
 STEPS = ["--steps", "20", "--log-every", "10"]
 PROGRAMS = {   # program, ranks, its flags
@@ -51,8 +51,9 @@ def test_clipping_sums_the_norm_in_the_step_without_reading_it(tmp_path, monkeyp
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_data_parallel_all_reduces_do_not_grow_with_the_microbatches(zero, tmp_path, monkeypatch):
-    """The joint program's gradient all-reduces (--zero 1: reduce-scatters, not counted as all-reduces:
-    none then), at 2 and at 8 microbatches: one per bucket, started during the last backward."""
+    """The joint program's gradient collectives, at 2 and at 8 microbatches: one per bucket a step,
+    started during the last backward; all-reduces, or with --zero 1 a reduce-scatter (the gradients)
+    and an all-gather (the updated parameters) in their place. Each kind is counted."""
     program, nproc, _ = PROGRAMS["joint"]
     per_m = {}
     for m in (2, 8):
@@ -60,9 +61,10 @@ def test_data_parallel_all_reduces_do_not_grow_with_the_microbatches(zero, tmp_p
         folder.mkdir()
         ranks = counted(folder, monkeypatch, program, nproc, ["--dp", "2", "--microbatches", str(m),
                                                               "--batch-size", "64", "--zero", str(zero)])
-        per_m[m] = [r["step_all_reduce"] for r in ranks]
+        per_m[m] = [(r["step_all_reduce"], r["step_reduce_scatter"], r["step_all_gather"]) for r in ranks]
     assert per_m[2] == per_m[8], per_m
-    assert all(n == (0 if zero else 20) for n in per_m[2]), per_m   # the cnn's stages: one bucket each
+    # the cnn's stages: one bucket each, so 20 steps make 20 of each collective the step uses
+    assert all(n == ((0, 20, 20) if zero else (20, 0, 0)) for n in per_m[2]), per_m
 
 
 def test_the_timeline_shows_the_bucket_all_reduces_overlapping_the_last_backward(tmp_path):
@@ -84,3 +86,12 @@ def test_the_timeline_shows_the_bucket_all_reduces_overlapping_the_last_backward
         assert len(buckets) == {0: 4, 1: 2}[stage], buckets
         assert all(e["tid"] == 1 and e["name"].startswith("all-reduce") for e in buckets), buckets
         assert min(e["ts"] for e in buckets) < last_backward_end, (stage, buckets, last_backward_end)
+
+
+def test_a_run_with_many_buckets_gives_the_baselines_losses(tmp_path, baseline):
+    """The buckets' losses where there are several per stage (an mlp of 1024-wide layers: a bucket a
+    weight), started while the backward runs, against the baseline step by step."""
+    args = FAST + ["--model", "mlp", "--layers", "4", "--hidden", "1024", "--steps", "4", "--batch-size", "16"]
+    run = launch("pipeline_dp_joint.py", args + ["--dp", "2", "--microbatches", "2", "--schedule", "1f1b"],
+                 tmp_path, nproc=4)
+    assert_same_losses(run, baseline(args))
