@@ -39,6 +39,10 @@ What crosses a pipeline cut is what the sending rank holds there, and never the 
 In backward each gradient goes back the same way. Both sides know every shape up front, per rank:
 build_stage_model() runs one zero sample through the tensor-parallel blocks as they are built.
 """
+from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
+if __name__ == "__main__":
+    stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
+
 import argparse
 import math
 from functools import partial
@@ -49,7 +53,7 @@ import torch.distributed as dist
 from mp.check import report_replicas
 from mp.data import agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
-from mp.errors import fail, note_one_rank, stop_on_interrupt
+from mp.errors import fail, note_one_rank
 from mp.flags import base_parser, validate_common
 from mp.loop import train
 from mp.models import num_blocks
@@ -288,7 +292,6 @@ def describe(grid, messenger):
 
 
 def main(argv=None):
-    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     note_one_rank("a grid of 1 x 1 x 1")
     data = load_data(args)

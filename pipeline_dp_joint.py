@@ -30,6 +30,10 @@ all-reduce crosses nodes. Adding tensor parallelism makes a third, innermost axi
 (arange(world).view(dp, pp, tp), parallel_3d.py, whose Grid adds it): the tp ranks of one
 stage exchange activations inside every layer, so they belong on the fastest links of all.
 """
+from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
+if __name__ == "__main__":
+    stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
+
 from functools import partial
 
 import torch
@@ -41,7 +45,7 @@ from mp.check import report_replicas
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
-from mp.errors import fail, note_one_rank, stop_on_interrupt
+from mp.errors import fail, note_one_rank
 from mp.flags import base_parser, validate_common
 from mp.loop import Job, Sums, train
 from mp.optim import make_optimizer
@@ -182,7 +186,6 @@ def train_job(args, env, grid, runner, model, data, grads, program, step=train_s
 
 
 def main(argv=None):
-    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     note_one_rank("one replica of a one-stage pipeline")
     data = load_data(args)

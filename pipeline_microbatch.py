@@ -28,6 +28,10 @@ send of what it just computed together with the receive its next action needs, a
 (send_forward_recv_backward, ...), so two neighbours that cross have each posted both halves
 (schedules.dry_run() checks every rank's actions for cycles; docs/pipeline.md tells the story).
 """
+from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
+if __name__ == "__main__":
+    stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
+
 import contextlib
 import datetime
 import time
@@ -44,7 +48,7 @@ from mp.clipping import clip_global
 from mp.data import StreamedInputs, agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, one_work_per_op, torchrun_env
 from mp.dropout import DropoutKeys
-from mp.errors import CommError, note_one_rank, stop_on_interrupt
+from mp.errors import CommError, note_one_rank
 from mp.flags import base_parser, validate_common
 from mp.loop import Job, Sums, train
 from mp.models import build_model, num_blocks
@@ -286,9 +290,7 @@ class StageRunner(TimelineRecorder):
             elif kind == "B":
                 start = self.backward(mb, chunk, saved.pop((mb, chunk)), outbox, inbox, start)
             elif self.stashes:                # W (unsplit layers took their weight gradients in B)
-                for weight in self.stashes[chunk].weight_grads(mb):
-                    if grads:                 # written in place, no hook ran: W tells the buckets itself
-                        grads.arrived(weight)
+                self.stashes[chunk].weight_grads(mb, grads)   # in place, no hook: W tells the buckets itself
             if last.get((kind, chunk)) == i:  # this chunk's last backward of the step: its gradients are final
                 grads.final(self.final_after[(kind, chunk)])
             self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
@@ -394,8 +396,7 @@ def train_step(step, runner, optimizer, actions, data, args, timeline):
         actions = runner.versions.actions(step)
     with runner.keys.training(step):      # the dropout masks of this step's samples (mp.dropout)
         loss = forward_backward(runner, actions, x, y, args.microbatches, args.batch_size)   # every stage: its size
-    # one pipeline: each stage's accumulated gradients are final, there is nothing to synchronise
-    # (pipeline_dp_joint.py averages them over its replicas here)
+    # one pipeline: nothing to synchronise (pipeline_dp_joint.py averages the replicas' gradients here)
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
         norm = clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups)   # over all stages
     runner.update(optimizer)              # 2bw: W(t+1) into the older version's buffer, then they swap
@@ -431,7 +432,6 @@ def train_pipeline(args, env, pos, model, runner, data):
 
 
 def main(argv=None):
-    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     note_one_rank("a pipeline of one stage, every block on this rank")
     data = load_data(args)

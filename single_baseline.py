@@ -7,6 +7,10 @@ contract, docs/equivalence.md); each one's docstring lists what it adds to this 
     python single_baseline.py --data synthetic --steps 300
     python -m mp.tools.plot_curves logs/single_baseline.jsonl -o plots/baseline.png
 """
+from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
+if __name__ == "__main__":
+    stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
+
 import copy
 
 import torch
@@ -15,7 +19,7 @@ import torch.nn.functional as F
 from mp import checkpoint
 from mp.data import agree_on_data, load_data, to_device
 from mp.dist import distributed, torchrun_env
-from mp.errors import fail, stop_on_interrupt
+from mp.errors import fail
 from mp.flags import base_parser, validate_common
 from mp.loop import Job, evaluate, train, whole_model_run
 from mp.models import build_model
@@ -78,7 +82,6 @@ def clip_grad_norm(max_norm):
 
 
 def main(argv=None):
-    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     data = load_data(args)
     with distributed(args) as env:

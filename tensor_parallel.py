@@ -41,6 +41,10 @@ mp/check.py, the replicated parameters mp/tp/replicas.py.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
 """
+from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
+if __name__ == "__main__":
+    stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
+
 from functools import partial
 
 import torch
@@ -54,7 +58,7 @@ from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
 from mp.dist import awaiting, distributed, exit_now, torchrun_env
 from mp.dropout import KeyedDropout
-from mp.errors import note_one_rank, stop_on_interrupt
+from mp.errors import note_one_rank
 from mp.flags import base_parser, validate_common
 from mp.loop import Job, Sums, evaluate, train, whole_model_run
 from mp.models import Attention, build_model, num_blocks
@@ -350,7 +354,6 @@ def train_step(step, model, optimizer, data, args, device, tp_grads, norm):
 
 
 def main(argv=None):
-    stop_on_interrupt()      # Ctrl-C: exit 130 with one line, no traceback (mp/errors.py)
     args = parse_args(argv)
     note_one_rank("tensor parallelism of degree 1, every weight whole")
     data = load_data(args)

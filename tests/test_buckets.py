@@ -92,8 +92,7 @@ def _zb_in_place_case(rank, world, group):
         plain(x).square().mean().backward()
     grads.final([p for p in split.parameters() if all(p is not w for w in stash.weights)])   # after the last B
     for mb in range(3):
-        for weight in stash.weight_grads(mb):                   # in place, into the buckets' views
-            grads.arrived(weight)
+        stash.weight_grads(mb, grads)                            # in place, into the buckets' views
     grads.final(stash.weights)                                   # after the last W
     grads.wait()
     for p in plain.parameters():

@@ -164,3 +164,22 @@ def test_the_launchers_torchrun_leaves_the_programs_line_as_the_last_word(tmp_pa
     lines = run.stderr.splitlines()
     assert run.returncode == 128 + 9 and len(lines) == 1, run.stderr
     assert lines[0].startswith("error: rank 1 (pid ") and lines[0].endswith(" was killed by SIGKILL"), lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", ["single_baseline.py", "pipeline_microbatch.py", "pipeline_dp_joint.py",
+                                     "tensor_parallel.py", "parallel_3d.py"])
+def test_ctrl_c_during_start_up_says_one_line(program, tmp_path):
+    """Issue 43, item 4: a Ctrl-C while `import torch` and the rest of start-up run (the real python, not
+    the zygote, whose ranks have imported everything): one line, exit 130, no traceback. Interrupted at
+    0.3 s (inside the imports on 2 cores) and at 1.5 s (later in start-up)."""
+    for delay in (0.3, 1.5):
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, program), "--data", "synthetic", "--steps", "500",
+                                 "--log-file", str(tmp_path / "log.jsonl")], cwd=str(tmp_path),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
+        assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, (delay, err[-2000:])

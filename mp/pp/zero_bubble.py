@@ -219,14 +219,14 @@ class WeightGradStash:
         finally:
             self.microbatch = None
 
-    def weight_grads(self, mb):
+    def weight_grads(self, mb, buckets=None):
         """W: dA of every split layer for microbatch mb, added to A.grad. A weight that has gradient
         hooks (data parallelism's, a replica's average) takes dA through autograd, which fires them;
         any other weight takes it directly: A.grad set, or dA added in place by one GEMM (what
         autograd's accumulation does, less its temporary and its autograd function per layer).
-        Returns the weights given their gradient directly (data parallelism's buckets hear of them
-        from the executor, mp.buckets.GradBuckets.arrived: no hook runs on them)."""
-        hooked, direct = [], []
+        buckets: data parallelism's (mp.buckets), told of each gradient written directly (no hook runs
+        on those weights, so W says it: GradBuckets.arrived)."""
+        hooked = []
         for layer, x, dy in self.pending.pop(mb, []):
             weight = layer.weight
             if not weight.requires_grad:          # frozen since the forward: no gradient, as autograd's
@@ -238,10 +238,10 @@ class WeightGradStash:
                 weight.grad = layer.math.weight_grad(x, dy, weight.shape)
             else:
                 layer.math.add_weight_grad(weight.grad, x, dy)
-            direct.append(weight)
+            if buckets is not None:
+                buckets.arrived(weight)
         if hooked:
             torch.autograd.backward(hooked)
-        return direct
 
 
 def has_grad_hooks(weight):
