@@ -83,8 +83,11 @@ class StepScalars:
         losses, norms = finish(losses, norms, job.sums, args, rank)
         if not job.owner:
             return []
-        if self.device.type == "cuda":   # the one CPU wait on the device's queue, bounded
-            bounded_wait(pending[-1][2].query, self.timeout_s, lambda: f"step {pending[-1][0]}'s queued work")
+        if self.device.type == "cuda":   # the one CPU wait on the device's queue, bounded: up to an event
+            # after finish()'s collectives, so that a peer lost in those (nccl) is caught here too
+            summed = self._mark()
+            bounded_wait(summed.query, self.timeout_s,
+                         lambda: f"step {pending[-1][0]}'s queued work and the logged values' sums")
             times = [a.elapsed_time(b) / 1e3 for _, a, b, _, _ in pending]
         else:
             times = [b - a for _, a, b, _, _ in pending]
