@@ -249,3 +249,25 @@ def test_ctrl_c_while_drawing_keeps_the_old_png_and_leaves_no_partial_file(tmp_p
     monkeypatch.undo()
     plot_curves.main([base, "-o", str(out)])
     assert out.read_bytes()[:4] == b"\x89PNG" and sorted(os.listdir(tmp_path)) == ["base.jsonl", "x.png"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_a_figure_gets_the_mode_the_users_umask_gives(tmp_path, umask):
+    """Issue 47: a figure is written as open() writes a file (0644 under umask 022), not as mkstemp's 0600,
+    which a grader logged in as another user could not open; the logs already are."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mp.tools.figure import save
+    before = os.umask(umask)
+    try:
+        fig, ax = plt.subplots()
+        ax.plot([0, 1])
+        save(fig, str(tmp_path / "f.png"))
+        with open(tmp_path / "plain.txt", "w") as f:    # what the user's other files get
+            f.write("x")
+    finally:
+        os.umask(before)
+    assert os.stat(tmp_path / "f.png").st_mode & 0o777 == os.stat(tmp_path / "plain.txt").st_mode & 0o777 \
+        == 0o666 & ~umask

@@ -38,12 +38,20 @@ def save(fig, out, record=None):
     try:
         fig.savefig(partial, format="png", dpi=110, metadata={
             "Title": title, "Description": json.dumps(record or {}), "Software": "mp.tools"})
+        os.chmod(partial, umask_mode())   # mkstemp's file is 0600: a grader logged in as another user could not open it
         os.replace(partial, out)          # atomic on one file system: readers see the old PNG or the new
     finally:
         plt.close(fig)
         if os.path.exists(partial):       # interrupted or failed: leave no half-written file behind
             os.remove(partial)
     print(f"wrote {out}")
+
+
+def umask_mode():
+    """The mode open() would give a new file: 0666 less the user's umask (0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def png_record(path):
