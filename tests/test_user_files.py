@@ -183,3 +183,20 @@ def test_ctrl_c_during_start_up_says_one_line(program, tmp_path):
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
         assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, (delay, err[-2000:])
+
+
+@pytest.mark.parametrize("script", ["run_pipeline.sh", "run_joint.sh", "run_tp.sh", "run_3d.sh"])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_a_launchers_help_is_its_own_usage_at_once(script, flag, tmp_path):
+    """Issue 47, item 1: --help / -h prints the launcher's usage (its examples, every knob with its
+    default, where the files go) and exits 0 at once: no python runs, nothing trains or is written."""
+    start = time.perf_counter()
+    proc = subprocess.run(["bash", os.path.join(ROOT, script), "--layers", "6", flag], cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHON="false"))
+    took = time.perf_counter() - start
+    assert proc.returncode == 0 and not proc.stderr and took < 1.5, (proc.returncode, proc.stderr, took)
+    out = proc.stdout
+    assert out.startswith(f"usage: [KNOB=value ...] bash {script}") and f"bash {script}" in out.split("\n", 3)[-1]
+    assert all(f"  {knob} " in out for knob in ("NPROC", "STEPS", "DATA", "SEED", "LOGS", "PLOTS")), out
+    assert "$LOGS (default logs/)" in out and out.count("usage:") == 1
+    assert not (tmp_path / "logs").exists() and not os.listdir(tmp_path)

@@ -20,6 +20,32 @@ launcher_stopped() {   # the ERR trap: RC
 }
 trap 'launcher_stopped $?' ERR
 
+# ---- --help --------------------------------------------------------------------------------------
+# `bash run_X.sh --help` (or -h) prints the launcher's own usage at once and exits 0: its header
+# (what it runs, examples), every knob with its default and meaning, read from the knob lines of the
+# launcher and of this file, and where the files go. Nothing else runs: no python, no training.
+launcher_usage() {
+    local me knobs
+    me=$(basename "$0")
+    echo "usage: [KNOB=value ...] bash $me [flags for both programs, e.g. --layers 6]"
+    echo
+    sed -n '2,/^set -euo pipefail/p' "$0" | sed -e '/^set -euo pipefail/d' -e 's/^# \{0,1\}//'
+    echo
+    echo "Knobs (environment variables), default and meaning:"
+    knobs=$(grep -hE '^ *knob [A-Z_]+ ' "$0" "${BASH_SOURCE[0]}")
+    echo "$knobs" | sed -E 's/^ *knob ([A-Z_]+) "([^"]*)" *(# *)?(.*)$/\1\t"\2"\t\4/' |
+        awk -F'\t' '{ printf "  %-15s %-18s %s\n", $1, $2, $3 }'
+    echo
+    echo "Writes the baseline's and each parallel run's log under \$LOGS (default logs/) and the figures under"
+    echo "\$PLOTS (default logs/plots/), every setting off its default in their names; its last lines name them."
+    echo "Each program lists its own flags: python <program>.py --help."
+}
+for arg in "$@"; do
+    case "$arg" in
+        -h | --help) launcher_usage; exit 0 ;;
+    esac
+done
+
 # ---- knobs ---------------------------------------------------------------------------------------
 declare -A KNOB_DEFAULT=()
 knob() {   # NAME DEFAULT: NAME from the environment (when set and not empty), else DEFAULT
