@@ -88,14 +88,16 @@ P2P_WAIT = r"error: stage \d waited to (recv|send) the (activation|gradient) of 
 DP_WAIT = r"error: stage \d of pipeline \d waited for the all-reduce with its data-parallel group, ranks \[\d, \d\], "
 # a stage whose backwards are done waits in the clipping norm's all-reduce over the pipeline instead
 NORM_WAIT = r"error: rank \d waited for the gradient norm's sums of step \d+, "
+# a rank at a log read (every --log-every steps) waits in the logged values' sums (mp.loop.finish)
+LOG_WAIT = r"error: rank \d waited for the logged losses' and norms' sums, "
 
 
 @pytest.mark.parametrize("program,args,waited", [
-    ("pipeline_microbatch.py", PIPELINE, f"({P2P_WAIT}|{NORM_WAIT})"),
+    ("pipeline_microbatch.py", PIPELINE, f"({P2P_WAIT}|{NORM_WAIT}|{LOG_WAIT})"),
     ("tensor_parallel.py", FAST + ["--model", "mlp", "--hidden", "32"],
      r"error: rank \d waited for the tensor-parallel collectives of step \d+, "),
     ("pipeline_dp_joint.py", PIPELINE + ["--dp", "2", "--batch-size", "24", "--microbatches", "2"],
-     f"({P2P_WAIT}|{DP_WAIT}|{NORM_WAIT})")],
+     f"({P2P_WAIT}|{DP_WAIT}|{NORM_WAIT}|{LOG_WAIT})")],
     ids=["pipeline", "tensor-parallel", "joint"])
 def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp_path, program, args, waited):
     proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "8"], program=program, args=args)
