@@ -43,24 +43,24 @@ from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports b
 if __name__ == "__main__":
     stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
 
-import argparse
 import math
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from mp import checkpoint
 from mp.check import report_replicas
+from mp.cli import grid_args
 from mp.data import agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
-from mp.errors import fail, note_one_rank
-from mp.flags import base_parser, validate_common
+from mp.errors import note_one_rank
 from mp.loop import train
 from mp.models import num_blocks
-from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
+from mp.pp.balance import resolve_balance
 from mp.pp.training import pipeline_check, stage_batch
-from mp.tp.collectives import all_gather, split_sizes, tp_rank, tp_size
-from mp.tp.flags import validate_degree, validate_sequence_parallel
+from mp.sizes import split_sizes
+from mp.tp.collectives import all_gather, tp_rank, tp_size
 from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import sum_sequence_parallel_grads
 # the three programs it composes: the grid's replicas, a pipeline's stages, the tensor-parallel layers
@@ -73,45 +73,10 @@ PROGRAM = "parallel_3d"
 
 
 def parse_args(argv=None):
-    p = add_pipeline_flags(base_parser(__doc__))
-    p.add_argument("--dp", type=int, default=2, help="data-parallel replicas; stages = world size / (dp x tp)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per stage (the innermost axis)")
-    p.add_argument("--timeline", default=None, help="replica 0, tp rank 0's measured schedule of the last step")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="vit: LayerNorms, dropouts, residual adds and the pipeline cuts on 1/tp of the tokens per rank")
-    p.add_argument("--scatter-gather", action=argparse.BooleanOptionalAction, default=True,
-                   help="a cut whose activation is whole on every tp rank: each sends 1/tp of it, the receivers "
-                        "all-gather (Narayanan et al. 2021, section 4.1)")
-    args = p.parse_args(argv)
-    validate_common(args, PROGRAM)
-    refuse_pipedream(args, PROGRAM)
-    world = torchrun_env("gloo").world_size     # env vars only: every check below runs before any collective
-    validate_grid(args, world)
-    validate_degree(args, args.tp, use_degree=partial(tp_fix, args, world))
-    if args.sequence_parallel:
-        validate_sequence_parallel(args, args.tp, use_degree=partial(tp_fix, args, world))
-    validate_pipeline(args, stages=world // (args.dp * args.tp), replicas=args.dp, tp=args.tp)
-    validate_zero(args, args.dp)
+    args = grid_args(argv, __doc__)   # mp/cli.py: the flags and every check they allow, without torch
+    resolve_balance(args, stages=torchrun_env("gloo").world_size // (args.dp * args.tp))   # --balance auto
+    checkpoint.validate(args)               # the checkpoint to resume from, if any: whole, and of this run
     return args
-
-
-def validate_grid(args, world):
-    """world = dp x pp x tp: the grid must tile the ranks exactly."""
-    if args.dp <= 0 or args.tp <= 0:
-        fail(f"--dp {args.dp} and --tp {args.tp} must be positive integers")
-    ranks_per_stage_column = args.dp * args.tp
-    if world % ranks_per_stage_column:
-        fixes = [f"{n} ranks (torchrun --nproc-per-node {n})" for n in near_multiples(world, ranks_per_stage_column)]
-        fixes += [f"--dp {d} --tp {t}" for d in range(args.dp, 0, -1) for t in range(args.tp, 0, -1)
-                  if world % (d * t) == 0 and d * t > 1][:1]
-        fail(f"the world size {world} is not divisible by --dp {args.dp} x --tp {args.tp} = {ranks_per_stage_column}: "
-             f"launch dp x stages x tp processes; use {' or '.join(fixes)}")
-
-
-def tp_fix(args, world, tp):
-    """How to ask for tp ranks per stage: the same replicas and stages, so the world size follows."""
-    n = args.dp * (world // (args.dp * args.tp)) * tp
-    return f"--tp {tp} with {n} ranks (torchrun --nproc-per-node {n})"
 
 
 # ----------------------------------------------------------------------------- the grid

@@ -42,15 +42,15 @@ import torch.distributed as dist
 from mp import checkpoint
 from mp.buckets import GradBuckets
 from mp.check import report_replicas
+from mp.cli import joint_args
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
-from mp.errors import fail, note_one_rank
-from mp.flags import base_parser, validate_common
+from mp.errors import note_one_rank
 from mp.loop import Job, Sums, train
 from mp.optim import make_optimizer
+from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
-from mp.pp.flags import add_pipeline_flags, validate_pipeline, validate_zero
 from mp.pp.schedules import schedule_actions
 from mp.pp.timeline import Timeline
 from mp.pp.training import pipeline_check, stage_batch
@@ -61,24 +61,9 @@ PROGRAM = "pipeline_dp_joint"
 
 
 def parse_args(argv=None):
-    p = add_pipeline_flags(base_parser(__doc__))
-    p.add_argument("--dp", type=int, default=2, help="data-parallel pipelines; stages = world size / dp")
-    p.add_argument("--timeline", default=None, help="replica 0's measured schedule of the last step")
-    p.set_defaults(microbatches=3, batch_size=72)   # 72 = 2 pipelines x 3 microbatches x 12 samples
-    p.epilog = ("Defaults that differ from pipeline_microbatch.py's: --microbatches 3 (not 4) and\n"
-                "--batch-size 72 (not 64), so that 2 pipelines x 3 microbatches divide the batch.")
-    args = p.parse_args(argv)
-    validate_common(args, PROGRAM)
-    world = torchrun_env("gloo").world_size
-    if args.dp <= 0 or world % args.dp:
-        fixes = [f"--dp {d}" for d in range(2, world + 1) if world % d == 0][:2]
-        if args.dp > 0:
-            n = args.dp * 3
-            fixes.append(f"{n} ranks (torchrun --nproc-per-node {n}: {args.dp} pipelines of 3 stages)")
-        fail(f"the world size {world} is not divisible by --dp {args.dp}: launch dp x stages processes; "
-             f"use {' or '.join(fixes)}")
-    validate_pipeline(args, stages=world // args.dp, replicas=args.dp)
-    validate_zero(args, args.dp)
+    args = joint_args(argv, __doc__)   # mp/cli.py: the flags and every check they allow, without torch
+    resolve_balance(args, stages=torchrun_env("gloo").world_size // args.dp)   # --balance auto
+    checkpoint.validate(args)               # the checkpoint to resume from, if any: whole, and of this run
     return args
 
 

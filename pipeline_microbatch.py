@@ -44,33 +44,31 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mp import checkpoint
+from mp.cli import pipeline_args
 from mp.clipping import clip_global
 from mp.data import StreamedInputs, agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, one_work_per_op, torchrun_env
 from mp.dropout import DropoutKeys
 from mp.errors import CommError, note_one_rank
-from mp.flags import base_parser, validate_common
 from mp.loop import Job, Sums, train
 from mp.models import build_model, num_blocks
 from mp.optim import make_optimizer
+from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
-from mp.pp.flags import add_pipeline_flags, validate_pipeline
 from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, schedule_actions
 from mp.pp.timeline import Timeline, TimelineRecorder
 from mp.pp.training import pipeline_check, stage_batch
 from mp.pp.zero_bubble import split_weight_grads
-from mp.tp.collectives import split_sizes
+from mp.sizes import split_sizes
 
 PROGRAM = "pipeline_microbatch"
 
 
 def parse_args(argv=None):
-    p = add_pipeline_flags(base_parser(__doc__))
-    p.add_argument("--timeline", default=None, help="write the last step's measured schedule (Chrome trace)")
-    args = p.parse_args(argv)
-    validate_common(args, PROGRAM)
-    validate_pipeline(args, stages=torchrun_env("gloo").world_size, replicas=1)
+    args = pipeline_args(argv, __doc__)   # mp/cli.py: the flags and every check they allow, without torch
+    resolve_balance(args, stages=torchrun_env("gloo").world_size)   # --balance auto: counted flops
+    checkpoint.validate(args)               # the checkpoint to resume from, if any: whole, and of this run
     return args
 
 

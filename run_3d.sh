@@ -65,9 +65,10 @@ GRID_LOG="$LOGS/parallel_3d_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_tp${TP}_n${NPRO
 # the plot's name: every knob off its default (the default run's plot keeps the README's name)
 PLOT="$PLOTS/3d_loss$(settings_tag MODEL NPROC DP TP MICROBATCHES SCHEDULE BATCH_SIZE)$EXTRA$SUFFIX.png"
 
-# the parallel program's arguments at its world size, before anything trains (parse_args only)
+# the parallel program's arguments at its world size, before anything trains (its checks in mp/cli.py)
 check_args parallel_3d "${COMMON[@]}" "${PARALLEL[@]}" --log-file "$GRID_LOG"
 check_baseline_args "${COMMON[@]}"
+run_checks                             # all at once, without torch: mp/tools/check_args.py
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"

@@ -59,10 +59,11 @@ JOINT_LOG+="${BALANCE_TAG}${ZERO_TAG}.jsonl"
 # the plot's name: every knob off its default (the default run's plot keeps the README's name)
 PLOT="$PLOTS/joint_loss$(settings_tag MODEL NPROC DP MICROBATCHES SCHEDULE BATCH_SIZE)$EXTRA$BALANCE_TAG$ZERO_TAG.png"
 
-# the parallel program's arguments at its world size, before anything trains (parse_args only)
+# the parallel program's arguments at its world size, before anything trains (its checks in mp/cli.py)
 check_args pipeline_dp_joint "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
     --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${ZERO_FLAGS[@]}" --log-file "$JOINT_LOG"
 check_baseline_args "${COMMON[@]}"
+run_checks                             # all at once, without torch: mp/tools/check_args.py
 
 STEP="the baseline (single_baseline.py${DELAY:+ --delay 1})"
 echo "== baseline${DELAY:+ with --delay 1, the 2bw reference}: one process"

@@ -76,6 +76,7 @@ for SCHEDULE in $SCHEDULE_LIST; do
         --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE") "${CKPT[@]}"
 done
 check_baseline_args "${COMMON[@]}"
+run_checks                             # all at once, without torch: mp/tools/check_args.py
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"

@@ -49,10 +49,11 @@ TP_LOG="$LOGS/tensor_parallel_${MODEL}${EXTRA}_tp${NPROC}_b${BATCH_SIZE}.jsonl"
 # the plot's name: every knob off its default (the default run's plot keeps the README's name)
 PLOT="$PLOTS/tp_loss$(settings_tag MODEL NPROC BATCH_SIZE HYBRID)$EXTRA.png"
 
-# the parallel program's arguments at its world size, before anything trains (parse_args only)
+# the parallel program's arguments at its world size, before anything trains (its checks in mp/cli.py)
 check_args tensor_parallel "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_LOG"
 if [ "$HYBRID" = 1 ]; then check_args tensor_parallel "${COMMON[@]}" --hybrid --backend "$BACKEND"; fi
 check_baseline_args "${COMMON[@]}"
+run_checks                             # all at once, without torch: mp/tools/check_args.py
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"

@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from mp import checkpoint
+from mp.cli import baseline_args
 from mp.data import agree_on_data, load_data, to_device
-from mp.dist import distributed, torchrun_env
-from mp.errors import fail
-from mp.flags import base_parser, validate_common
+from mp.dist import distributed
 from mp.loop import Job, evaluate, train, whole_model_run
 from mp.models import build_model
 from mp.optim import make_optimizer
@@ -29,14 +28,8 @@ PROGRAM = "single_baseline"
 
 
 def parse_args(argv=None):
-    p = base_parser(__doc__)
-    p.add_argument("--delay", type=int, choices=(0, 1), default=0,
-                   help="1: PipeDream-2BW's rule, the reference of pipeline_microbatch.py --schedule 2bw: "
-                        "step t's gradient is taken at the weights before the previous update")
-    args = p.parse_args(argv)
-    validate_common(args, PROGRAM)
-    if torchrun_env("gloo").world_size != 1:
-        fail("single_baseline.py runs in one process; launch it with python, or torchrun --nproc-per-node 1")
+    args = baseline_args(argv, __doc__)   # mp/cli.py: the flags and every check they allow, without torch
+    checkpoint.validate(args)               # the checkpoint to resume from, if any: whole, and of this run
     return args
 
 

@@ -54,17 +54,17 @@ import torch.nn.functional as F
 
 from mp import checkpoint
 from mp.check import check_and_exit, report_replicas, whole_model_step
+from mp.cli import tensor_parallel_args
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
-from mp.dist import awaiting, distributed, exit_now, torchrun_env
+from mp.dist import awaiting, distributed, exit_now
 from mp.dropout import KeyedDropout
 from mp.errors import note_one_rank
-from mp.flags import base_parser, validate_common
 from mp.loop import Job, Sums, evaluate, train, whole_model_run
 from mp.models import Attention, build_model, num_blocks
 from mp.optim import make_optimizer
-from mp.tp.collectives import all_reduce, split_sizes, tp_rank, tp_size
-from mp.tp.flags import validate_degree, validate_hybrid, validate_sequence_parallel
+from mp.sizes import split_sizes
+from mp.tp.collectives import all_reduce, tp_rank, tp_size
 from mp.tp.hybrid import HybridCNN
 from mp.tp.mappings import (gather_from_sequence_parallel_region, gather_from_tp_region,
                             reduce_scatter_to_sequence_parallel_region)
@@ -75,20 +75,8 @@ PROGRAM = "tensor_parallel"
 
 
 def parse_args(argv=None):
-    p = base_parser(__doc__)
-    p.add_argument("--check", action="store_true",
-                   help="one step on the first batch against the full model in this process; exit 0 on match")
-    p.add_argument("--hybrid", action="store_true",
-                   help="cnn: convolutions data-parallel on slices of the batch, fc layers tensor-parallel")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="vit: LayerNorms, dropouts and residual adds on 1/degree of the tokens per rank")
-    args = p.parse_args(argv)
-    validate_common(args, PROGRAM)
-    degree = torchrun_env("gloo").world_size  # env vars only: no collective yet
-    if args.sequence_parallel:
-        validate_sequence_parallel(args, degree)
-    validate = validate_hybrid if args.hybrid else validate_degree
-    validate(args, degree)
+    args = tensor_parallel_args(argv, __doc__)   # mp/cli.py: the flags and every check they allow, without torch
+    checkpoint.validate(args)               # the checkpoint to resume from, if any: whole, and of this run
     return args
 
 

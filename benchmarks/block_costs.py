@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mp.pp.balance import best_split, block_flops, stage_max  # noqa: E402
-from mp.tp.collectives import split_sizes  # noqa: E402  (the even split)
+from mp.sizes import split_sizes  # noqa: E402  (the even split)
 from mp.models import build_model  # noqa: E402
 
 

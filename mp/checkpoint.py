@@ -57,16 +57,12 @@ STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 def validate(args):
-    """Called with the flags, on every rank, before any collective: the directory is usable, and
-    its latest complete checkpoint (if any) is readable and of the same run. Sets args.resume_from."""
+    """Called by each program's parse_args after the flags' own checks, on every rank, before any
+    collective: the directory's latest complete checkpoint (if any) is readable and of the same run
+    (DCP's metadata needs torch, so the launchers' check of the flags cannot read it). Sets args.resume_from."""
     args.resume_from = None
-    if args.checkpoint_dir is None:
+    if args.checkpoint_dir is None:   # --save-every and a file in the way: checked with the flags (mp.flags)
         return
-    if args.save_every <= 0:
-        fail(f"--save-every {args.save_every} must be a positive integer")
-    if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
-        fail(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory; give a directory path "
-             f"(it is created if missing)")
     path = latest(args.checkpoint_dir)
     if path is None:
         return

@@ -1,15 +1,16 @@
 """The flags every program shares and their checks, run right after parsing, before any collective
-(each lesson adds its own flags on top of base_parser)."""
+(each program's own flags are added on top of base_parser in mp/cli.py). No torch: the launchers
+check every run's flags in one process before anything imports it (mp/tools/check_args.py)."""
 import argparse
 import copy
 import math
 import os
 import sys
 
-from mp import checkpoint
 from mp.errors import fail
-from mp.models import ACTIVATIONS
-from mp.optim import DEFAULT_LR
+from mp.sizes import ACTIVATION_NAMES
+
+DEFAULT_LR = {"sgd": 0.02, "adamw": 1e-3}   # --lr when it is not given (mp.optim builds the optimizer)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -56,7 +57,7 @@ def base_parser(description):
     p.add_argument("--layers", type=int, default=4, help="mlp: Linear layers; vit: blocks (the cnn has 5 fixed blocks)")
     p.add_argument("--hidden", type=int, default=128, help="mlp: width; vit: embedding width")
     p.add_argument("--heads", type=int, default=4, help="vit: attention heads")
-    p.add_argument("--activation", choices=ACTIVATIONS, default="gelu",
+    p.add_argument("--activation", choices=ACTIVATION_NAMES, default="gelu",
                    help="every model's activation; relu: --model mlp --layers 2 is the course's Linear-ReLU-Linear "
                         "(its kinks let float32 rounding differences grow: docs/equivalence.md)")
     p.add_argument("--data", choices=["auto", "cifar10", "synthetic"], default="auto",
@@ -153,4 +154,9 @@ def validate_common(args, program):
              f"choose --heads among the divisors of {args.hidden}")
     if args.log_file is None:
         args.log_file = os.path.join("logs", f"{program}.jsonl")
-    checkpoint.validate(args)
+    if args.checkpoint_dir is not None:   # what it holds is read later, with torch (mp.checkpoint.validate)
+        if args.save_every <= 0:
+            fail(f"--save-every {args.save_every} must be a positive integer")
+        if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+            fail(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory; give a directory path "
+                 f"(it is created if missing)")

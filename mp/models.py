@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from mp.dropout import DropoutKeys, KeyedDropout
+from mp.sizes import ACTIVATION_NAMES, num_blocks  # noqa: F401 (num_blocks: the programs read it here)
 
 
 NUM_CLASSES = 10
@@ -16,6 +17,7 @@ NUM_CLASSES = 10
 # gelu, the default: smooth, so a 1e-7 rounding difference between layouts stays 1e-7; relu's kink
 # flips a unit on or off when its input sits near 0 and turns the same difference into a visible one
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
+assert tuple(ACTIVATIONS) == ACTIVATION_NAMES   # the names --activation offers (mp.flags)
 
 
 class Attention(nn.Module):
@@ -112,10 +114,6 @@ def vit_blocks(layers, hidden, heads, dropout, act=nn.GELU):
     for _ in range(layers):
         yield TransformerBlock(hidden, heads, dropout, act)
     yield Head(hidden)
-
-
-def num_blocks(args):
-    return {"cnn": 5, "mlp": args.layers, "vit": args.layers + 2}[args.model]
 
 
 def seed_everything(seed):

@@ -13,7 +13,8 @@ and is asked through them instead.
 """
 import torch
 
-DEFAULT_LR = {"sgd": 0.02, "adamw": 1e-3}   # --lr when it is not given (mp.flags)
+from mp.flags import DEFAULT_LR
+
 KIND = {"momentum_buffer": "momentum"}       # torch's state names -> the checkpoint's (older checkpoints: momentum/)
 TORCH_NAME = {kind: name for name, kind in KIND.items()}
 

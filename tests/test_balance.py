@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mp.pp import balance
-from mp.tp.collectives import split_sizes
+from mp.sizes import split_sizes
 import pipeline_microbatch as pm
 from helpers import FAST, PYTHON, assert_one_error_line, assert_same_losses, launch
 

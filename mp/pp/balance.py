@@ -71,3 +71,11 @@ def stage_max(costs, split):
 def auto_balance(args, chunks):
     """--balance auto as the explicit list --balance takes, e.g. "1,1,1,2"."""
     return ",".join(map(str, best_split(block_flops(args), chunks)[1]))
+
+
+def resolve_balance(args, stages):
+    """After the flags' checks (mp.pp.flags, which found that the chunks fit the blocks): --balance
+    auto becomes the list it stands for, so that the log records the split that ran. Counting the
+    flops runs the blocks, so it needs torch and waits until the program, not the launcher, parses."""
+    if args.balance == "auto":
+        args.balance = auto_balance(args, stages * args.virtual_stages)

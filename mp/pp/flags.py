@@ -1,11 +1,10 @@
 """The pipeline programs' own flags and their arithmetic, checked from the flags and WORLD_SIZE alone,
 before any collective: every mistake is one `error:` line that states the numbers and a fix that
-works (pipeline_microbatch.py, pipeline_dp_joint.py and parallel_3d.py share them)."""
+works (pipeline_microbatch.py, pipeline_dp_joint.py and parallel_3d.py share them). No torch: the
+launchers run these checks before anything imports it (mp/cli.py)."""
 from mp.errors import fail
-from mp.models import num_blocks
-from mp.pp.balance import auto_balance
 from mp.pp.schedules import SCHEDULES
-from mp.tp.collectives import split_sizes
+from mp.sizes import num_blocks, split_sizes
 
 
 def add_pipeline_flags(p):
@@ -50,11 +49,10 @@ def validate_pipeline(args, stages, replicas, tp=1):
                  f"use {' or '.join(near)}, or --schedule 1f1b (without --virtual-stages)")
     if args.schedule == "2bw":
         validate_pipedream(args, stages)
-    if args.balance == "auto":
+    if args.balance == "auto":   # the program turns it into the list by counting flops (mp.pp.balance.resolve_balance)
         if chunks > num_blocks(args):
             fail(too_few_blocks(args, stages, replicas * tp))
-        args.balance = auto_balance(args, chunks)   # the explicit list: checked below and logged as run
-    if args.balance is not None:
+    elif args.balance is not None:
         try:
             balance = [int(b) for b in args.balance.split(",")]
         except ValueError:

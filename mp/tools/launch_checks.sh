@@ -162,25 +162,27 @@ in_knob_terms() {   # stdin to stdout with the programs' flags as the knobs: --m
         -e 's/torchrun --nproc-per-node \([0-9][0-9]*\)/NPROC=\1/g'
 }
 
-check_args() {   # PROGRAM ARGS...: the parallel program's parse_args at WORLD_SIZE=$NPROC (trains nothing)
-    local program=$1 err rc=0
-    shift
-    { err=$(WORLD_SIZE=$NPROC "$PYTHON" -c "import sys, $program as p; p.parse_args(sys.argv[1:])" "$@" \
-            2>&1 1>&3) || rc=$?; } 3>&1
+# The runs' arguments are checked all at once, before anything trains: check_args and
+# check_baseline_args queue a run, run_checks checks the queue in one python that does not import
+# torch (mp/tools/check_args.py: each program's parser and checks from mp/cli.py, at the world size
+# its ranks will have), so a refused setting answers in a fraction of a second.
+CHECKS=()
+check_args() {   # PROGRAM ARGS...: queue the parallel program's flags, to be checked at WORLD_SIZE=$NPROC
+    CHECKS+=(:: "$NPROC" "$@")
+}
+
+check_baseline_args() {   # ARGS...: queue the baseline's flags (it takes the extra flags too)
+    CHECKS+=(:: 1 single_baseline "$@")
+}
+
+run_checks() {   # the queued runs' flags; the first refused prints its one error line, in the knobs' terms
+    local err rc=0
+    { err=$("$PYTHON" -m mp.tools.check_args --launcher "$(basename "$0")" "${CHECKS[@]:1}" 2>&1 1>&3) || rc=$?; } 3>&1
     if [ "$rc" != 0 ]; then
         printf '%s\n' "$err" | in_knob_terms >&2   # the program's one error line: nothing has trained
         exit "$rc"
     fi
     if [ -n "$err" ]; then printf '%s\n' "$err" >&2; fi
-}
-
-check_baseline_args() {   # ARGS...: the baseline takes the extra flags too
-    local err rc=0
-    { err=$(env -u WORLD_SIZE "$PYTHON" -c "import sys, single_baseline as p; p.parse_args(sys.argv[1:])" "$@" \
-            2>&1 1>&3) || rc=$?; } 3>&1
-    if [ "$rc" != 0 ]; then
-        launcher_error "$(basename "$0") passes its extra flags to single_baseline.py too, which refused them: ${err#error: }"
-    fi
 }
 
 flags_tag() {   # the extra flags that change what runs, as part of a file name: --layers 6 -> _layers6

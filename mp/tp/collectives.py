@@ -19,11 +19,6 @@ def tp_size(group):
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def split_sizes(n, parts):
-    """torch.tensor_split's shard sizes: the first n % parts shards get one more (6 over 4: 2, 2, 1, 1)."""
-    return [n // parts + (r < n % parts) for r in range(parts)]
-
-
 def all_reduce(x, group):
     if tp_size(group) == 1:
         return x

@@ -3,7 +3,7 @@ least one neuron of each split layer; under --sequence-parallel an equal run of 
 under --hybrid an equal slice of the batch. A bad value is one `error:` line with the fix, exit 2
 (tensor_parallel.py, and parallel_3d.py for its --tp)."""
 from mp.errors import fail
-from mp.tp.sequence import VIT_TOKENS
+from mp.sizes import VIT_TOKENS
 
 
 def ranks_for(degree):

@@ -18,7 +18,8 @@ and the model that runs it (HybridCNN); its flag check is mp.tp.flags.validate_h
 """
 import torch.nn as nn
 
-from mp.tp.collectives import split_sizes, tp_rank, tp_size
+from mp.sizes import split_sizes
+from mp.tp.collectives import tp_rank, tp_size
 from mp.tp.mappings import gather_from_tp_region
 from mp.tp.replicas import SummedGradients
 

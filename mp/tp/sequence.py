@@ -14,12 +14,12 @@ parameters that see my tokens only, whose gradients are then summed over the gro
 import torch
 import torch.nn as nn
 
-from mp.models import PatchEmbed
 from mp.dropout import KeyedDropout
+from mp.models import PatchEmbed
+from mp.sizes import VIT_TOKENS
 from mp.tp.collectives import tp_rank, tp_size
 from mp.tp.replicas import SummedGradients
 
-VIT_TOKENS = (32 // 4) ** 2   # mp.models.PatchEmbed: 4x4 patches of a 32x32 image
 
 
 def my_tokens(group):

@@ -1,0 +1,130 @@
+"""Each program's command line: its own flags on top of mp.flags.base_parser, and every check that
+needs only the flags and the world size, which torchrun gives each rank as WORLD_SIZE. No torch, so
+a launcher checks every run it will start, in one process and before anything imports torch, the way
+each rank will check it (python -m mp.tools.check_args); each program's parse_args runs the same
+function first, then the checks that need torch (a checkpoint's files, --balance auto's counted flops).
+
+A mistake is one `error:` line with the numbers and a fix that works, and exit status 2 (mp.errors.fail).
+"""
+import argparse
+import os
+from functools import partial
+
+from mp.errors import fail
+from mp.flags import base_parser, validate_common
+from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
+from mp.tp.flags import validate_degree, validate_hybrid, validate_sequence_parallel
+
+
+def world_size():
+    """The number of ranks torchrun started (1 under plain python)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def baseline_args(argv, doc):
+    p = base_parser(doc)
+    p.add_argument("--delay", type=int, choices=(0, 1), default=0,
+                   help="1: PipeDream-2BW's rule, the reference of pipeline_microbatch.py --schedule 2bw: "
+                        "step t's gradient is taken at the weights before the previous update")
+    args = p.parse_args(argv)
+    validate_common(args, "single_baseline")
+    if world_size() != 1:
+        fail("single_baseline.py runs in one process; launch it with python, or torchrun --nproc-per-node 1")
+    return args
+
+
+def pipeline_args(argv, doc):
+    p = add_pipeline_flags(base_parser(doc))
+    p.add_argument("--timeline", default=None, help="write the last step's measured schedule (Chrome trace)")
+    args = p.parse_args(argv)
+    validate_common(args, "pipeline_microbatch")
+    validate_pipeline(args, stages=world_size(), replicas=1)
+    return args
+
+
+def joint_args(argv, doc):
+    p = add_pipeline_flags(base_parser(doc))
+    p.add_argument("--dp", type=int, default=2, help="data-parallel pipelines; stages = world size / dp")
+    p.add_argument("--timeline", default=None, help="replica 0's measured schedule of the last step")
+    p.set_defaults(microbatches=3, batch_size=72)   # 72 = 2 pipelines x 3 microbatches x 12 samples
+    p.epilog = ("Defaults that differ from pipeline_microbatch.py's: --microbatches 3 (not 4) and\n"
+                "--batch-size 72 (not 64), so that 2 pipelines x 3 microbatches divide the batch.")
+    args = p.parse_args(argv)
+    validate_common(args, "pipeline_dp_joint")
+    world = world_size()
+    if args.dp <= 0 or world % args.dp:
+        fixes = [f"--dp {d}" for d in range(2, world + 1) if world % d == 0][:2]
+        if args.dp > 0:
+            n = args.dp * 3
+            fixes.append(f"{n} ranks (torchrun --nproc-per-node {n}: {args.dp} pipelines of 3 stages)")
+        fail(f"the world size {world} is not divisible by --dp {args.dp}: launch dp x stages processes; "
+             f"use {' or '.join(fixes)}")
+    validate_pipeline(args, stages=world // args.dp, replicas=args.dp)
+    validate_zero(args, args.dp)
+    return args
+
+
+def tensor_parallel_args(argv, doc):
+    p = base_parser(doc)
+    p.add_argument("--check", action="store_true",
+                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    p.add_argument("--hybrid", action="store_true",
+                   help="cnn: convolutions data-parallel on slices of the batch, fc layers tensor-parallel")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="vit: LayerNorms, dropouts and residual adds on 1/degree of the tokens per rank")
+    args = p.parse_args(argv)
+    validate_common(args, "tensor_parallel")
+    degree = world_size()
+    if args.sequence_parallel:
+        validate_sequence_parallel(args, degree)
+    validate = validate_hybrid if args.hybrid else validate_degree
+    validate(args, degree)
+    return args
+
+
+def grid_args(argv, doc):
+    """parallel_3d.py: the pipeline flags, and the grid's --dp and --tp."""
+    p = add_pipeline_flags(base_parser(doc))
+    p.add_argument("--dp", type=int, default=2, help="data-parallel replicas; stages = world size / (dp x tp)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per stage (the innermost axis)")
+    p.add_argument("--timeline", default=None, help="replica 0, tp rank 0's measured schedule of the last step")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="vit: LayerNorms, dropouts, residual adds and the pipeline cuts on 1/tp of the tokens per rank")
+    p.add_argument("--scatter-gather", action=argparse.BooleanOptionalAction, default=True,
+                   help="a cut whose activation is whole on every tp rank: each sends 1/tp of it, the receivers "
+                        "all-gather (Narayanan et al. 2021, section 4.1)")
+    args = p.parse_args(argv)
+    validate_common(args, "parallel_3d")
+    refuse_pipedream(args, "parallel_3d")
+    world = world_size()
+    validate_grid(args, world)
+    validate_degree(args, args.tp, use_degree=partial(tp_fix, args, world))
+    if args.sequence_parallel:
+        validate_sequence_parallel(args, args.tp, use_degree=partial(tp_fix, args, world))
+    validate_pipeline(args, stages=world // (args.dp * args.tp), replicas=args.dp, tp=args.tp)
+    validate_zero(args, args.dp)
+    return args
+
+
+def validate_grid(args, world):
+    """world = dp x pp x tp: the grid must tile the ranks exactly."""
+    if args.dp <= 0 or args.tp <= 0:
+        fail(f"--dp {args.dp} and --tp {args.tp} must be positive integers")
+    ranks_per_stage_column = args.dp * args.tp
+    if world % ranks_per_stage_column:
+        fixes = [f"{n} ranks (torchrun --nproc-per-node {n})" for n in near_multiples(world, ranks_per_stage_column)]
+        fixes += [f"--dp {d} --tp {t}" for d in range(args.dp, 0, -1) for t in range(args.tp, 0, -1)
+                  if world % (d * t) == 0 and d * t > 1][:1]
+        fail(f"the world size {world} is not divisible by --dp {args.dp} x --tp {args.tp} = {ranks_per_stage_column}: "
+             f"launch dp x stages x tp processes; use {' or '.join(fixes)}")
+
+
+def tp_fix(args, world, tp):
+    """How to ask for tp ranks per stage: the same replicas and stages, so the world size follows."""
+    n = args.dp * (world // (args.dp * args.tp)) * tp
+    return f"--tp {tp} with {n} ranks (torchrun --nproc-per-node {n})"
+
+
+# each program's parser by the program's name (mp.tools.check_args reads a program's docstring from its file)
+PARSERS = {"single_baseline": baseline_args, "pipeline_microbatch": pipeline_args, "pipeline_dp_joint": joint_args,
+           "tensor_parallel": tensor_parallel_args, "parallel_3d": grid_args}

@@ -1,0 +1,18 @@
+"""What the flags' checks need to know about the models and their splits, without torch: how many
+blocks a model has, how many tokens the vit reads, the activations by name, and how n things split
+into parts. mp.models, mp.tp and the flags (mp/cli.py, which the launchers run before anything
+imports torch) all read them here, so the checks and the models cannot disagree."""
+
+ACTIVATION_NAMES = ("gelu", "relu")   # mp.models.ACTIVATIONS: the module of each
+VIT_TOKENS = (32 // 4) ** 2           # mp.models.PatchEmbed: 4x4 patches of a 32x32 image
+
+
+def num_blocks(args):
+    """The blocks a pipeline stage is made of: the cnn's 5, the mlp's Linear layers, the vit's
+    transformer blocks plus its patch embedding and its head."""
+    return {"cnn": 5, "mlp": args.layers, "vit": args.layers + 2}[args.model]
+
+
+def split_sizes(n, parts):
+    """torch.tensor_split's shard sizes: the first n % parts shards get one more (6 over 4: 2, 2, 1, 1)."""
+    return [n // parts + (r < n % parts) for r in range(parts)]
