@@ -21,7 +21,9 @@ def examples():
 def test_each_example_prints_its_error_line(command, line):
     words = shlex.split(command)
     world = 1
-    if words[0] == "torchrun":
+    if words[:3] == ["python", "-m", "mp.tools.torchrun"]:
+        words = words[2:]                                  # the repo's torchrun, as the docs launch it
+    if words[0] in ("torchrun", "mp.tools.torchrun"):
         world = int(words[words.index("--nproc-per-node") + 1])
         words = words[words.index("--") + 1:]
     else:
