@@ -46,12 +46,14 @@ def test_missing_log_is_a_clear_error(tmp_path, capsys):
 
 
 def fake_log(path, batch_size=32, steps=5, loss_shift=0.0, evals=(), program="single_baseline", **more):
-    """A metrics log written by hand: config, train records, eval records, summary."""
+    """A metrics log written by hand: config, train records, eval records, summary. An evaluation is
+    its step (test loss 2.0, accuracy 0.3) or (step, test loss, test accuracy)."""
     args = {"model": "cnn", "data": "synthetic", "seed": 0, "batch_size": batch_size, "lr": 0.02,
             "momentum": 0.9, "steps": steps, "layers": 4, "hidden": 128, "heads": 4, **more}
     records = [{"event": "config", "program": program, "args": args, "world_size": 1}]
     records += [{"event": "train", "step": s, "loss": 2.3 - 0.01 * s + loss_shift} for s in range(steps)]
-    records += [{"event": "eval", "step": s, "test_loss": 2.0, "test_acc": 0.3} for s in evals]
+    records += [{"event": "eval", "step": s, "test_loss": 2.0, "test_acc": 0.3} if isinstance(s, int)
+                else {"event": "eval", "step": s[0], "test_loss": s[1], "test_acc": s[2]} for s in evals]
     records.append({"event": "summary", "steps": steps})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
@@ -271,3 +273,66 @@ def test_a_figure_gets_the_mode_the_users_umask_gives(tmp_path, umask):
         os.umask(before)
     assert os.stat(tmp_path / "f.png").st_mode & 0o777 == os.stat(tmp_path / "plain.txt").st_mode & 0o777 \
         == 0o666 & ~umask
+
+
+def colour_pixels(fig, ax, colour):
+    """How many pixels inside ax are drawn in colour (the legend taken away first: its swatches
+    would show a colour that the curves hide)."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    if ax.get_legend():
+        ax.get_legend().remove()
+    fig.canvas.draw()
+    image = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+    box = ax.get_window_extent()
+    top = image.shape[0] - int(box.y1)                   # the buffer's rows run from the top
+    inside = image[top:image.shape[0] - int(box.y0), int(box.x0):int(box.x1)]
+    target = np.array([round(255 * c) for c in to_rgb(colour)])
+    return int((np.abs(inside - target).sum(axis=-1) < 30).sum())
+
+
+def test_bit_identical_runs_are_each_visible_and_the_legend_names_the_twin(tmp_path, monkeypatch):
+    """GPipe's and 1F1B's losses are bit-identical: the run drawn second must not hide the first, and
+    the legend says which run it repeats; a run equal to the baseline says so; a run 1e-7 away from
+    another is not called identical."""
+    kept = drawn_figure(monkeypatch)
+    base = fake_log(tmp_path / "base.jsonl", steps=300, evals=range(49, 300, 50))
+    pp = lambda name, schedule, shift: fake_log(tmp_path / name, steps=300, evals=range(49, 300, 50),
+                                                program="pipeline_microbatch", schedule=schedule, loss_shift=shift)
+    runs = [base, pp("gpipe.jsonl", "gpipe", 3e-7), pp("1f1b.jsonl", "1f1b", 3e-7), pp("zb.jsonl", "zb", 4e-7),
+            fake_log(tmp_path / "tp.jsonl", steps=300, evals=range(49, 300, 50), program="tensor_parallel")]
+    plot_curves.plot_curves(runs, str(tmp_path / "x.png"))
+    loss_ax, diff_ax, acc_ax = kept["fig"].axes
+    legend = [t.get_text() for t in loss_ax.get_legend().get_texts()]
+    gpipe, one_f_one_b, zb, tp = legend[1:]
+    assert "identical" not in gpipe and "identical" not in zb, legend
+    assert "identical to pipeline_microbatch (gpipe, batch 32)" in one_f_one_b, legend
+    assert "= baseline" in tp, legend
+    for ax in (loss_ax, diff_ax, acc_ax):                                   # gpipe's line and 1f1b's differ
+        first, second = ([line for line in ax.get_lines() if line.get_label().startswith(f"pipeline_microbatch ({s}")]
+                         for s in ("gpipe", "1f1b"))
+        assert len(first) == len(second) == 1 and first[0].get_marker() != second[0].get_marker(), ax.get_title()
+    for colour in ("C0", "C1"):                                             # gpipe's and 1f1b's colours both show
+        assert colour_pixels(kept["fig"], loss_ax, colour) > 100, colour
+
+
+def test_a_few_evaluations_are_points_with_a_note_saying_what_they_mean(tmp_path, monkeypatch):
+    """60 steps, an evaluation every 50: two points, accuracy down while the test loss falls. They are
+    drawn as points (no line claiming a trend) under a note that says why they may disagree; six
+    evaluations are a curve with no note."""
+    kept = drawn_figure(monkeypatch)
+    evals = [(49, 2.10, 0.31), (59, 2.02, 0.28)]
+    base = fake_log(tmp_path / "base.jsonl", steps=60, evals=evals)
+    other = fake_log(tmp_path / "pp.jsonl", steps=60, evals=evals, program="pipeline_microbatch", loss_shift=3e-7)
+    plot_curves.plot_curves([base, other], str(tmp_path / "x.png"))
+    acc_ax = kept["fig"].axes[2]
+    note = " ".join(" ".join(t.get_text() for t in acc_ax.texts).split())
+    assert "2 evaluations (steps 49, 59): too few to show a trend" in note, note
+    assert "test loss 2.1 -> 2.02" in note and "accuracy 31.0% -> 28.0%" in note, note
+    assert all(line.get_linestyle() == "None" for line in acc_ax.get_lines() if line.get_marker() not in ("", "None"))
+    kept.clear()
+    six = [(s, 2.0, 0.3) for s in range(49, 300, 50)]
+    base = fake_log(tmp_path / "base6.jsonl", steps=300, evals=six)
+    plot_curves.plot_curves([base, fake_log(tmp_path / "pp6.jsonl", steps=300, evals=six)], str(tmp_path / "x.png"))
+    acc_ax = kept["fig"].axes[2]
+    assert not acc_ax.texts and all(line.get_linestyle() != "None" for line in acc_ax.get_lines())

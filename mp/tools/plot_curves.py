@@ -10,9 +10,14 @@ logs/single_baseline.jsonl, and every program takes --log-file and --timeline PA
 Curves: the first log is the baseline. One figure: training loss of every log, the largest
 |loss - baseline loss| per window of steps on a log scale with the 1e-4 line of the equivalence
 contract (every parallel program logs the baseline's per-step loss within 1e-4), and test accuracy
-where logged. Steps are numbered from 0, as in the logs and on the programs' consoles. Runs whose
-settings differ (model, data, seed, batch size, lr, momentum, steps, sizes) are not comparable
-step by step: each difference is named on stderr and in the title.
+where logged. Each parallel run has a colour and marker of its own in every panel, and the runs take
+turns along one dash pattern, so runs that lie on one another (every run within the contract is
+within a pixel of the baseline) all show; a run whose per-step losses repeat an earlier run's bit for
+bit says so in the legend ("identical to <run>", "= baseline"), as GPipe's and 1F1B's do. Fewer than
+4 evaluations are drawn as points, not a line, under a note saying they show no trend and why test
+accuracy may fall while the test loss falls. Steps are numbered from 0, as in the logs and on the
+programs' consoles. Runs whose settings differ (model, data, seed, batch size, lr, momentum, steps,
+sizes) are not comparable step by step: each difference is named on stderr and in the title.
 Timelines: the Chrome-trace files that `pipeline_microbatch.py --timeline` writes, drawn as Gantt
 charts one above the other, each beside the planned clock table of its schedule, stages and
 microbatches (mp.pp.schedules.clock_cells, as python -m mp.tools.schedule draws it). Measured: a
@@ -166,14 +171,7 @@ def plot_curves(paths, out, beside=()):
     panels += ["acc"] if any(series(recs, "eval", "test_acc")[0] for _, recs in runs) else []
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
     ax = dict(zip(panels, axes[0]))
-    for i, (label, records) in enumerate(runs):
-        # the baseline wide and pale underneath, so curves that match it sit visibly on top
-        style = {"lw": 3, "color": "black", "alpha": 0.3} if i == 0 else {"lw": 1.2, "ls": "--"}
-        ax["loss"].plot(*series(records, "train", "loss"), label=label + (" [baseline]" if i == 0 else ""), **style)
-        if "acc" in ax:
-            ax["acc"].plot(*series(records, "eval", "test_acc"), marker="o", label=label, **style)
-        if i > 0:
-            draw_differences(ax["diff"], differences(runs[0][1], records), label)
+    draw_runs(ax, runs)
     for label, records in others:
         shown = label + " [beside: not compared]"
         ax["loss"].plot(*series(records, "train", "loss"), label=shown, lw=1.2, ls=":", color="tab:grey")
@@ -181,6 +179,101 @@ def plot_curves(paths, out, beside=()):
             ax["acc"].plot(*series(records, "eval", "test_acc"), marker="x", ls=":", color="tab:grey", label=shown)
         gap = max((d for _, d in differences(runs[0][1], records)), default=float("nan"))
         print(f"drawn beside, not compared: {label}: largest |loss - {runs[0][0]}| {gap:.3g}")
+    label_axes(ax)
+    fig.suptitle(title_of(runs, mismatches), color="red" if mismatches else "black")
+    diffs = largest_differences(runs)
+    save(fig, out, {"kind": "curves", "runs": [run_summary(label, records, diffs.get(label))
+                                               for label, records in runs],
+                    "beside": [run_summary(label, records, None) for label, records in others]})
+    return diffs
+
+
+def identical_to(runs):
+    """{i: j}: run i logged the same training losses at the same steps as the earlier run j (the
+    first such; 0 is the baseline). Bit for bit (==), not "within what is visible": every run that
+    keeps the 1e-4 contract lies within a pixel of the baseline on a loss axis, so the eye cannot
+    tell them apart and "identical" would name them all. Bit-identical is a fact a student can check
+    in the logs, and it is the case where one line hides another in every panel, the difference
+    panel included (GPipe and 1F1B compute the same sums, only scheduled in another order)."""
+    losses = [series(records, "train", "loss") for _, records in runs]
+    return {i: next(j for j in range(i) if losses[j] == losses[i])
+            for i in range(1, len(runs)) if losses[i] in losses[:i]}
+
+
+def legend_label(runs, i, twins):
+    """The run's label, and on a second line the earlier run whose losses it repeats bit for bit."""
+    if i not in twins:
+        return runs[i][0]
+    return runs[i][0] + ("\n= baseline (bit-identical losses)" if twins[i] == 0
+                         else f"\nidentical to {runs[twins[i]][0]}")
+
+
+MARKERS = "os^Dv<>p"
+DASH = 5   # points of one dash; the parallel runs take turns along a cycle of one dash each
+
+
+def run_style(i, count):
+    """Run i's colour, marker and dashes, the same in every panel. The parallel runs' dashes take turns
+    (of every count - 1 dashes, run i draws the i-th): runs within the contract lie within a pixel of
+    each other, and plain dashed lines would let the last one drawn hide the rest."""
+    if i == 0:   # the baseline wide and pale underneath, so curves that match it sit visibly on top
+        return {"lw": 3, "color": "black", "alpha": 0.3}
+    parallel = count - 1
+    dashes = (0, (DASH, DASH)) if parallel == 1 else ((i - 1) * DASH, (DASH, (parallel - 1) * DASH))
+    return {"lw": 1.4, "color": f"C{(i - 1) % 10}", "marker": MARKERS[(i - 1) % len(MARKERS)], "ls": dashes}
+
+
+def marks(i, count, points, per_line=12):
+    """markevery for run i: about per_line markers, each parallel run's between the others', so two
+    runs on one line show both marker shapes instead of one on top of the other."""
+    parallel = max(1, count - 1)
+    every = max(parallel, -(-points // per_line))
+    return ((i - 1) * every // parallel, every)
+
+
+def draw_runs(ax, runs):
+    """Every run in every panel: training loss, its difference from the baseline, test accuracy."""
+    twins, few = identical_to(runs), few_evaluations(runs)
+    for i, (label, records) in enumerate(runs):
+        style, shown = run_style(i, len(runs)), legend_label(runs, i, twins)
+        steps, losses = series(records, "train", "loss")
+        ax["loss"].plot(steps, losses, label=label + " [baseline]" if i == 0 else shown,
+                        markevery=marks(i, len(runs), len(steps)) if i else None, **style)
+        if "acc" in ax:
+            # every evaluation marked; later runs' markers smaller, so equal points show as rings
+            points = {**style, "marker": style.get("marker", "o"), "markersize": 4 + 2 * (len(runs) - 1 - i)}
+            if few:      # a line through two or three points would claim a trend they cannot show
+                points["ls"] = "none"
+            ax["acc"].plot(*series(records, "eval", "test_acc"), label=shown, **points)
+        if i > 0:
+            draw_differences(ax["diff"], differences(runs[0][1], records), shown, style, i, len(runs))
+    if "acc" in ax and few:
+        ax["acc"].text(0.02, 0.98, few, transform=ax["acc"].transAxes, va="top", fontsize=7,
+                       bbox={"facecolor": "white", "edgecolor": "grey", "alpha": 0.9})
+
+
+MIN_EVALUATIONS = 4   # fewer points than this are no trend: one evaluation's wobble decides the slope
+
+
+def few_evaluations(runs):
+    """The note for an accuracy panel of fewer than MIN_EVALUATIONS evaluations (None for more): what
+    the points can and cannot say, and why accuracy may fall while the test loss falls."""
+    base = [r for r in runs[0][1] if r["event"] == "eval"]
+    count = max(sum(r["event"] == "eval" for r in records) for _, records in runs)
+    if count >= MIN_EVALUATIONS or not base:
+        return None
+    if len(base) == 1:
+        note = f"1 evaluation (step {base[0]['step']}): a single point, no trend."
+    else:
+        note = (f"{len(base)} evaluations (steps {', '.join(str(r['step']) for r in base)}): too few to show "
+                f"a trend,\ndrawn as points, not a line. Accuracy counts each test image's\ntop guess only; "
+                f"the test loss also weighs how sure the model is,\nso the two can move apart between "
+                f"nearby evaluations.\nbaseline: test loss {base[0]['test_loss']:.3g} -> {base[-1]['test_loss']:.3g}, "
+                f"accuracy {base[0]['test_acc']:.1%} -> {base[-1]['test_acc']:.1%}")
+    return note + "\nFor a curve: more --steps or a smaller --eval-every (EVAL_EVERY)."
+
+
+def label_axes(ax):
     ax["loss"].set(xlabel="step (from 0)", ylabel="training loss", title="training loss")
     if "acc" in ax:
         ax["acc"].axhline(0.1, color="grey", lw=1, ls=":", label="chance")
@@ -190,12 +283,6 @@ def plot_curves(paths, out, beside=()):
         a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # whole steps: no step 2.5
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
-    fig.suptitle(title_of(runs, mismatches), color="red" if mismatches else "black")
-    diffs = largest_differences(runs)
-    save(fig, out, {"kind": "curves", "runs": [run_summary(label, records, diffs.get(label))
-                                               for label, records in runs],
-                    "beside": [run_summary(label, records, None) for label, records in others]})
-    return diffs
 
 
 def run_summary(label, records, difference):
@@ -208,13 +295,14 @@ def run_summary(label, records, difference):
             "final_test_acc": evals[-1]["test_acc"] if evals else None, "largest_difference": difference}
 
 
-def draw_differences(ax, pairs, label, floor=1e-12):
+def draw_differences(ax, pairs, label, style, i, count, floor=1e-12):
     """The largest |loss - baseline| per window of steps, as a line on a log scale (exact: the floor)."""
     if not pairs:
         return
     maxima, size = window_maxima(pairs)
     steps, worst = zip(*maxima)
-    ax.semilogy(steps, [max(d, floor) for d in worst], marker=".", lw=1.2, label=label)
+    ax.semilogy(steps, [max(d, floor) for d in worst], label=label, markevery=marks(i, count, len(steps)),
+                **{**style, "lw": 1.2})
     ax.axhline(TOLERANCE, color="red", lw=1, ls=":")
     ax.set(xlabel="step (from 0)", ylim=(floor / 3, 1),
            ylabel="|loss - baseline loss|" + (f", largest per {size} steps" if size > 1 else ""),
