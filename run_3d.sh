@@ -32,7 +32,7 @@ knob BATCH_SIZE "64"                   # global: a multiple of DP x MICROBATCHES
 knob ZERO "0"                          # 1: --zero 1, ZeRO-1 (each replica keeps the optimizer state of 1/DP of
                                        #   the parameters), the 3-D run only
 shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
-                                       # SAVE_EVERY RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
+                                       # SAVE_EVERY RESTARTS CHECK_ONLY LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
 require_python
 check_environment
@@ -46,7 +46,6 @@ check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
 
-mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
 PARALLEL=(--backend "$BACKEND" --dp "$DP" --tp "$TP" --microbatches "$MICROBATCHES" --schedule "$SCHEDULE")
@@ -58,7 +57,7 @@ if [ -n "$BALANCE" ]; then PARALLEL+=("${BALANCE_FLAGS[@]}"); SUFFIX+=$BALANCE_T
 zero_knob                              # ZERO: the 3-D run's --zero, and its tag in the names
 PARALLEL+=("${ZERO_FLAGS[@]}") SUFFIX+=$ZERO_TAG
 if [ "$ZERO" = 1 ]; then DOING+=", --zero 1"; fi
-EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+EXTRA=$(flags_tag "$@")                # e.g. _layers6: runs with other sizes keep their own logs
 run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 GRID_LOG="$LOGS/parallel_3d_${MODEL}${EXTRA}_${SCHEDULE}_dp${DP}_tp${TP}_n${NPROC}_m${MICROBATCHES}_b${BATCH_SIZE}${SUFFIX}.jsonl"
@@ -69,6 +68,7 @@ PLOT="$PLOTS/3d_loss$(settings_tag MODEL NPROC DP TP MICROBATCHES SCHEDULE BATCH
 check_args parallel_3d "${COMMON[@]}" "${PARALLEL[@]}" --log-file "$GRID_LOG"
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
+mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"

@@ -31,7 +31,7 @@ knob BATCH_SIZE "72"                   # global: a multiple of DP x MICROBATCHES
 knob ZERO "0"                          # 1: --zero 1, ZeRO-1 (each replica keeps the optimizer state of 1/DP of
                                        #   the parameters), the joint run only
 shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
-                                       # SAVE_EVERY RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
+                                       # SAVE_EVERY RESTARTS CHECK_ONLY LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
 require_python
 check_environment
@@ -44,10 +44,9 @@ KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n -
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
 
-mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
-EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+EXTRA=$(flags_tag "$@")                # e.g. _layers6: runs with other sizes keep their own logs
 run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 DELAY=()                               # 2bw trains by another rule: its reference is the baseline with --delay 1
@@ -64,6 +63,7 @@ check_args pipeline_dp_joint "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --mi
     --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${ZERO_FLAGS[@]}" --log-file "$JOINT_LOG"
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
+mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py${DELAY:+ --delay 1})"
 echo "== baseline${DELAY:+ with --delay 1, the 2bw reference}: one process"

@@ -38,7 +38,7 @@ knob BALANCE ""                        # blocks per stage (chunk), e.g. 1,1,1,2,
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"
 shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
-                                       # SAVE_EVERY RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
+                                       # SAVE_EVERY RESTARTS CHECK_ONLY LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
 require_python
 check_environment
@@ -53,10 +53,9 @@ check_knob RECOMPUTE "$RECOMPUTE" 0 1
 check_count NPROC "$NPROC"
 refuse_knob_flags "$@"
 
-mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
-EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+EXTRA=$(flags_tag "$@")                # e.g. _layers6: runs with other sizes keep their own logs
 run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 SUFFIX="" DOING=""                     # what the knobs change, in the file names and on the console
@@ -77,6 +76,7 @@ for SCHEDULE in $SCHEDULE_LIST; do
 done
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
+mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"

@@ -36,6 +36,21 @@ set -euo pipefail
 # (a step interrupted by Ctrl-C or scancel has said so in one line and exits 130: leave quietly)
 trap 'rc=$?; if [ $rc = 130 ]; then exit 130; fi
       echo "run_slurm.sh: stopped: this step failed with exit status $rc: $BASH_COMMAND" >&2' ERR
+# --help / -h: this header and every knob with its default and meaning, at once (no Slurm, no python)
+for arg in "$@"; do
+    case "$arg" in -h | --help)
+        echo "usage: [KNOB=value ...] sbatch run_slurm.sh [flags for both programs, e.g. --layers 6]"
+        echo
+        sed -n '2,/^set -euo pipefail/p' "$0" | sed -e '/^set -euo pipefail/d' -e '/^#SBATCH/!s/^# \{0,1\}//'
+        sed -n '/^set -euo pipefail/,/^fail() {/p' "$0" |   # the knobs' block: NAME=${NAME:-default}  # meaning
+            sed -nE 's/^([A-Z_]+)=\$\{[A-Z_]+:-([^}]*)\} *(# *)?(.*)$/\1\t"\2"\t\4/p' |
+            awk -F'\t' '{ printf "  %-15s %-26s %s\n", $1, $2, $3 }' | sed 's/ *$//'
+        echo
+        echo "Writes the baseline's and the parallel run's logs under \$LOGS (default logs/) and the figure under"
+        echo "\$PLOTS (default logs/plots/), named by the job id; docs/slurm.md explains every step."
+        exit 0 ;;
+    esac
+done
 
 PROGRAM=${PROGRAM:-pipeline_microbatch.py}  # pipeline_microbatch.py | pipeline_dp_joint.py | tensor_parallel.py | parallel_3d.py
 NPROC=${NPROC:-2}                      # ranks per node (GPUs per node on a GPU cluster); world = nodes x NPROC

@@ -23,7 +23,7 @@ knob BACKEND "auto"                    # auto | gloo | nccl
 knob HYBRID "0"                        # 1: also run --hybrid (cnn: data-parallel convolutions, tensor-parallel fc)
 knob BATCH_SIZE "64"
 shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
-                                       # SAVE_EVERY RESTARTS LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
+                                       # SAVE_EVERY RESTARTS CHECK_ONLY LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
 require_python
 check_environment
@@ -39,10 +39,9 @@ if [ "$HYBRID" = 1 ] && [ "$MODEL" != cnn ]; then
     launcher_error "HYBRID=1 needs MODEL=cnn (--hybrid runs the cnn's convolutions data-parallel), not MODEL=$MODEL"
 fi
 
-mkdir -p "$LOGS" "$PLOTS"
 COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "$@")
-EXTRA=$(flags_tag "$@")                # e.g. _layers_6: runs with other sizes keep their own logs
+EXTRA=$(flags_tag "$@")                # e.g. _layers6: runs with other sizes keep their own logs
 run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 TP_LOG="$LOGS/tensor_parallel_${MODEL}${EXTRA}_tp${NPROC}_b${BATCH_SIZE}.jsonl"
@@ -54,6 +53,7 @@ check_args tensor_parallel "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_L
 if [ "$HYBRID" = 1 ]; then check_args tensor_parallel "${COMMON[@]}" --hybrid --backend "$BACKEND"; fi
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
+mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"

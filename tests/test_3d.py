@@ -177,7 +177,7 @@ def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
     (["--layers", "2", "--dp", "1", "--tp", "2"], 6, "error: 3 pipeline stages but the mlp has only 2 blocks "
      "(one chunk needs at least one); use 4 ranks (torchrun --nproc-per-node 4) or --layers 3"),
     (["--dp", "2", "--tp", "2", "--microbatches", "3"], 8,
-     "error: --batch-size 16 is not divisible by 2 replica(s) x --microbatches 3"),
+     "error: --batch-size 16 is not divisible by 2 replicas x --microbatches 3"),
     (["--dp", "1", "--tp", "2", "--sequence-parallel"], 4,
      "error: --sequence-parallel shards the vit's sequence of 64 tokens, and --model mlp has no sequence: "
      "use --model vit, or drop --sequence-parallel"),

@@ -3,6 +3,8 @@ nothing is plotted after it."""
 import json
 import os
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -10,20 +12,29 @@ from mp.tools import plot_curves, plot_timeline
 from helpers import PYTHON, ROOT, written
 
 
-def launcher(script, tmp_path, args=(), **knobs):
+def launcher(script, tmp_path, args=(), cwd=None, **knobs):
     env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
-               OMP_NUM_THREADS="1", **knobs)   # PLOTS left to its default, $LOGS/plots
+               OMP_NUM_THREADS="1")   # PLOTS left to its default, $LOGS/plots
+    env.update(knobs)
     return subprocess.run(["bash", os.path.join(ROOT, script), *args], env=env, capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=240, cwd=cwd)
 
 
 def test_run_tp_plots_the_curves_and_prints_the_largest_difference(tmp_path):
-    run = launcher("run_tp.sh", tmp_path, ["--hidden", "32", "--layers", "4"], MODEL="mlp", STEPS="4", NPROC="2")
+    """Run from another directory, as `bash ~/mp/run_tp.sh`: a relative LOGS is the repository's
+    folder, and every path printed is absolute, so it opens from where the user stands."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = launcher("run_tp.sh", tmp_path, ["--hidden", "32", "--layers", "4"], cwd=elsewhere, MODEL="mlp",
+                   STEPS="4", NPROC="2", LOGS=os.path.relpath(tmp_path / "logs", ROOT))
     assert run.returncode == 0, run.stderr[-2000:]
     logs = tmp_path / "logs"      # not the committed plots/; every setting off its default in the names
     tag = "_mlp_hidden32_layers4_steps4_synthetic_evalevery0"
-    assert written(run.stdout) == [f"{logs}/single_baseline{tag}_b64.jsonl", f"{logs}/tensor_parallel{tag}_tp2_b64.jsonl",
-                                   f"{logs}/plots/tp_loss{tag}.png"], run.stdout
+    assert all(os.path.isabs(path) for path in written(run.stdout)), run.stdout
+    assert [os.path.realpath(path) for path in written(run.stdout)] == [
+        os.path.realpath(path) for path in (f"{logs}/single_baseline{tag}_b64.jsonl",
+                                            f"{logs}/tensor_parallel{tag}_tp2_b64.jsonl", f"{logs}/plots/tp_loss{tag}.png")]
+    assert f"wrote {os.path.join(ROOT, os.path.relpath(logs, ROOT))}/tensor_parallel" in run.stdout   # the program's line too
     assert all(os.path.getsize(path) > 0 for path in written(run.stdout))
     assert (logs / "plots" / f"tp_loss{tag}.png").stat().st_size > 10_000
     assert "largest |loss - baseline|" in run.stdout
@@ -50,7 +61,7 @@ def test_a_bad_knob_stops_the_launcher_before_anything_trains_in_the_knobs_terms
     assert not list((tmp_path / "logs").rglob("*.png")) and not list((tmp_path / "logs").glob("*.jsonl"))
     run = launcher("run_pipeline.sh", tmp_path, MODEL="mlp", MICROBATCHES="3")
     assert run.returncode == 2
-    assert run.stderr.splitlines() == ["error: BATCH_SIZE=64 is not divisible by 1 replica(s) x MICROBATCHES=3; "
+    assert run.stderr.splitlines() == ["error: BATCH_SIZE=64 is not divisible by MICROBATCHES=3; "
                                        "use BATCH_SIZE=63 or BATCH_SIZE=66"], run.stderr
     run = launcher("run_3d.sh", tmp_path, MODEL="mlp", RECOMPUTE="yes")
     assert run.stderr.splitlines() == ["error: RECOMPUTE=yes must be one of: 0 1"] and run.returncode == 2
@@ -131,3 +142,31 @@ def test_run_3d_checks_the_grid_before_anything_trains(tmp_path):
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.startswith("error: the world size NPROC=6 is not divisible by DP=2 x TP=2 = 4"), run.stderr
     assert "== baseline" not in run.stdout and not list((tmp_path / "logs").glob("*.jsonl"))
+
+
+def test_a_refused_setting_answers_at_once_and_the_check_never_imports_torch(tmp_path):
+    """Issue 47, item 4: a launcher checks every run's arguments in one python that does not import torch
+    (mp/tools/check_args.py), so a refused setting answers in well under 1.5 s (it took 3-11 s when each
+    check imported torch); CHECK_ONLY=1 checks everything and trains nothing."""
+    for script, knobs, line in (
+            ("run_pipeline.sh", {"MICROBATCHES": "3"}, "error: BATCH_SIZE=64 is not divisible by MICROBATCHES=3"),
+            ("run_pipeline.sh", {"SCHEDULE": "1f1b 2bw", "MICROBATCHES": "2"}, "error: SCHEDULE=2bw needs MICROBATCHES"),
+            ("run_joint.sh", {"DP": "4"}, "error: the world size NPROC=6 is not divisible by DP=4"),
+            ("run_tp.sh", {"MODEL": "vit", "NPROC": "3"}, "error: --heads 4 is not divisible"),
+            ("run_3d.sh", {"NPROC": "6"}, "error: the world size NPROC=6 is not divisible by DP=2 x TP=2")):
+        start = time.perf_counter()
+        run = launcher(script, tmp_path, **knobs)
+        took = time.perf_counter() - start
+        assert run.returncode == 2 and run.stderr.startswith(line), (script, knobs, run.stderr)
+        assert len(run.stderr.splitlines()) == 1 and took < 1.5, (script, knobs, took, run.stderr)
+    run = launcher("run_pipeline.sh", tmp_path, ["--layers", "8"], MODEL="mlp", CHECK_ONLY="1",
+                   SCHEDULE="gpipe 1f1b interleaved zb 2bw")
+    assert run.returncode == 0 and run.stdout.splitlines() == [
+        "CHECK_ONLY=1: the knobs and the arguments of the 6 runs (the baseline's included) are good; nothing trained"]
+    assert not (tmp_path / "logs").exists()
+    probe = ("import sys; from mp.tools import check_args; "
+             "check_args.main(['4', 'pipeline_microbatch', '--balance', 'auto', '::', '6', 'pipeline_dp_joint', '::', "
+             "'2', 'tensor_parallel', '--hybrid', '::', '8', 'parallel_3d', '::', '1', 'single_baseline']); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", (run.stdout, run.stderr)

@@ -138,8 +138,10 @@ def test_each_program_holds_its_own_mechanism():
     assert {"dist.batch_isend_irecv", "dist.P2POp"} <= calls("pipeline_microbatch.py")
     assert {"_CopyToTP", "_ReduceFromTP", "ColumnParallelLinear", "RowParallelLinear", "copy_to_tp_region",
             "reduce_from_tp_region"} <= defined("tensor_parallel.py")
-    assert {"Grid", "train_step"} <= defined("pipeline_dp_joint.py")
-    assert {"dist.new_group", "GradBuckets", "grads.wait", "all_reduce_flat"} <= calls("pipeline_dp_joint.py")
+    # the data-parallel gradient sync: buckets all-reduced as their gradients become final (all_reduce_flat
+    # is only the 2bw path's, so it is not the mechanism the lesson teaches)
+    assert {"Grid", "train_step", "data_parallel_buckets"} <= defined("pipeline_dp_joint.py")
+    assert {"dist.new_group", "GradBuckets", "grads.wait", "grads.zero_grad"} <= calls("pipeline_dp_joint.py")
     assert "dist.new_group" in calls("parallel_3d.py")
     assert {"train_step", "F.cross_entropy"} <= defined("single_baseline.py") | calls("single_baseline.py")
 

@@ -35,7 +35,8 @@ def validate_pipeline(args, stages, replicas, tp=1):
     if m <= 0:
         fail(f"--microbatches {m} must be a positive integer")
     if args.batch_size % (replicas * m):
-        fail(f"--batch-size {args.batch_size} is not divisible by {replicas} replica(s) x --microbatches {m}; "
+        by = f"--microbatches {m}" if replicas == 1 else f"{replicas} replicas x --microbatches {m}"
+        fail(f"--batch-size {args.batch_size} is not divisible by {by}; "
              f"use --batch-size {' or --batch-size '.join(map(str, near_multiples(args.batch_size, replicas * m)))}")
     if args.schedule == "interleaved":
         if stages == 1:   # chunk a would send to chunk b on the same rank: a message to itself

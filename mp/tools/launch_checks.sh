@@ -63,9 +63,17 @@ shared_knobs() {   # the knobs every run_*.sh has, with the same defaults
     knob CHECKPOINT_DIR ""                 # the parallel run saves checkpoints under it and resumes from the latest
     knob SAVE_EVERY "50"                   # with CHECKPOINT_DIR: save every K steps and after the last
     knob RESTARTS "0"                      # torchrun --max-restarts: a killed rank restarts the workers, which resume
+    knob CHECK_ONLY "0"                    # 1: check the knobs and every run's arguments, then stop (nothing trains)
     knob LOGS "logs"
     knob PLOTS "$LOGS/plots"               # PLOTS=plots rewrites the committed figures (docs/running.md)
     knob PYTHON "python"
+    # a relative LOGS or PLOTS is the repository's folder, where the launcher runs (it changed into it);
+    # run from elsewhere (bash ~/mp/run_tp.sh), every path it and the programs print is absolute, so
+    # that each opens from where the user stands
+    if [ "$OLDPWD" != "$PWD" ]; then
+        case "$LOGS" in /*) ;; *) LOGS="$PWD/$LOGS" ;; esac
+        case "$PLOTS" in /*) ;; *) PLOTS="$PWD/$PLOTS" ;; esac
+    fi
 }
 
 require_python() {   # before anything else: PYTHON must be an interpreter that has torch
@@ -183,6 +191,12 @@ run_checks() {   # the queued runs' flags; the first refused prints its one erro
         exit "$rc"
     fi
     if [ -n "$err" ]; then printf '%s\n' "$err" >&2; fi
+    if [ "$CHECK_ONLY" = 1 ]; then
+        local runs=0 arg
+        for arg in "${CHECKS[@]}"; do if [ "$arg" = :: ]; then runs=$((runs + 1)); fi; done
+        echo "CHECK_ONLY=1: the knobs and the arguments of the $runs runs (the baseline's included) are good; nothing trained"
+        exit 0
+    fi
 }
 
 flags_tag() {   # the extra flags that change what runs, as part of a file name: --layers 6 -> _layers6
@@ -202,6 +216,7 @@ flags_tag() {   # the extra flags that change what runs, as part of a file name:
 run_knobs() {   # after COMMON and EXTRA: ACTIVATION, OPTIMIZER, DROPOUT and CLIP go to both programs and into
                 # the log names; RESTARTS to torchrun (TORCHRUN_OPTS); CHECKPOINT_DIR is the parallel run's (checkpoint_flags)
     check_knob ACTIVATION "$ACTIVATION" gelu relu
+    check_knob CHECK_ONLY "$CHECK_ONLY" 0 1
     check_knob OPTIMIZER "$OPTIMIZER" sgd adamw
     case "$RESTARTS" in '' | *[!0-9]*) launcher_error "RESTARTS=$RESTARTS must be 0 or a positive integer" ;; esac
     if [ -n "$CHECKPOINT_DIR" ]; then check_count SAVE_EVERY "$SAVE_EVERY"; fi
