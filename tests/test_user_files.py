@@ -201,3 +201,27 @@ def test_a_launchers_help_is_its_own_usage_at_once(script, flag, tmp_path):
     assert all(f"  {knob} " in out for knob in ("NPROC", "STEPS", "DATA", "SEED", "LOGS", "PLOTS")), out
     assert "$LOGS (default logs/)" in out and out.count("usage:") == 1
     assert not (tmp_path / "logs").exists() and not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_launcher_or_its_tools_start_says_at_most_one_line(tmp_path):
+    """Issue 43, item 4, the launchers: SIGINT to the whole process group, as a terminal sends it, while
+    the launcher checks its knobs and arguments, while the baseline imports torch, and while the tools a
+    launcher runs import theirs (torchrun's agent imports torch for seconds; plot_curves matplotlib):
+    exit status 130 (or the shell's own death by SIGINT, which a shell also shows as 130), at most one
+    line, never a traceback."""
+    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic", STEPS="2",
+               OMP_NUM_THREADS="1")
+    cases = [(["bash", os.path.join(ROOT, "run_tp.sh")], delay) for delay in (0.02, 0.1, 0.4, 1.5)]
+    cases += [([sys.executable, "-m", "mp.tools.torchrun", "--standalone", "--nproc-per-node", "2", "--",
+                "tensor_parallel.py", "--data", "synthetic", "--log-file", str(tmp_path / "tp.jsonl")], 0.3),
+              ([sys.executable, "-m", "mp.tools.plot_curves", "a.jsonl", "-o", str(tmp_path / "a.png")], 0.15)]
+    for cmd, delay in cases:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode in (130, -signal.SIGINT), (cmd[:3], delay, proc.returncode, err[-2000:])
+        assert "Traceback" not in err + out and len(err.strip().splitlines()) <= 1, (cmd[:3], delay, err[-2000:])
+    assert not (tmp_path / "a.png").exists()

@@ -8,7 +8,12 @@ train something else than the user meant. Refused here, with one `error:` line a
 a set variable that is a knob of another launcher only, and one a typo away from one of this
 launcher's knobs (a letter wrong, missing, extra or swapped, or the wrong case). Each launcher's
 knobs are read from its file (`knob NAME default`, or `NAME=${NAME:-default}`). Only the standard
-library: it runs before torch is imported."""
+library and mp.errors: it runs before torch is imported."""
+from mp.errors import say_when_interrupted, stop_on_interrupt
+if __name__ == "__main__":   # Ctrl-C now: one line and exit 130 (the launcher then leaves quietly)
+    stop_on_interrupt()
+    say_when_interrupted(lambda: "interrupted while checking the knobs; nothing has run")
+
 import glob
 import os
 import re

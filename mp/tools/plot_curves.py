@@ -31,9 +31,15 @@ whose compute differs by 1.25x or more. Every PNG is written whole or not at all
 name, then a rename; Ctrl-C exits 130 with one line) and records its title and
 the settings and results it drew in its text chunks (mp.tools.figure.png_record reads them).
 """
+from mp.errors import say_when_interrupted, stop_on_interrupt
+if __name__ == "__main__":   # Ctrl-C while matplotlib is imported: one line, exit 130 (main handles it after)
+    stop_on_interrupt()
+    say_when_interrupted(lambda: "interrupted while starting: no figure written")
+
 import argparse
 import json
 import os
+import signal
 import sys
 
 import matplotlib.ticker
@@ -318,6 +324,7 @@ def main(argv=None):
                    help="logs drawn next to the curves but not compared with the first (e.g. the synchronous "
                         "baseline beside 2bw and its single_baseline.py --delay 1 reference)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # from here, KeyboardInterrupt: save() cleans up
     for path in args.files + args.beside:
         if not os.path.exists(path):
             fail(f"{path} does not exist; run the program that writes it first")

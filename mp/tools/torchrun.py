@@ -10,6 +10,11 @@ naming it, and the exit status is the failed rank's own (2, 130, ...), not torch
 
     python -m mp.tools.torchrun --standalone --nproc-per-node 4 -- pipeline_microbatch.py --steps 10
 """
+from mp.errors import say_when_interrupted, stop_on_interrupt
+if __name__ == "__main__":   # Ctrl-C while torch is imported (seconds): one line, exit 130; no rank has started
+    stop_on_interrupt()      # (torchrun's agent puts its own handler in place when it starts the ranks)
+    say_when_interrupted(lambda: "interrupted while torchrun started: no rank had started")
+
 import logging
 import sys
 
