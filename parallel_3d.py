@@ -154,8 +154,8 @@ def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeli
     grads.final_late()                    # then their buckets start too
     grads.wait()                          # data parallelism: every bucket's all-reduce, then / D
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
-        norm = clip(runner, optimizer, args, grid)   # over tp shards, stages (--zero 1: and replicas)
-    runner.update(optimizer)              # --zero 1: my slices, then the all-gather
+        norm = clip(runner, optimizer, args, grid)   # over tp shards, stages (--zero 1, 2: and replicas)
+    runner.update(optimizer)              # --zero 1, 2: my slices, then the all-gather
     timeline.end(step)
     return loss, norm
 

@@ -93,15 +93,16 @@ class Grid:
 
 
 def data_parallel_buckets(model, runner, grid, args, late=()):
-    """The gradients as views into flat buckets (mp.buckets), each all-reduced (--zero 1: reduce-
-    scattered) over my column of the grid as soon as the executor says its gradients are final, so that
-    it overlaps the rest of the backward. None under 2bw, which steps its two weight versions in turn:
-    its gradients are averaged after the backward instead, in one flat all-reduce."""
+    """The gradients as views into flat buckets (mp.buckets), each all-reduced (--zero 1 and 2: reduce-
+    scattered; --zero 2: the whole buckets let go after it) over my column of the grid as soon as the
+    executor says its gradients are final, so that it overlaps the rest of the backward. None under
+    2bw, which steps its two weight versions in turn: its gradients are averaged after the backward
+    instead, in one flat all-reduce."""
     if runner.versions:
         return None
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # zb's W writes these in place itself
-    grads = GradBuckets(runner.parameters(), grid.dp_group, waiting(grid, args), shard=args.zero == 1,
-                        recorder=runner, late=late, direct=direct)
+    grads = GradBuckets(runner.parameters(), grid.dp_group, waiting(grid, args), shard=args.zero >= 1,
+                        recorder=runner, late=late, direct=direct, free=args.zero == 2)
     grads.name_params(model.named_parameters())   # for its error lines
     return grads
 
@@ -135,14 +136,14 @@ def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeli
             all_reduce_flat([p.grad for p in runner.parameters()], grid.dp_group, divide_by=grid.dp_size)
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
         norm = clip(runner, optimizer, args, grid)
-    runner.update(optimizer)              # --zero 1: my slices, then the all-gather; 2bw: the versions swap
+    runner.update(optimizer)              # --zero 1, 2: my slices, then the all-gather; 2bw: the versions swap
     timeline.end(step)
     return loss, norm
 
 
 def clip(runner, optimizer, args, grid):
     """The global gradient norm, and clipping (mp.clipping): over the stages (and parallel_3d.py's tp
-    shards); --zero 1: each replica holds the mean gradient of its slices only, so over the slices,
+    shards); --zero 1, 2: each replica holds the mean gradient of its slices only, so over the slices,
     the replicas' squares summed too."""
     if not args.zero:
         return clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups, runner.counted)
@@ -152,7 +153,7 @@ def clip(runner, optimizer, args, grid):
 
 def train_job(args, env, grid, runner, model, data, grads, program, step=train_step):
     """The loop's Job for D pipelines: the step (this file's, or parallel_3d.py's), the optimizer
-    (--zero 1: mp.zero's, over my slices of the buckets), my layout, who logs."""
+    (--zero 1, 2: mp.zero's, over my slices of the buckets), my layout, who logs."""
     optimizer = ZeroOptimizer(grads, args) if args.zero else make_optimizer(runner.parameters(), args)
     actions = schedule_actions(args.schedule, runner.pos, args.microbatches)   # the same every step
     owner = runner.pos.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0   # logs the loss

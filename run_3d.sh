@@ -30,7 +30,8 @@ knob DATA "auto"                       # auto | cifar10 | synthetic
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"                   # global: a multiple of DP x MICROBATCHES
 knob ZERO "0"                          # 1: --zero 1, ZeRO-1 (each replica keeps the optimizer state of 1/DP of
-                                       #   the parameters), the 3-D run only
+                                       #   the parameters); 2: --zero 2, ZeRO-2 (and 1/DP of the gradients after
+                                       #   the backward), the 3-D run only
 shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
                                        # SAVE_EVERY RESTARTS CHECK_ONLY LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 
@@ -56,7 +57,7 @@ balance_knob                           # BALANCE: the 3-D run's --balance, and i
 if [ -n "$BALANCE" ]; then PARALLEL+=("${BALANCE_FLAGS[@]}"); SUFFIX+=$BALANCE_TAG DOING+=", --balance $BALANCE"; fi
 zero_knob                              # ZERO: the 3-D run's --zero, and its tag in the names
 PARALLEL+=("${ZERO_FLAGS[@]}") SUFFIX+=$ZERO_TAG
-if [ "$ZERO" = 1 ]; then DOING+=", --zero 1"; fi
+if [ "$ZERO" != 0 ]; then DOING+=", --zero $ZERO"; fi
 EXTRA=$(flags_tag "$@")                # e.g. _layers6: runs with other sizes keep their own logs
 run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
 BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"

@@ -22,7 +22,9 @@ itself (in place, no autograd, so no hook would run) are `direct`: W reports the
 Every replica runs the same schedule on the same stage, so the buckets start in the same order on
 every rank of the group (gloo and nccl need that). shard=True (--zero 1, mp.zero): each bucket is
 padded to a multiple of the group's size and reduce-scattered, so each replica receives the sum of
-its 1/D of every bucket only.
+its 1/D of every bucket only. free=True (--zero 2) goes one step further: once the reduce-scatters
+are done, the whole buckets are let go, so that between the backward and the next step a replica
+holds only its slices of the gradients (zero_grad() makes the whole buckets again, for the backward).
 """
 import time
 
@@ -48,9 +50,14 @@ class Bucket:
             self.offsets.append(n)
             n += p.numel()
         self.numel, self.parts = n, parts
-        self.grad = torch.zeros(-(-n // parts) * parts, dtype=params[0].dtype, device=device)
-        self.views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(params, self.offsets)]
+        self.padded, self.dtype, self.device = -(-n // parts) * parts, params[0].dtype, device
+        self.make_grad()
         self.work, self.started, self.final = None, False, set()
+
+    def make_grad(self):
+        """The flat gradient, zeroed, and each parameter's view into it."""
+        self.grad = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
     def hold_params(self):
         """--zero 1: the parameters' data become views into one flat tensor too, so that an all-gather
@@ -63,7 +70,7 @@ class Bucket:
     def segments(self, rank):
         """[(parameter, its first element in my shard, in the parameter, how many)]: the pieces of the
         parameters that my shard of this bucket holds."""
-        size = self.grad.numel() // self.parts
+        size = self.padded // self.parts
         lo, hi, out = rank * size, (rank + 1) * size, []
         for p, o in zip(self.params, self.offsets):
             a, b = max(lo, o), min(hi, o + p.numel())
@@ -89,12 +96,14 @@ class GradBuckets:
     parallel sums): final() leaves them alone and final_late() says them final after those sums.
     direct: weights whose gradients our own code writes in place (zero-bubble's W): no hook on them."""
 
-    def __init__(self, params, group, waiting, shard=False, bucket_mb=BUCKET_MB, recorder=None, late=(), direct=()):
+    def __init__(self, params, group, waiting, shard=False, bucket_mb=BUCKET_MB, recorder=None, late=(), direct=(),
+                 free=False):
         params = [p for p in params if p.requires_grad][::-1]   # backward finishes the last layers first
         self.late_ids = {id(p) for p in late}
         self.late = [p for p in params if id(p) in self.late_ids]
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.waiting, self.sharded, self.recorder = waiting, shard, recorder
+        self.free = free and shard          # --zero 2: the whole buckets exist from zero_grad() to wait() only
         device = params[0].device if params else torch.device("cpu")
         self.buckets = [Bucket(ps, self.size if shard else 1, device) for ps in buckets(params, bucket_mb * 2**20)]
         self.where = {id(p): b for b in self.buckets for p in b.params}
@@ -104,7 +113,7 @@ class GradBuckets:
         for p in params:
             if id(p) not in direct:
                 p.register_post_accumulate_grad_hook(self.arrived)
-        self.shard_grads = [torch.zeros(b.grad.numel() // self.size, dtype=b.grad.dtype, device=device)
+        self.shard_grads = [torch.zeros(b.padded // self.size, dtype=b.dtype, device=device)
                             for b in self.buckets] if shard else None
         if shard:
             for b in self.buckets:
@@ -118,7 +127,10 @@ class GradBuckets:
         """Before a step's first backward: zero buckets, and each .grad a view into its bucket again (an
         optimizer's zero_grad(set_to_none=True) would drop the views)."""
         for b in self.buckets:
-            b.grad.zero_()
+            if b.grad is None:            # --zero 2 let it go after the last step's reduce-scatter
+                b.make_grad()
+            else:
+                b.grad.zero_()
             b.work, b.started, b.final = None, False, set()
             for p, view in zip(b.params, b.views):
                 p.grad = view
@@ -186,6 +198,11 @@ class GradBuckets:
         for b, flat in zip(self.buckets, self.shard_grads if self.sharded else [b.grad for b in self.buckets]):
             if self.size > 1:
                 flat /= self.size
+        if self.free:   # --zero 2: my slices are all the update needs; the whole gradients go now
+            for b in self.buckets:
+                b.grad, b.views = None, None
+                for p in b.params:
+                    p.grad = None
 
     def name(self, p):
         return self.names.get(id(p), f"a parameter of shape {list(p.shape)}")

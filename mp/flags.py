@@ -106,9 +106,10 @@ def add_optimizer_flags(p):
     p.add_argument("--beta2", type=float, default=0.999,
                    help="AdamW's decay rate of the squared gradient's running mean")
     p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon, added to the denominator")
-    p.add_argument("--zero", type=int, choices=[0, 1], default=0,
+    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0,
                    help="1: ZeRO-1, each data-parallel replica keeps the optimizer state of its 1/D slice of the "
-                        "parameters only (pipeline_dp_joint.py, parallel_3d.py)")
+                        "parameters only; 2: ZeRO-2, and between the backward and the next step only its 1/D of "
+                        "the gradients (pipeline_dp_joint.py, parallel_3d.py)")
 
 
 def validate_optimizer(args, program):

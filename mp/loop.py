@@ -20,7 +20,7 @@ from mp.clipping import finish_norms
 from mp.data import test_batches
 from mp.dist import awaiting, bounded_wait
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
-from mp.optim import optimizer_state_mb
+from mp.optim import grad_mb, optimizer_state_mb
 
 
 @dataclass
@@ -133,7 +133,7 @@ def train(args, env, job):
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
         checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
-              **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, optimizer),
+              **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
               **{k: getattr(args, k) for k in ("schedule", "microbatches") if hasattr(args, k)})   # a pipeline's
     log.close()
     if job.owner:
@@ -158,10 +158,13 @@ def saving(args, step):
     return args.checkpoint_dir and ((step + 1) % args.save_every == 0 or step == args.steps - 1)
 
 
-def optimizer_fields(env, optimizer):
-    """The summary's optimizer_state_mb: what each rank's optimizer state takes (param_mb's sibling;
-    SGD's momentum: once the parameters, AdamW: twice, --zero 1: divided by the replicas)."""
-    return {"optimizer_state_mb": gather_per_rank(env, optimizer_state_mb(optimizer), digits=4)}
+def optimizer_fields(env, model, optimizer):
+    """The summary's grad_mb and optimizer_state_mb, param_mb's siblings: what each rank's gradients
+    take after the last step (as much as its parameters; --zero 2: divided by the replicas) and its
+    optimizer state (SGD's momentum: once the parameters, AdamW: twice; --zero 1 and 2: divided by the
+    replicas)."""
+    return {"grad_mb": gather_per_rank(env, grad_mb(model.parameters(), optimizer), digits=4),
+            "optimizer_state_mb": gather_per_rank(env, optimizer_state_mb(optimizer), digits=4)}
 
 
 @torch.no_grad()

@@ -68,6 +68,19 @@ def load_param_state(optimizer, p, state):
             mine[TORCH_NAME.get(kind, kind)] = value.detach().to(p.device, p.dtype).clone()
 
 
+def grad_mb(params, optimizer):
+    """MB of the gradients this rank holds after a step's backward and update (the summary's grad_mb):
+    the .grad of the model's parameters and of the optimizer's own (--zero's slices), each storage
+    counted once, so gradients that are views into a flat bucket count as the bucket, padding included.
+    --zero 2 lets the whole buckets go, so only the slices are left."""
+    storages = {}
+    for p in list(params) + [q for group in optimizer.param_groups for q in group["params"]]:
+        if p.grad is not None:
+            storage = p.grad.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) / 2**20
+
+
 def optimizer_state_mb(optimizer):
     """MB (2**20 bytes) of the state tensors this rank holds: twice param_mb for AdamW, once for SGD."""
     if hasattr(optimizer, "state_mb"):

@@ -1,6 +1,7 @@
-"""ZeRO-1 (--zero 1, mp/zero.py): the same training as without it, half the optimizer state at D=2, and
-checkpoints in the baseline's coordinates that resume with or without it and in the baseline; the
-identity it stands on (reduce-scatter + all-gather = all-reduce) on gloo; its refusals."""
+"""ZeRO-1 and ZeRO-2 (--zero 1 and 2, mp/zero.py, mp/buckets.py): the same training as without them,
+half the optimizer state at D=2 (--zero 2: half the gradients too), and checkpoints in the baseline's
+coordinates that resume with or without it and in the baseline; the identity it stands on
+(reduce-scatter + all-gather = all-reduce) on gloo; its refusals."""
 import shutil
 
 import pytest
@@ -9,8 +10,9 @@ import torch.distributed as dist
 
 import parallel_3d
 import pipeline_dp_joint
+import single_baseline
 import tensor_parallel
-from helpers import assert_one_error_line, assert_same_losses, launch, run_ranks, slow
+from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks, slow
 from mp.buckets import ALL_GATHER, REDUCE_SCATTER
 from test_optimizer import ADAMW, STEPS, assert_same_state, full_tensors, reference, saved_run  # noqa: F401
 
@@ -65,6 +67,36 @@ def test_zero_trains_as_without_it_with_half_the_state(unsharded, reference, tmp
     assert all(abs(plain[r] - 2 * params[r]) <= 1e-3 for r in plain)   # AdamW: twice the parameters
 
 
+def test_zero2_trains_as_without_it_with_half_the_gradients_and_state(unsharded, reference, tmp_path):
+    """Issue 44, item 1: pipeline_dp_joint.py --zero 2 (2 replicas x 2 stages, AdamW, dropout and clipping)
+    logs the run without it to float32 rounding and the baseline within the contract; between steps each
+    replica holds half the gradients (the whole buckets let go after the reduce-scatter) and half the
+    state; its checkpoint holds the same weights and state, in the baseline's coordinates."""
+    run = saved_run(JOINT[0], JOINT[1] + ["--zero", "2"], JOINT[2], tmp_path)
+    assert_same_losses(run, unsharded[0], atol=1e-6)
+    assert_same_losses(run, reference[0])
+    got = full_tensors(tmp_path / "ck" / f"step-{STEPS:08d}", tmp_path / "zero2.pt")
+    want = full_tensors(unsharded[1] / "ck" / f"step-{STEPS:08d}", tmp_path / "plain.pt")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    plain, zero = (r.events("summary")[0] for r in (unsharded[0], run))
+    for rank in plain["grad_mb"]:         # half, give or take the padding of a bucket to a multiple of D
+        assert abs(plain["grad_mb"][rank] - plain["param_mb"][rank]) <= 1e-3, plain   # unsharded: as the params
+        assert abs(zero["grad_mb"][rank] - plain["grad_mb"][rank] / 2) <= 1e-3, (zero["grad_mb"], plain["grad_mb"])
+        assert abs(zero["optimizer_state_mb"][rank] - plain["optimizer_state_mb"][rank] / 2) <= 1e-3
+
+
+def test_zero2_as_plain_data_parallelism_with_sgd_matches_the_baseline(baseline, tmp_path):
+    """--dp equal to the world size is plain data parallelism (one stage): --zero 2 with SGD's momentum,
+    dropout and clipping logs the baseline's losses."""
+    flags = FAST + ["--model", "mlp", "--layers", "3", "--hidden", "32", "--batch-size", "16", "--steps", "8",
+                    "--dropout", "0.1", "--clip-grad-norm", "0.5"]
+    run = launch("pipeline_dp_joint.py", flags + ["--dp", "2", "--microbatches", "2", "--zero", "2"], tmp_path, nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_same_losses(run, baseline(flags))
+    assert "replicas of every stage: yes" in run.stdout
+
+
 def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, unsharded, tmp_path):
     """A --zero 1 run saves after step 10 (each parameter's whole state, gathered); the run without
     --zero and single_baseline.py resume from it, and a --zero 1 run resumes from the checkpoint the
@@ -91,10 +123,13 @@ def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, u
 @pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], slow(["--dp", "2", "--tp", "2", "--schedule", "zb"])])
 def test_zero_in_3d_trains_as_without_it(layout, tmp_path):
     flags = layout + ["--microbatches", "2"]
-    runs = [launch("parallel_3d.py", ADAMW + flags + zero, tmp_path, nproc=4, log_name=f"z{len(zero)}.jsonl")
-            for zero in ([], ["--zero", "1"])]
-    assert_same_losses(runs[1], runs[0], atol=1e-6)
-    assert "replicas of every stage: yes" in runs[1].stdout
+    runs = [launch("parallel_3d.py", ADAMW + flags + ["--zero", z], tmp_path, nproc=4, log_name=f"z{z}.jsonl")
+            for z in "012"]
+    for run in runs[1:]:                  # --zero 1 and --zero 2
+        assert_same_losses(run, runs[0], atol=1e-6)
+        assert "replicas of every stage: yes" in run.stdout
+    grads = [run.events("summary")[0]["grad_mb"] for run in runs]
+    assert all(abs(grads[2][r] - grads[0][r] / 2) <= 1e-3 for r in grads[0]), grads
 
 
 @pytest.mark.parametrize("parse,argv,world,message", [
@@ -104,7 +139,11 @@ def test_zero_in_3d_trains_as_without_it(layout, tmp_path):
     (pipeline_dp_joint.parse_args, ["--zero", "1", "--check"], 4, "error: --check compares every rank's whole"),
     (parallel_3d.parse_args, ["--zero", "1", "--dp", "1"], 4, "error: --zero 1 splits the optimizer state"),
     (tensor_parallel.parse_args, ["--zero", "1"], 2, "error: --zero 1: tensor_parallel.py has no data-parallel axis"),
-    (pipeline_dp_joint.parse_args, ["--zero", "2"], 4, "error: argument --zero: invalid choice"),
+    (pipeline_dp_joint.parse_args, ["--zero", "2", "--dp", "1"], 3,
+     "error: --zero 2 splits the optimizer state and the gradients over the data-parallel replicas"),
+    (pipeline_dp_joint.parse_args, ["--zero", "2", "--check"], 4, "error: --check compares every rank's whole"),
+    (single_baseline.parse_args, ["--zero", "2"], 1, "error: --zero 2: single_baseline.py has no data-parallel axis"),
+    (pipeline_dp_joint.parse_args, ["--zero", "3"], 4, "error: argument --zero: invalid choice"),
 ])
 def test_zero_where_it_cannot_run_is_one_error_line(parse, argv, world, message, monkeypatch, capsys):
     assert_one_error_line(parse, argv, world, message, monkeypatch, capsys)

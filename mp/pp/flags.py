@@ -111,15 +111,18 @@ def too_few_blocks(args, stages, replicas):
 
 
 def validate_zero(args, dp):
-    """--zero 1 (mp.zero) needs replicas to split the optimizer state over, and steps that stand alone."""
+    """--zero 1 and 2 (mp.zero) need replicas to split the state over, and steps that stand alone."""
     if not args.zero:
         return
+    z = f"--zero {args.zero}"
     if dp == 1:
-        fail("--zero 1 splits the optimizer state over the data-parallel replicas, and --dp 1 has one replica; "
-             "use --dp 2 or more (the world size a multiple of it), or drop --zero")
+        what = "the optimizer state" + (" and the gradients" if args.zero == 2 else "")
+        fail(f"{z} splits {what} over the data-parallel replicas, and --dp 1 has one replica; use --dp 2 or more "
+             "(the world size a multiple of it), or drop --zero")
     if args.schedule == "2bw":
-        fail("--zero 1 does not run with --schedule 2bw (2bw steps two weight versions in turn, each with its own "
-             "buckets of state); use --schedule 1f1b, or drop --zero")
+        fail(f"{z} does not run with --schedule 2bw (2bw steps two weight versions in turn, each with its own "
+             "buckets of state, and averages its gradients after the backward, not in buckets); use --schedule 1f1b, "
+             "or drop --zero")
     if args.check:
-        fail("--check compares every rank's whole gradients, which --zero 1 never assembles (each replica is sent "
+        fail(f"--check compares every rank's whole gradients, which {z} never assembles (each replica is sent "
              "the sum of its slice only); drop --zero for --check: the gradients and the update are the same")
