@@ -147,7 +147,9 @@ def test_run_3d_checks_the_grid_before_anything_trains(tmp_path):
 def test_a_refused_setting_answers_at_once_and_the_check_never_imports_torch(tmp_path):
     """Issue 47, item 4: a launcher checks every run's arguments in one python that does not import torch
     (mp/tools/check_args.py), so a refused setting answers in well under 1.5 s (it took 3-11 s when each
-    check imported torch); CHECK_ONLY=1 checks everything and trains nothing."""
+    check imported torch); CHECK_ONLY=1 checks everything and trains nothing. The median of five refusals
+    is timed (about 0.15 s each on 2 idle cores), so that one slowed by a busy machine does not decide."""
+    took = []
     for script, knobs, line in (
             ("run_pipeline.sh", {"MICROBATCHES": "3"}, "error: BATCH_SIZE=64 is not divisible by MICROBATCHES=3"),
             ("run_pipeline.sh", {"SCHEDULE": "1f1b 2bw", "MICROBATCHES": "2"}, "error: SCHEDULE=2bw needs MICROBATCHES"),
@@ -156,9 +158,10 @@ def test_a_refused_setting_answers_at_once_and_the_check_never_imports_torch(tmp
             ("run_3d.sh", {"NPROC": "6"}, "error: the world size NPROC=6 is not divisible by DP=2 x TP=2")):
         start = time.perf_counter()
         run = launcher(script, tmp_path, **knobs)
-        took = time.perf_counter() - start
+        took.append(time.perf_counter() - start)
         assert run.returncode == 2 and run.stderr.startswith(line), (script, knobs, run.stderr)
-        assert len(run.stderr.splitlines()) == 1 and took < 1.5, (script, knobs, took, run.stderr)
+        assert len(run.stderr.splitlines()) == 1, (script, knobs, run.stderr)
+    assert sorted(took)[2] < 1.5, took
     run = launcher("run_pipeline.sh", tmp_path, ["--layers", "8"], MODEL="mlp", CHECK_ONLY="1",
                    SCHEDULE="gpipe 1f1b interleaved zb 2bw")
     assert run.returncode == 0 and run.stdout.splitlines() == [
