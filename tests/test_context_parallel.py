@@ -1,13 +1,16 @@
 """Context parallelism: ring attention and Ulysses against plain attention tensor by tensor, the program
 against the baseline step by step (dropout and clipping on), --check, and the bad inputs refused."""
 import math
+import os
+import subprocess
 
 import pytest
 import torch
 from torch.testing import assert_close
 
 import context_parallel as cp
-from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks, slow
+from helpers import (FAST, PYTHON, ROOT, assert_one_error_line, assert_same_losses, launch, run_ranks, slow,
+                     written)
 
 
 def plain_attention(q, k, v):
@@ -130,3 +133,37 @@ def test_bad_input_under_torchrun_fails_on_every_rank_before_any_collective(tmp_
     assert run.returncode != 0 and run.exited(2)
     assert run.stderr.count("error: --heads 2 is not divisible by the context-parallel degree 4") == 1, run.stderr
     assert 'context_parallel.py", line' not in run.stderr
+
+
+# ----------------------------------------------------------------------------- run_cp.sh
+
+
+def launcher(tmp_path, args=(), **knobs):
+    env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
+               OMP_NUM_THREADS="1", **knobs)
+    return subprocess.run(["bash", os.path.join(ROOT, "run_cp.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_run_cp_draws_both_attentions_on_the_baseline(tmp_path):
+    run = launcher(tmp_path, ["--hidden", "16", "--layers", "1"], STEPS="3", PATCH_SIZE="8", DROPOUT="0.1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    logs, tag = tmp_path / "logs", "_hidden16_layers1_patchsize8_steps3_synthetic_evalevery0_dropout0.1"
+    assert written(run.stdout) == [f"{logs}/single_baseline_vit{tag}_b64.jsonl",
+                                   f"{logs}/context_parallel_vit{tag}_cp2_ring_b64.jsonl",
+                                   f"{logs}/context_parallel_vit{tag}_cp2_ulysses_b64.jsonl",
+                                   f"{logs}/plots/cp_loss{tag}.png"], run.stdout
+    assert (logs / "plots" / f"cp_loss{tag}.png").stat().st_size > 10_000
+    assert "largest |loss - baseline|" in run.stdout
+
+
+def test_run_cp_refuses_bad_knobs_in_its_terms_before_anything_trains(tmp_path):
+    run = launcher(tmp_path, NPROC="3")
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        "error: the vit's 64 tokens (PATCH_SIZE=4) are not divisible by the context-parallel degree NPROC=3; every "
+        "rank holds an equal run of tokens: use 2 ranks (NPROC=2) or 4 ranks (NPROC=4)"], run.stderr
+    run = launcher(tmp_path, ATTENTION="ring flash")
+    assert run.returncode == 2 and run.stderr.splitlines() == ["error: ATTENTION=flash must be one of: ring ulysses"]
+    run = launcher(tmp_path, ["--patch-size", "2"])
+    assert run.returncode == 2 and "use PATCH_SIZE=2 bash run_cp.sh" in run.stderr, run.stderr
+    assert not (tmp_path / "logs").exists()
