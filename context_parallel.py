@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from mp import checkpoint
 from mp.check import check_and_exit, report_replicas, whole_model_step
 from mp.cli import context_parallel_args
+from mp.cp.memory import SavedActivations
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
 from mp.dist import awaiting, distributed, exit_now
@@ -322,6 +323,7 @@ def build_context_parallel_model(args, group, device):
     head_fc = {id(p) for p in model[n_blocks - 1].fc.parameters()}
     # every weight before the head's all-reduce saw my tokens only: its gradient is my tokens' share
     model.partial_grads = SummedGradients([p for p in model.parameters() if id(p) not in head_fc], group)
+    model.saved_activations = SavedActivations(model)   # what the backward keeps of my tokens: the summary's
     return model
 
 
@@ -344,7 +346,7 @@ def train_step(step, model, optimizer, data, args, device, cp_grads, norm):
     norm. The logits are whole on every rank, so each computes the loss; cp rank 0 logs it."""
     x, y = (to_device(t, device) for t in data.batch(step, args.batch_size))   # the whole batch, on every rank
     optimizer.zero_grad(set_to_none=True)
-    with model.dropout_keys.training(step):
+    with model.dropout_keys.training(step), model.saved_activations.counting():   # activation_mb (mp.cp.memory)
         loss = F.cross_entropy(model(x), y)   # attention's communication runs inside the model
     loss.backward()
     sync_cp_grads(*cp_grads)

@@ -78,9 +78,21 @@ def test_program_logs_the_baseline_losses_and_norms(tmp_path, baseline, attentio
     assert config["program"] == "context_parallel" and config["world_size"] == nproc
     assert config["args"]["attention"] == attention and config["args"]["patch_size"] == patch
     summary, = run.events("summary")
-    assert sorted(summary["param_mb"]) == [str(r) for r in range(nproc)]
+    assert sorted(summary["param_mb"]) == sorted(summary["activation_mb"]) == [str(r) for r in range(nproc)]
     assert f"weights bit-identical across the {nproc} context-parallel ranks: yes" in run.stdout, run.stdout
     print(f"{attention} at degree {nproc}, {(32 // patch) ** 2} tokens: largest |loss difference| {worst:.2g}")
+
+
+def test_activation_memory_falls_with_the_ranks_at_1024_tokens(tmp_path):
+    """Issue 45's bar: at 1024 tokens, cp 4 saves at most 0.35 of what cp 1 saves for the backward."""
+    args = FAST + ["--hidden", "16", "--layers", "1", "--batch-size", "2", "--steps", "1", "--patch-size", "1"]
+    saved = {}
+    for nproc in (1, 4):
+        run = launch("context_parallel.py", args, tmp_path, nproc=nproc, log_name=f"cp{nproc}.jsonl")
+        assert run.returncode == 0, run.stderr[-2000:]
+        saved[nproc] = max(run.events("summary")[0]["activation_mb"].values())
+    assert saved[4] <= 0.35 * saved[1], saved
+    print(f"activation_mb at 1024 tokens: cp 1 {saved[1]:.2f}, cp 4 {saved[4]:.2f} ({saved[4] / saved[1]:.3f})")
 
 
 @pytest.mark.parametrize("attention,nproc", [("ring", 4), slow("ulysses", 2)])
