@@ -10,6 +10,7 @@ import argparse
 import os
 from functools import partial
 
+from mp.cp.flags import validate_context_parallel
 from mp.errors import fail
 from mp.flags import base_parser, validate_common
 from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
@@ -82,6 +83,21 @@ def tensor_parallel_args(argv, doc):
     return args
 
 
+def context_parallel_args(argv, doc):
+    """context_parallel.py: the vit only; --attention, --check; the degree is the world size."""
+    p = base_parser(doc)
+    p.set_defaults(model="vit")   # the one model with a sequence to split
+    p.add_argument("--attention", choices=["ring", "ulysses"], default="ring",
+                   help="ring: key/value blocks passed around the ranks (isend/irecv); ulysses: all-to-all from a "
+                        "token shard to a head shard and back")
+    p.add_argument("--check", action="store_true",
+                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    args = p.parse_args(argv)
+    validate_common(args, "context_parallel")
+    validate_context_parallel(args, world_size())
+    return args
+
+
 def grid_args(argv, doc):
     """parallel_3d.py: the pipeline flags, and the grid's --dp and --tp."""
     p = add_pipeline_flags(base_parser(doc))
@@ -127,4 +143,4 @@ def tp_fix(args, world, tp):
 
 # each program's parser by the program's name (mp.tools.check_args reads a program's docstring from its file)
 PARSERS = {"single_baseline": baseline_args, "pipeline_microbatch": pipeline_args, "pipeline_dp_joint": joint_args,
-           "tensor_parallel": tensor_parallel_args, "parallel_3d": grid_args}
+           "tensor_parallel": tensor_parallel_args, "parallel_3d": grid_args, "context_parallel": context_parallel_args}

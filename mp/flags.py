@@ -26,7 +26,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 # the model flags each model reads: a flag given for a model that ignores it is refused, not dropped
-MODEL_FLAGS = {"cnn": (), "mlp": ("--layers", "--hidden"), "vit": ("--layers", "--hidden", "--heads")}
+MODEL_FLAGS = {"cnn": (), "mlp": ("--layers", "--hidden"), "vit": ("--layers", "--hidden", "--heads", "--patch-size")}
 
 
 class Parser(argparse.ArgumentParser):
@@ -57,6 +57,8 @@ def base_parser(description):
     p.add_argument("--layers", type=int, default=4, help="mlp: Linear layers; vit: blocks (the cnn has 5 fixed blocks)")
     p.add_argument("--hidden", type=int, default=128, help="mlp: width; vit: embedding width")
     p.add_argument("--heads", type=int, default=4, help="vit: attention heads")
+    p.add_argument("--patch-size", type=int, default=4,
+                   help="vit: the side of a square patch; (32/P)^2 tokens (4: 64, 2: 256, 1: 1024)")
     p.add_argument("--activation", choices=ACTIVATION_NAMES, default="gelu",
                    help="every model's activation; relu: --model mlp --layers 2 is the course's Linear-ReLU-Linear "
                         "(its kinks let float32 rounding differences grow: docs/equivalence.md)")
@@ -153,6 +155,9 @@ def validate_common(args, program):
     if args.model == "vit" and args.hidden % args.heads:
         fail(f"--hidden {args.hidden} is not divisible by --heads {args.heads}; "
              f"choose --heads among the divisors of {args.hidden}")
+    if args.model == "vit" and (args.patch_size <= 0 or 32 % args.patch_size):
+        fail(f"--patch-size {args.patch_size} does not divide the 32-pixel side of an image; "
+             f"use one of 1, 2, 4, 8, 16, 32 (4: 64 tokens, 2: 256, 1: 1024)")
     if args.log_file is None:
         args.log_file = os.path.join("logs", f"{program}.jsonl")
     if args.checkpoint_dir is not None:   # what it holds is read later, with torch (mp.checkpoint.validate)

@@ -134,6 +134,7 @@ def train(args, env, job):
         checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
+              **activation_fields(env, job.model),
               **{k: getattr(args, k) for k in ("schedule", "microbatches") if hasattr(args, k)})   # a pipeline's
     log.close()
     if job.owner:
@@ -156,6 +157,13 @@ def saving(args, step):
     """Is a checkpoint due after this step (checkpoint.maybe_save's rule)? The log is written first, so
     that it holds every step the checkpoint does."""
     return args.checkpoint_dir and ((step + 1) % args.save_every == 0 or step == args.steps - 1)
+
+
+def activation_fields(env, model):
+    """The summary's activation_mb, where the program measures it (model.saved_activations, a
+    mp.cp.memory.SavedActivations: context_parallel.py): the bytes autograd saved for one step's backward."""
+    saved = getattr(model, "saved_activations", None)
+    return {} if saved is None else {"activation_mb": gather_per_rank(env, saved.mb(), digits=4)}
 
 
 def optimizer_fields(env, model, optimizer):

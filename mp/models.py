@@ -55,7 +55,8 @@ class TransformerBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """4x4 patches of a 32x32 image -> 64 tokens of width dim, plus a learned position embedding."""
+    """patch x patch squares of a 32x32 image -> (32/patch)^2 tokens of width dim (4: 64 tokens), plus a
+    learned position embedding."""
 
     def __init__(self, dim, patch=4):
         super().__init__()
@@ -107,10 +108,10 @@ def mlp_blocks(layers, hidden, dropout, act=nn.GELU):
     yield nn.Sequential(nn.Linear(hidden, NUM_CLASSES))
 
 
-def vit_blocks(layers, hidden, heads, dropout, act=nn.GELU):
+def vit_blocks(layers, hidden, heads, dropout, act=nn.GELU, patch=4):
     """dropout(): on the attention output and on the MLP output, before each residual add; act: the
-    block MLP's activation."""
-    yield PatchEmbed(hidden)
+    block MLP's activation; patch: --patch-size."""
+    yield PatchEmbed(hidden, patch)
     for _ in range(layers):
         yield TransformerBlock(hidden, heads, dropout, act)
     yield Head(hidden)
@@ -137,7 +138,7 @@ def model_blocks(args, keys):
         return cnn_blocks(dropout, act)
     if args.model == "mlp":
         return mlp_blocks(args.layers, args.hidden, dropout, act)
-    return vit_blocks(args.layers, args.hidden, args.heads, dropout, act)
+    return vit_blocks(args.layers, args.hidden, args.heads, dropout, act, getattr(args, "patch_size", 4))
 
 
 def build_model(args, keep=None, device="cpu"):

@@ -4,7 +4,20 @@ into parts. mp.models, mp.tp and the flags (mp/cli.py, which the launchers run b
 imports torch) all read them here, so the checks and the models cannot disagree."""
 
 ACTIVATION_NAMES = ("gelu", "relu")   # mp.models.ACTIVATIONS: the module of each
-VIT_TOKENS = (32 // 4) ** 2           # mp.models.PatchEmbed: 4x4 patches of a 32x32 image
+VIT_PATCH = 4                         # --patch-size's default
+
+
+def vit_tokens(patch=VIT_PATCH):
+    """The vit's sequence length: (32 / patch)^2 patches of a 32x32 image (mp.models.PatchEmbed)."""
+    return (32 // patch) ** 2
+
+
+VIT_TOKENS = vit_tokens()             # at the default patch: 64 tokens
+
+
+def tokens_of(args):
+    """The vit's tokens at this run's --patch-size (hand-made args without the flag: the default)."""
+    return vit_tokens(getattr(args, "patch_size", VIT_PATCH))
 
 
 def num_blocks(args):

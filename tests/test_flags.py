@@ -12,7 +12,8 @@ from torch.distributed.run import get_args_parser
 from mp import flags as mp_flags
 from helpers import PYTHON, ROOT
 
-PROGRAMS = ["single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel", "parallel_3d"]
+PROGRAMS = ["single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel", "parallel_3d",
+            "context_parallel"]
 
 
 class Captured(Exception):

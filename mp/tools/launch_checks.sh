@@ -135,7 +135,8 @@ refuse_knob_flags() {   # the extra arguments: a flag that has a knob is refused
         if [ "$typed" = --check ]; then   # the programs' own --check, not an abbreviated --checkpoint-dir
             case "$(basename "$0")" in
                 run_pipeline.sh) program=pipeline_microbatch.py ;; run_joint.sh) program=pipeline_dp_joint.py ;;
-                run_tp.sh) program=tensor_parallel.py ;; *) program=parallel_3d.py ;;
+                run_tp.sh) program=tensor_parallel.py ;; run_cp.sh) program=context_parallel.py ;;
+                *) program=parallel_3d.py ;;
             esac
             launcher_error "--check compares one step with the full model and trains nothing: run the program itself, e.g. torchrun --standalone --nproc-per-node $NPROC -- $program --data ${DATA:-auto} --check (the launcher trains and plots)"
         fi
@@ -167,6 +168,7 @@ in_knob_terms() {   # stdin to stdout with the programs' flags as the knobs: --m
     done
     sed "${script[@]}" -e 's/world size \([0-9][0-9]*\)/world size NPROC=\1/g' \
         -e 's/tensor-parallel degree \([0-9][0-9]*\)/tensor-parallel degree NPROC=\1/g' \
+        -e 's/context-parallel degree \([0-9][0-9]*\)/context-parallel degree NPROC=\1/g' \
         -e 's/torchrun --nproc-per-node \([0-9][0-9]*\)/NPROC=\1/g'
 }
 

@@ -84,7 +84,7 @@ def label_of(records, path):
     if config is None:
         return os.path.basename(path)
     args, parts = config["args"], []
-    for key in ("schedule", "dp", "tp", "microbatches"):
+    for key in ("schedule", "attention", "dp", "tp", "microbatches"):
         if args.get(key) is not None:
             parts.append(f"{'m' if key == 'microbatches' else key}={args[key]}" if key != "schedule"
                          else str(args[key]))

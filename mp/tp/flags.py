@@ -40,6 +40,9 @@ def validate_sequence_parallel(args, degree, use_degree=ranks_for):
     if args.model != "vit":
         fail(f"--sequence-parallel shards the vit's sequence of {VIT_TOKENS} tokens, and --model {args.model} "
              f"has no sequence: use --model vit, or drop --sequence-parallel")
+    if getattr(args, "patch_size", 4) != 4:   # mp.tp.sequence splits the default 64 tokens only
+        fail(f"--sequence-parallel splits the vit's {VIT_TOKENS} tokens of --patch-size 4, not --patch-size "
+             f"{args.patch_size}: drop --patch-size, or use context_parallel.py, which splits any sequence")
     if VIT_TOKENS % degree:
         fits = [d for d in range(2, VIT_TOKENS + 1) if VIT_TOKENS % d == 0]
         near = [max(d for d in fits if d < degree)] + [d for d in fits if d > degree][:1]

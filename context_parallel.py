@@ -1,0 +1,401 @@
+"""Context parallelism: the vit's sequence split across ranks, attention included.
+
+The lesson (Liu et al. 2023, "Ring attention with blockwise transformers"; Jacobs et al. 2023,
+"DeepSpeed Ulysses"): every rank holds the whole (small) model but only its run of T/N tokens, so
+every activation is N times smaller. Everything but attention is per token and runs on the shard
+alone; attention needs every token's keys and values, and gets them one of two ways:
+
+    --attention ring      each rank keeps its queries; the key/value blocks travel round the ring
+                          (isend to the next rank, irecv from the previous), one block a tick, and
+                          each block's scores are merged into a running softmax (max and sum per query)
+    --attention ulysses   one all-to-all swaps the token shard for a head shard (all T tokens, h/N
+                          heads), attention runs locally, a second all-to-all swaps back
+
+The ring's schedule on 4 ranks: the key/value block each rank holds at each tick (rank r starts with
+its own, r, and receives r-1's while it computes on r's). The backward sends the blocks the other
+way (to r-1), each carrying the dK, dV summed so far, so that after N ticks every block's gradient
+is home.
+
+    tick      0    1    2    3              backward:  0    1    2    3   then the dK,dV hop home
+    rank 0    kv0  kv3  kv2  kv1                       kv0  kv1  kv2  kv3
+    rank 1    kv1  kv0  kv3  kv2                       kv1  kv2  kv3  kv0
+    rank 2    kv2  kv1  kv0  kv3                       kv2  kv3  kv0  kv1
+    rank 3    kv3  kv2  kv1  kv0                       kv3  kv0  kv1  kv2
+
+The merge (the online softmax): for one query, block b gives scores s_b, its max m_b and
+l_b = sum exp(s_b - m_b), o_b = sum exp(s_b - m_b) v. With m = max(m_run, m_b), c = exp(m_run - m):
+l_run <- c l_run + exp(m_b - m) l_b and o_run <- c o_run + exp(m_b - m) o_b; at the end
+out = o_run / l_run and lse = m + log l_run, all the backward needs besides q, k, v and out.
+
+What this adds to single_baseline.py, in order: RingAttention (forward and backward written out),
+the all-to-all pair of Ulysses, the vit's blocks on my tokens (embedding, attention, keyed dropouts,
+the head's explicit all-reduce of the pooled mean), and train_step: the baseline's, with the
+gradients of the weights every rank applied to its own tokens summed over the ranks before the norm.
+
+    torchrun --standalone --nproc-per-node 2 context_parallel.py --data synthetic
+    torchrun --standalone --nproc-per-node 4 context_parallel.py --data synthetic --attention ulysses --check
+    torchrun --standalone --nproc-per-node 4 context_parallel.py --data synthetic --patch-size 2
+"""
+from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
+if __name__ == "__main__":
+    stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mp import checkpoint
+from mp.check import check_and_exit, report_replicas, whole_model_step
+from mp.cli import context_parallel_args
+from mp.cp.memory import SavedActivations
+from mp.clipping import clip_global
+from mp.data import agree_on_data, load_data, to_device
+from mp.dist import awaiting, distributed, exit_now
+from mp.dropout import KeyedDropout
+from mp.errors import note_one_rank
+from mp.loop import Job, Sums, evaluate, train, whole_model_run
+from mp.models import Attention, PatchEmbed, build_model, num_blocks
+from mp.optim import make_optimizer
+from mp.sizes import tokens_of
+from mp.tp.replicas import SummedGradients, average_replicated_grads, counted_once
+
+PROGRAM = "context_parallel"
+
+
+def parse_args(argv=None):
+    args = context_parallel_args(argv, __doc__)   # mp/cli.py: the flags and every check they allow, without torch
+    checkpoint.validate(args)                     # the checkpoint to resume from, if any: whole, and of this run
+    return args
+
+
+def cp_rank(group):
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def cp_size(group):
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+# ----------------------------------------------------------------------------- the ring: point to point
+
+
+def ring_neighbours(group):
+    """(prev_rank, next_rank): the global ranks before and after me on the ring of the group."""
+    ranks, me = dist.get_process_group_ranks(group), cp_rank(group)
+    return ranks[(me - 1) % len(ranks)], ranks[(me + 1) % len(ranks)]
+
+
+def send_recv(block, to, frm, group, tag):
+    """Post the receive of the next block from `frm` and the send of `block` to `to`; returns the buffer
+    the next block lands in and the two requests. Posted before the compute on `block`, so the transfer
+    overlaps it: the receive first, so that the peer's send always finds its match waiting."""
+    incoming = torch.empty_like(block)
+    requests = [dist.irecv(incoming, src=frm, group=group, tag=tag),
+                dist.isend(block, dst=to, group=group, tag=tag)]
+    return incoming, requests
+
+
+def wait_all(requests):
+    for request in requests:
+        request.wait()
+
+
+# ----------------------------------------------------------------------------- ring attention
+
+
+class RingAttention(torch.autograd.Function):
+    """Exact softmax attention of my queries over every rank's keys and values, which pass round the
+    ring; never more than one [T/N x T/N] block of scores at a time. q, k, v: [B, heads, T/N, head_dim].
+    Saves q, k, v, the output and the log-sum-exp of each query (not the T x T probabilities): the
+    backward recomputes each block's probabilities as exp(s - lse). A group of one (or None): the same
+    attention on one block, with no communication (Ulysses' local attention)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        n, scale = cp_size(group), math.sqrt(q.shape[-1])
+        prev_rank, next_rank = ring_neighbours(group) if n > 1 else (None, None)
+        kv = torch.stack([k, v])                                    # one message a tick, not two
+        out = torch.zeros_like(q)                                   # the running sum of exp(s - m) v
+        row_max = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
+        row_sum = torch.zeros_like(row_max)                         # the running sum of exp(s - m)
+        for tick in range(n):
+            if tick < n - 1:   # the next block (r - tick - 1's) is on its way while this one is computed
+                next_kv, requests = send_recv(kv, next_rank, prev_rank, group, tag=0)
+            scores = q @ kv[0].transpose(-2, -1) / scale           # [B, h, T/N, T/N]: this block only
+            new_max = torch.maximum(row_max, scores.amax(dim=-1))
+            correction = torch.exp(row_max - new_max)              # rescale what was summed under the old max
+            probs = torch.exp(scores - new_max.unsqueeze(-1))
+            row_sum = row_sum * correction + probs.sum(dim=-1)
+            out = out * correction.unsqueeze(-1) + probs @ kv[1]
+            row_max = new_max
+            if tick < n - 1:
+                wait_all(requests)
+                kv = next_kv
+        out = out / row_sum.unsqueeze(-1)
+        lse = row_max + torch.log(row_sum)                         # log of each query's softmax denominator
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, n, scale = ctx.group, cp_size(ctx.group), math.sqrt(q.shape[-1])
+        prev_rank, next_rank = ring_neighbours(group) if n > 1 else (None, None)
+        # dL/ds = P * (dL/dP - sum_j P_j dL/dP_j), and sum_j P_j dL/dP_j = sum_j P_j (dO . v_j) = dO . O
+        delta = (grad_out * out).sum(dim=-1, keepdim=True)
+        grad_q = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        grad_kv = torch.zeros_like(kv)        # the dK, dV of the block I hold, summed over the ranks it has visited
+        for tick in range(n):
+            if tick < n - 1:   # the other way round: blocks go to the previous rank, come from the next
+                next_kv, kv_requests = send_recv(kv, prev_rank, next_rank, group, tag=1)
+            probs = torch.exp(q @ kv[0].transpose(-2, -1) / scale - lse.unsqueeze(-1))   # recomputed, exact
+            grad_scores = probs * (grad_out @ kv[1].transpose(-2, -1) - delta) / scale
+            grad_q += grad_scores @ kv[0]
+            grad_kv[0] += grad_scores.transpose(-2, -1) @ q
+            grad_kv[1] += probs.transpose(-2, -1) @ grad_out
+            if n > 1:   # the block's gradient goes on with it; after the last tick it hops home
+                next_grad_kv, grad_requests = send_recv(grad_kv, prev_rank, next_rank, group, tag=2)
+                wait_all(grad_requests + (kv_requests if tick < n - 1 else []))
+                grad_kv = next_grad_kv
+                kv = next_kv if tick < n - 1 else kv
+        return grad_q, grad_kv[0], grad_kv[1], None
+
+
+def ring_attention(q, k, v, group):
+    return RingAttention.apply(q, k, v, group)
+
+
+# ----------------------------------------------------------------------------- Ulysses: two all-to-alls
+
+
+def all_to_all(x, group):
+    """x: [N, ...]; slice i goes to rank i, and slice i of the result came from rank i."""
+    x = x.contiguous()         # first: empty_like copies x's strides, and the collective writes row-major
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def tokens_to_heads(x, group):
+    """[..., h, T/N, d] (all heads, my tokens) -> [..., h/N, T, d] (my heads, all tokens)."""
+    n, (*lead, h, t, d) = cp_size(group), x.shape
+    parts = x.reshape(-1, n, h // n, t, d).transpose(0, 1)            # [N, batch, h/N, T/N, d]: part i for rank i
+    got = all_to_all(parts, group)                                     # got[j]: rank j's tokens of my heads
+    return got.permute(1, 2, 0, 3, 4).reshape(*lead, h // n, n * t, d)
+
+
+def heads_to_tokens(x, group):
+    """[..., h/N, T, d] (my heads, all tokens) -> [..., h, T/N, d] (all heads, my tokens): the inverse."""
+    n, (*lead, h, t, d) = cp_size(group), x.shape
+    parts = x.reshape(-1, h, n, t // n, d).permute(2, 0, 1, 3, 4)     # [N, batch, h/N, T/N, d]: rank i's tokens
+    got = all_to_all(parts, group)                                     # got[j]: my tokens of rank j's heads
+    return got.transpose(0, 1).reshape(*lead, n * h, t // n, d)
+
+
+class _TokensToHeads(torch.autograd.Function):
+    """Forward: tokens_to_heads; backward: heads_to_tokens (an all-to-all's conjugate is the inverse one)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return tokens_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_tokens(grad, ctx.group), None
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    """Forward: heads_to_tokens; backward: tokens_to_heads."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return heads_to_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tokens_to_heads(grad, ctx.group), None
+
+
+def ulysses_attention(q, k, v, group):
+    """One all-to-all takes q, k and v (stacked) to my h/N heads of all T tokens, attention runs there
+    with no more communication (RingAttention on one block: it saves no T x T matrix either), and a
+    second all-to-all takes the output back to all heads of my tokens."""
+    q, k, v = _TokensToHeads.apply(torch.stack([q, k, v]), group)
+    return _HeadsToTokens.apply(ring_attention(q, k, v, None), group)
+
+
+ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+# ----------------------------------------------------------------------------- the vit on my tokens
+
+
+def my_tokens(group, tokens):
+    """(first, count): my run of the sequence's tokens, equal contiguous shards in rank order."""
+    count = tokens // cp_size(group)
+    return count * cp_rank(group), count
+
+
+class ContextParallelAttention(Attention):
+    """mp.models.Attention with its whole weights, on my tokens: q, k, v and proj are per token; the
+    attention between them is the ring's or Ulysses'."""
+
+    def __init__(self, full, group, attention):
+        nn.Module.__init__(self)   # not Attention.__init__: the layers are the full block's own
+        self.q, self.k, self.v, self.proj, self.head_dim = full.q, full.k, full.v, full.proj, full.head_dim
+        self.group, self.attention = group, ATTENTION[attention]
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        return self.proj(self.attention(q, k, v, self.group).transpose(1, 2).reshape(b, t, -1))
+
+
+class ContextParallelEmbed(nn.Module):
+    """The patch embedding, then my run of tokens: every rank embeds the whole image (the input is
+    whole everywhere, and the embedding is not saved for backward) and keeps a copy of its tokens."""
+
+    def __init__(self, full, group):
+        super().__init__()
+        self.conv, self.pos, self.group = full.conv, full.pos, group   # PatchEmbed's names
+        self.tokens = full.pos.shape[1]
+
+    def forward(self, x):
+        # a copy, not a view: a view would keep the whole sequence's embedding alive
+        mine = PatchEmbed.forward(self, x).narrow(1, *my_tokens(self.group, self.tokens))
+        return mine.clone(memory_format=torch.contiguous_format)
+
+
+class _ReduceFromCP(torch.autograd.Function):
+    """Forward all-reduce (sum the ranks' shares of the pooled mean); backward identity (the gradient of
+    the sum with respect to each share is the sum's gradient, whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ContextParallelHead(nn.Module):
+    """The head on my tokens: LayerNorm, my tokens' share of the mean over all T, summed over the ranks
+    (explicitly: the only place the sequence is whole again), then the classifier on every rank."""
+
+    def __init__(self, full, group, tokens):
+        super().__init__()
+        self.ln, self.fc, self.group, self.tokens = full.ln, full.fc, group, tokens   # Head's names
+
+    def forward(self, x):
+        share = self.ln(x).sum(dim=1) / self.tokens
+        return self.fc(_ReduceFromCP.apply(share, self.group) if cp_size(self.group) > 1 else share)
+
+
+def context_parallel_block(i, block, group, n_blocks, tokens, attention):
+    """Block i of the vit, whole weights, made to run on my tokens (in place, same parameter names)."""
+    if i == 0:
+        return ContextParallelEmbed(block, group)
+    if i == n_blocks - 1:
+        return ContextParallelHead(block, group, tokens)
+    block.attn = ContextParallelAttention(block.attn, group, attention)
+    for drop in (block.drop1, block.drop2):
+        if isinstance(drop, KeyedDropout):   # my tokens' masks: those of these tokens in the full layer
+            drop.first_token = my_tokens(group, tokens)[0]
+    return block
+
+
+def build_context_parallel_model(args, group, device):
+    """The whole vit on every rank (context parallelism shards activations, not weights), block by
+    block from --seed, each block made to run on my tokens."""
+    n_blocks, tokens = num_blocks(args), tokens_of(args)
+    model = build_model(args, lambda i, block: context_parallel_block(i, block, group, n_blocks, tokens,
+                                                                      args.attention), device)
+    head_fc = {id(p) for p in model[n_blocks - 1].fc.parameters()}
+    # every weight before the head's all-reduce saw my tokens only: its gradient is my tokens' share
+    model.partial_grads = SummedGradients([p for p in model.parameters() if id(p) not in head_fc], group)
+    model.saved_activations = SavedActivations(model)   # what the backward keeps of my tokens: the summary's
+    return model
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def sync_cp_grads(partial_sums, replicated):
+    """Context parallelism's gradient synchronisation, once a step after the backward: the weights each
+    rank applied to its own tokens (all but the classifier) hold that share of the gradient, summed
+    over the ranks (not averaged: the loss is already the mean over all tokens' pooled logits); the
+    classifier's is whole on every rank already (averaged on a GPU only, against last-bit drift)."""
+    partial_sums.sum()
+    if replicated:
+        replicated.average()
+
+
+def train_step(step, model, optimizer, data, args, device, cp_grads, norm):
+    """One optimizer step of single_baseline.py's, on my tokens: the same order, the ring (or the
+    all-to-alls) inside attention, the head's all-reduce, and the partial gradients summed before the
+    norm. The logits are whole on every rank, so each computes the loss; cp rank 0 logs it."""
+    x, y = (to_device(t, device) for t in data.batch(step, args.batch_size))   # the whole batch, on every rank
+    optimizer.zero_grad(set_to_none=True)
+    with model.dropout_keys.training(step), model.saved_activations.counting():   # activation_mb (mp.cp.memory)
+        loss = F.cross_entropy(model(x), y)   # attention's communication runs inside the model
+    loss.backward()
+    sync_cp_grads(*cp_grads)
+    grad_norm = clip_global(model.parameters(), args.clip_grad_norm, *norm)   # the full model's norm
+    optimizer.step()
+    return loss.detach(), grad_norm   # tensors: the loop reads them every --log-every steps
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    note_one_rank("context parallelism of degree 1, the whole sequence on one rank")
+    data = load_data(args)
+    with distributed(args) as env:
+        data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
+        group = dist.group.WORLD
+        model = build_context_parallel_model(args, group, env.device)
+        cp_grads = (model.partial_grads, average_replicated_grads(model, group, env.device))
+        # every weight is whole on every rank after the sum: cp rank 0 counts them all in the norm
+        norm = ([group], counted_once(model, group))
+        waited = f"rank {env.rank} waited for the context-parallel exchanges of"
+        if args.check:
+            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+            return check_and_exit(env, args, f"context parallelism --attention {args.attention}", model,
+                                  check_step(model, cp_grads), x, y, norm=norm)
+        optimizer = make_optimizer(model.parameters(), args)
+
+        def step(k):
+            with awaiting(f"{waited} step {k}", args.timeout_s):
+                return train_step(k, model, optimizer, data, args, env.device, cp_grads, norm)
+
+        def test():
+            with awaiting(f"{waited} the evaluation", args.timeout_s):   # every rank: attention communicates
+                return evaluate(data, env.device, whole_model_run(model, env.device))
+
+        layout = checkpoint.layout_of(PROGRAM, env, cp=env.world_size, attention=args.attention)
+        train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0,   # cp rank 0 owns the loss
+                             evaluate=test, sums=Sums(norm_groups=[group])))
+        return report_replicas(list(model.parameters()), group, "weights bit-identical across the "
+                               f"{env.world_size} context-parallel ranks", env, args.timeout_s)
+
+
+def check_step(model, cp_grads):
+    """--check's step (mp.check): forward and backward on the first batch, then the gradients summed."""
+    def step(x, y):
+        logits, loss = whole_model_step(model)(x, y)
+        sync_cp_grads(*cp_grads)
+        return logits, loss
+    return step
+
+
+if __name__ == "__main__":
+    exit_now(main())  # everything is written and torn down: skip gloo's destructors (mp.dist.exit_now)

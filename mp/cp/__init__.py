@@ -1,0 +1,1 @@
+"""Context parallelism's plumbing: the flags' checks (context_parallel.py holds the lesson)."""
