@@ -178,6 +178,8 @@ def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
      "(one chunk needs at least one); use 4 ranks (torchrun --nproc-per-node 4) or --layers 3"),
     (["--dp", "2", "--tp", "2", "--microbatches", "3"], 8,
      "error: --batch-size 16 is not divisible by 2 replicas x --microbatches 3"),
+    (["--dp", "1", "--tp", "2", "--schedule", "zbv"], 4,
+     "error: --schedule zbv runs in pipeline_microbatch.py and pipeline_dp_joint.py, not parallel_3d.py: the V hands"),
     (["--dp", "1", "--tp", "2", "--sequence-parallel"], 4,
      "error: --sequence-parallel shards the vit's sequence of 64 tokens, and --model mlp has no sequence: "
      "use --model vit, or drop --sequence-parallel"),
