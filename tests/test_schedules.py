@@ -294,9 +294,9 @@ def test_zbv_messages_skip_the_tip_of_the_v():
     assert not any(peer == r for r, acts in enumerate(every) for a in acts if a[0] == "comm" for _, peer, _ in a[1])
 
 
-def test_zbv_with_1f1bs_message_rule_deadlocks_and_the_rendezvous_does_not():
+def test_zbv_with_1f1bs_message_rule_deadlocks_and_the_clock_tables_placement_does_not():
     """Sends posted right after their compute (with_communication, as 1f1b) block zbv's ranks on each
-    other: chunk 0's forwards go down while chunk 1's come up. The rendezvous placement does not."""
+    other: chunk 0's forwards go down while chunk 1's come up. Placed on the clock table, they do not."""
     positions = [PipelineRank(r, 2, [0, 1], 2, placement="v") for r in range(2)]
     naive = [schedules.with_communication([[a] for a in schedules.zbv_order(2, 4, r)], pos)
              for r, pos in enumerate(positions)]
@@ -331,3 +331,32 @@ def test_the_command_line_draws_zbv(capsys):
     assert lines[0].startswith("zbv: 4 stages, 8 microbatches, v=2 chunks per rank") and "51 ticks" in lines[0]
     assert "idle 5.9% of the table = bubble_theory 5.9%" in lines[0]
     assert lines[1:] == schedules.clock_table("zbv", 4, 8, 2)
+
+
+def played_span(all_actions):
+    """Ticks to play every rank's actions when each F, B and W lasts one tick, a send is posted when its
+    rank reaches it and never waits, and a receive waits for its send: what the messages' placement adds."""
+    clock, at, sent = [0] * len(all_actions), [0] * len(all_actions), {}
+    while any(a < len(actions) for a, actions in zip(at, all_actions)):
+        before = list(at)
+        for r, actions in enumerate(all_actions):
+            while at[r] < len(actions):
+                action = actions[at[r]]
+                if action[0] != "comm":
+                    clock[r], at[r] = clock[r] + 1, at[r] + 1
+                    continue
+                sent.update({msg: clock[r] for kind, _, msg in action[1] if kind == "send"})
+                recvs = [msg for kind, _, msg in action[1] if kind == "recv"]
+                if not all(msg in sent for msg in recvs):
+                    break
+                clock[r], at[r] = max([clock[r]] + [sent[msg] for msg in recvs]), at[r] + 1
+        assert at != before, "stuck"
+    return max(clock)
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 8), (3, 5), (4, 8), (4, 16), (8, 16)])
+def test_zbv_messages_cost_the_clock_table_no_tick(p, m):
+    """Each message is posted at the tick its reader starts on the clock table, so the plan played with
+    one-tick actions spans the table's 6m+p-1 ticks, as zb's spans its 3m+p-1: the messages add no wait."""
+    assert played_span(every_rank("zbv", p, m, 2)) == 6 * m + p - 1
+    assert played_span(every_rank("zb", p, m)) == 3 * m + p - 1

@@ -300,44 +300,33 @@ def with_communication(units, pos, fused=True):
     return actions + ([("comm", pending)] if pending else [])
 
 
-def rendezvous(orders, positions, me):
-    """zbv's messages, placed by playing every rank's compute order together, a tick at a time: a rank
-    whose next action needs a message posts its receive once the sender has computed it, and the
-    sender posts the send at that moment, wherever it is in its own order (added to the exchange it
-    is blocked in, if any). Each message thus meets its receive while both sides are posted, which
-    gloo's blocking sends need: with_communication's rule (send after computing, in the next
-    exchange) deadlocks here, as F's of one chunk and of the other go past each other both ways
-    (dry_run names the cycle). Every rank plays the same game and keeps its own actions: rank `me`'s."""
-    p, at, plans = len(orders), [0] * len(orders), [[] for _ in orders]
-    made, got, open_at = {}, [set() for _ in orders], [None] * p   # made: msg -> sender; open_at: current exchange
-
-    def post(r, part):
-        if open_at[r] is None:
-            plans[r].append(("comm", []))
-            open_at[r] = len(plans[r]) - 1
-        plans[r][open_at[r]][1].append(part)
-
-    while any(at[r] < len(orders[r]) for r in range(p)):
-        moved = False
-        for r in range(p):
-            if at[r] == len(orders[r]):
-                continue
-            action = orders[r][at[r]]
-            recv, send = messages(action, positions[r])
-            if recv is None or recv[2] in got[r]:       # its input is here: compute
-                plans[r].append(action)
-                at[r], open_at[r], moved = at[r] + 1, None, True
-                if send:
-                    made[send[2]] = r
-            elif recv[2] in made:                       # its sender has it: both post, now
-                sender = made.pop(recv[2])
-                post(sender, ("send", positions[r].ranks[r], recv[2]))
-                post(r, recv)
-                got[r].add(recv[2])
-                moved = True
-        assert moved, "the compute orders wait on each other"
-    assert not made, "a message nobody receives"
-    return plans[me]
+def rendezvous(schedule, positions, m, me):
+    """zbv's messages, placed on the clock table (clock_cells: every F, B and W one tick, each as
+    early as its rank and its input allow): a message meets its receive at the tick the action that
+    reads it starts. The receiver posts the receive in the exchange just before that action; the
+    sender posts the send in the exchange before its first action starting at that tick or later
+    (after its last one, if none), sends in the order of their ticks. Both are posted then, which
+    gloo's blocking sends need: with_communication's rule (every send in the exchange right after
+    its compute) deadlocks here, as chunk 0's forwards go down while chunk 1's come up and a send
+    waits for a receive posted ticks later (dry_run names the cycle). Every rank places every
+    message the same way and keeps its own actions: rank `me`'s."""
+    p, ranks = len(positions), positions[0].ranks
+    orders = [compute_order(schedule, p, m, r) for r in range(p)]
+    starts = [[tick for tick, cell in enumerate(row) if cell != "."] for row in clock_cells(schedule, p, m)]
+    sends = [[[] for _ in range(len(order) + 1)] for order in orders]   # rank -> action index -> (tick, send)
+    for r, order in enumerate(orders):
+        for action, tick in zip(order, starts[r]):
+            recv, _ = messages(action, positions[r])
+            if recv:
+                sender = ranks.index(recv[1])
+                at = next((i for i, t in enumerate(starts[sender]) if t >= tick), len(orders[sender]))
+                sends[sender][at].append((tick, ("send", ranks[r], recv[2])))
+    actions = []
+    for i, action in enumerate(orders[me] + [None]):
+        recv = messages(action, positions[me])[0] if action else None
+        parts = [part for _, part in sorted(sends[me][i])] + ([recv] if recv else [])
+        actions += ([("comm", parts)] if parts else []) + ([action] if action else [])
+    return actions
 
 
 def schedule_actions(schedule, pos, m, fused=True, first=True, last=True):
@@ -348,7 +337,7 @@ def schedule_actions(schedule, pos, m, fused=True, first=True, last=True):
         return pipedream_actions(pos, m, first, last)
     if schedule == "zbv":
         positions = [replace(pos, pp_rank=r) for r in range(pos.pp_size)]
-        return rendezvous([zbv_order(pos.pp_size, m, r) for r in range(pos.pp_size)], positions, pos.pp_rank)
+        return rendezvous(schedule, positions, m, pos.pp_rank)
     units = compute_units(schedule, pos.pp_size, m, pos.pp_rank, pos.virtual)
     if schedule != "interleaved":  # exchange between every two actions: F runs as soon as its input is in
         units = [[action] for unit in units for action in unit]
