@@ -19,9 +19,9 @@ GPipe, the default, per clock tick on 4 stages x 4 microbatches (F2: forward of 
 In order: the stage (each rank keeps only its blocks), the four point-to-point cases over
 isend/irecv, the executor that plays a schedule's actions (F, B and the exchanges between them),
 the training step, train_step (the batch, zero_grad, the schedule, clip, update; only the last stage
-sees labels). Schedules are data (mp/pp/schedules.py); what a student may skip has one name each:
-zb's split backward (mp.pp.zero_bubble), 2bw's two weight versions (mp.pp.pipedream), --recompute,
-a stage's batch (mp.pp.training.stage_batch), the loop (mp.loop), --check (mp.check).
+sees labels). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a student
+may skip has one name each: zb's and zbv's split backward (mp.pp.zero_bubble), 2bw's two weight versions
+(mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check.
 
 No deadlock on gloo, whose send completes only once the peer posts the receive: a rank posts the
 send of what it just computed together with the receive its next action needs, as one batch
