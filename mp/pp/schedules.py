@@ -53,6 +53,7 @@ stage once m >= 2p-1: a bubble of (p-1)/(6m+p-1), half of ZB-H1's and a sixth of
 holding about 1F1B's first stage's activations (2p chunk-microbatches of half a stage each).
 """
 
+from bisect import bisect_left
 from dataclasses import replace
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "2bw")
@@ -319,7 +320,7 @@ def rendezvous(schedule, positions, m, me):
             recv, _ = messages(action, positions[r])
             if recv:
                 sender = ranks.index(recv[1])
-                at = next((i for i, t in enumerate(starts[sender]) if t >= tick), len(orders[sender]))
+                at = bisect_left(starts[sender], tick)          # its first action starting then or later
                 sends[sender][at].append((tick, ("send", ranks[r], recv[2])))
     actions = []
     for i, action in enumerate(orders[me] + [None]):
