@@ -31,8 +31,7 @@ def validate_pipeline(args, stages, replicas, tp=None):
         args.virtual_stages = 2 if args.schedule in ("interleaved", "zbv") else 1
     elif args.schedule == "zbv" and args.virtual_stages != 2:
         fail(f"--schedule zbv places exactly 2 chunks on each rank, in a V (rank r holds virtual stages r and "
-             f"2p-1-r), not --virtual-stages {args.virtual_stages}; drop --virtual-stages, or use --schedule "
-             f"interleaved for {args.virtual_stages} chunks per rank")
+             f"2p-1-r), not --virtual-stages {args.virtual_stages}; use --virtual-stages 2 or --schedule interleaved")
     elif args.schedule not in ("interleaved", "zbv") and args.virtual_stages != 1:
         fail(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not "
              f"{args.schedule}; drop it or use --schedule interleaved")
@@ -58,8 +57,8 @@ def validate_pipeline(args, stages, replicas, tp=None):
     if args.schedule == "zbv" and tp is not None:
         fail("--schedule zbv runs in pipeline_microbatch.py and pipeline_dp_joint.py, not parallel_3d.py: the "
              "V hands the activation at its tip from one chunk to the next on the same rank, past "
-             "parallel_3d.py's scatter/gather at each cut (its CutMessenger), which that hand-over would skip; "
-             "use --schedule zb here (ZB-H1, the same B/W split)")
+             "parallel_3d.py's scatter/gather at each cut (its CutMessenger), which that hand-over would skip. "
+             "ZB-H1 splits B and W the same way on one chunk per rank: use --schedule zb")
     if args.balance == "auto":   # the program turns it into the list by counting flops (mp.pp.balance.resolve_balance)
         if chunks > num_blocks(args):
             fail(too_few_blocks(args, stages, replicas * (tp or 1)))

@@ -32,7 +32,7 @@ def parse_args(argv=None):
         args.virtual_stages = 2 if args.schedule in ("interleaved", "zbv") else 1
     elif args.schedule == "zbv" and args.virtual_stages != 2:
         bad(f"--schedule zbv places exactly 2 chunks on each rank, in a V, not --virtual-stages {args.virtual_stages}; "
-            f"drop --virtual-stages, or use --schedule interleaved")
+            f"use --virtual-stages 2 or --schedule interleaved")
     elif args.schedule not in ("interleaved", "zbv") and args.virtual_stages != 1:
         bad(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not {args.schedule}; "
             f"drop it or use --schedule interleaved")
