@@ -101,7 +101,7 @@ def test_the_check_can_fail():
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24",
               "--timeout-s", "10"]  # a pairing gone wrong shows in seconds, not the default minutes
 CASE = "TEST_NCCL_ORDER_CASE"         # how a test hands its case to the ranks (they inherit the environment)
-QUICK = [("gpipe", 3), ("1f1b", 4), ("interleaved", 2), ("zb", 3), ("zbv", 3), ("2bw", 2)]   # one of each in -m "not slow"
+QUICK = [("gpipe", 3), ("1f1b", 4), ("interleaved", 2), ("zb", 3), ("zbv", 3), ("2bw", 2)]   # one of each, not slow
 
 
 def microbatch_counts(schedule, p):

@@ -174,10 +174,12 @@ def zbv_order(p, m, rank):
 
     def run(*pairs):                                     # (kind, chunk): the next microbatch of each
         for kind, chunk in pairs:
-            mb = done[(kind, chunk)] = done.get((kind, chunk), -1) + 1
+            mb = done[(kind, chunk)] = count(kind, chunk)
             order.append((kind, mb, chunk))
 
-    count = lambda kind, chunk: done.get((kind, chunk), -1) + 1
+    def count(kind, chunk):                              # how many of that kind and chunk so far
+        return done.get((kind, chunk), -1) + 1
+
     run(*[("F", 0)] * (2 * (p - rank) - 1))
     run(*[("F", 1), ("F", 0)] * rank)
     run(*[("F", 1), ("B", 1), ("W", 1)] * (p - rank))
@@ -394,8 +396,9 @@ def waiting_cycle(all_actions, at, done):
 
 def bubble_theory(p, m, v=1, schedule=None, steps=None):
     """Idle fraction of the clock table: (p-1)/(vm+p-1); for zb (F, B and W one tick each, m >= p)
-    (p-1)/(3m+p-1), about a third of 1F1B's; for zbv (m >= 2p-1) (p-1)/(6m+p-1), half of zb's. 2bw fills once and drains once over all its steps:
-    (p-1)/(steps*m+p-1), and a step in the steady state (steps=None) has no bubble at all."""
+    (p-1)/(3m+p-1), about a third of 1F1B's; for zbv (m >= 2p-1) (p-1)/(6m+p-1), half of zb's. 2bw
+    fills once and drains once over all its steps: (p-1)/(steps*m+p-1), and a step in the steady
+    state (steps=None) has no bubble at all."""
     if schedule == "2bw":
         return 0.0 if steps is None else (p - 1) / (steps * m + p - 1)
     if schedule == "zb":

@@ -22,7 +22,7 @@ def parse_args(argv=None):
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages p (ranks)")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches m per step")
-    p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank v (interleaved; default 2; zbv: 2)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (interleaved: default 2; zbv: 2)")
     p.add_argument("-o", "--out", default=None, help="also draw the table into this PNG")
     args = p.parse_args(argv)
     for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
