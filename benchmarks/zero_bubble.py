@@ -43,7 +43,7 @@ from mp.flags import base_parser  # noqa: E402
 from mp.models import build_model  # noqa: E402
 from mp.pp.flags import add_pipeline_flags  # noqa: E402
 from mp.optim import make_optimizer  # noqa: E402
-from mp.pp.schedules import compute_order, placement_of, schedule_actions  # noqa: E402
+from mp.pp.schedules import compute_order, placement_of, schedule_actions, stage_owner, virtual_stage  # noqa: E402
 from mp.pp.timeline import gather_timeline  # noqa: E402
 from mp.pp.zero_bubble import split_weight_grads  # noqa: E402
 
@@ -193,7 +193,8 @@ def per_microbatch_ms(trace):
     durations = {}
     for e in trace["traceEvents"]:
         if e.get("cat") in ("forward", "backward", "weight"):
-            durations.setdefault(str(e["pid"]), {}).setdefault(e["name"][0], []).append(e["dur"] / 1000)
+            kind = e["name"][0] + ("b" if e["args"]["chunk"] == 1 else "")   # zbv's chunk b: Fb, Bb, Wb
+            durations.setdefault(str(e["pid"]), {}).setdefault(kind, []).append(e["dur"] / 1000)
     return {stage: {k: statistics.median(v) for k, v in kinds.items()} for stage, kinds in sorted(durations.items())}
 
 
@@ -220,24 +221,31 @@ def loadavg():
 
 def simulate(schedule, ms, message_ms, p, m):
     """The arithmetic: the span of one step of `schedule` (its compute order from mp.pp.schedules)
-    when every action lasts the measured median ms[stage][F, B or W] and every message message_ms;
-    an action starts once its rank is free and its input is in. Returns (span ms, bubble)."""
-    orders = [compute_order(schedule, p, m, r) for r in range(p)]
+    when every action lasts the measured median ms[stage][F, B or W] (zbv's chunk b: Fb, Bb, Wb) and
+    every message between ranks message_ms; an action starts once its rank is free and its input is
+    in. Returns (span ms, bubble)."""
+    placement, v = placement_of(schedule), 2 if schedule == "zbv" else 1
+    orders = [compute_order(schedule, p, m, r, v) for r in range(p)]
     done, free, at = {}, [0.0] * p, [0] * p
+
+    def cost(r, kind, chunk):
+        return ms[str(r)][kind + ("b" if chunk == 1 else "")]
     while any(at[r] < len(orders[r]) for r in range(p)):
         moved = False
         for r in range(p):
             if at[r] == len(orders[r]):
                 continue
-            kind, mb, _ = orders[r][at[r]]
-            need = {"F": ("F", mb, r - 1) if r > 0 else None, "W": ("B", mb, r),
-                    "B": ("B", mb, r + 1) if r < p - 1 else ("F", mb, r)}[kind]
+            kind, mb, chunk = orders[r][at[r]]
+            vs = virtual_stage(chunk, r, p, placement)
+            need = {"F": ("F", mb, vs - 1) if vs > 0 else None, "W": ("B", mb, vs),
+                    "B": ("B", mb, vs + 1) if vs < p * v - 1 else ("F", mb, vs)}[kind]
             if need is None or need in done:
-                ready = 0.0 if need is None else done[need] + (message_ms if need[2] != r else 0.0)
-                free[r] = done[(kind, mb, r)] = max(free[r], ready) + ms[str(r)][kind]
+                far = need is not None and stage_owner(need[2], p, placement)[0] != r
+                ready = 0.0 if need is None else done[need] + (message_ms if far else 0.0)
+                free[r] = done[(kind, mb, vs)] = max(free[r], ready) + cost(r, kind, chunk)
                 at[r], moved = at[r] + 1, True
         assert moved, "the compute orders wait on each other"
-    work = sum(ms[str(r)][kind] for r in range(p) for kind, _, _ in orders[r])
+    work = sum(cost(r, kind, chunk) for r in range(p) for kind, _, chunk in orders[r])
     return max(free), 1 - work / (p * max(free))
 
 
@@ -252,19 +260,17 @@ def summarise_paired(result):
         runs = [r[name] for r in rounds]
         ms = {st: {k: statistics.median(r["per_mb_ms"][st][k] for r in runs) for k in runs[0]["per_mb_ms"][st]}
               for st in runs[0]["per_mb_ms"]}
-        span, bubble = (None, None) if name == "zbv" else \
-            simulate(name.split("-")[0], ms, result["message_ms"], len(ms), result["microbatches"])   # zbv: chunks
+        span, bubble = simulate(name.split("-")[0], ms, result["message_ms"], len(ms), result["microbatches"])
         out[name] = {"over_1f1b": statistics.median(r[name]["s"] / r["1f1b"]["s"] for r in rounds),
                      "ratios": [round(r[name]["s"] / r["1f1b"]["s"], 3) for r in rounds],
                      "step_ms": statistics.median(r["s"] for r in runs) * 1e3,
                      "bubble": statistics.median(r["bubble"] for r in runs),
                      "split_ms": runs[len(runs) // 2]["split_ms"],
                      "per_mb_ms": {st: {k: round(v, 2) for k, v in d.items()} for st, d in ms.items()},
-                     "sim_span_ms": span and round(span, 1), "sim_bubble": bubble and round(bubble, 3),
+                     "sim_span_ms": round(span, 1), "sim_bubble": round(bubble, 3),
                      "loss_diff": max(abs(r[name]["loss"] - r["1f1b"]["loss"]) for r in rounds)}
     for name in names:
-        out[name]["sim_over_1f1b"] = out[name]["sim_span_ms"] and round(out[name]["sim_span_ms"] /
-                                                                         out["1f1b"]["sim_span_ms"], 3)
+        out[name]["sim_over_1f1b"] = round(out[name]["sim_span_ms"] / out["1f1b"]["sim_span_ms"], 3)
     # the schedule alone: zb's order with a split that costs nothing (B + W = 1F1B's backward)
     fused, zb = out["1f1b"]["per_mb_ms"], out["zb"]["per_mb_ms"]
     free = {st: {"F": fused[st]["F"], "B": zb[st]["B"], "W": fused[st]["B"] - zb[st]["B"]} for st in zb}
