@@ -178,8 +178,6 @@ def test_check_compares_every_shard_across_a_sharded_cut(tmp_path):
      "(one chunk needs at least one); use 4 ranks (torchrun --nproc-per-node 4) or --layers 3"),
     (["--dp", "2", "--tp", "2", "--microbatches", "3"], 8,
      "error: --batch-size 16 is not divisible by 2 replicas x --microbatches 3"),
-    (["--dp", "1", "--tp", "2", "--schedule", "zbv"], 4,
-     "error: --schedule zbv runs in pipeline_microbatch.py and pipeline_dp_joint.py, not parallel_3d.py: the V hands"),
     (["--dp", "1", "--tp", "2", "--sequence-parallel"], 4,
      "error: --sequence-parallel shards the vit's sequence of 64 tokens, and --model mlp has no sequence: "
      "use --model vit, or drop --sequence-parallel"),
@@ -223,6 +221,18 @@ def test_check_compares_each_tensor_with_the_slice_it_holds(monkeypatch):
     with torch.no_grad():
         wrong.get_parameter("2.0.weight").mul_(1.01)     # the last layer: block 0's gradient differs through it
     assert "gradient of 0.1.weight" in [what for what, _, error in check(wrong) if error]
+
+
+@pytest.mark.parametrize("args,extra", [
+    (MLP + ["--layers", "4", "--dropout", "0.1", "--clip-grad-norm", "0.15"], []),
+    slow(VIT + ["--dropout", "0.1", "--clip-grad-norm", "0.15"], ["--sequence-parallel"])])
+def test_zbv_carries_over_to_the_grid(tmp_path, baseline, args, extra):
+    """--schedule zbv on a 1x2x2 grid: 4 chunks in a V over 2 stages of 2 tp ranks each. The V's tip
+    hands its activation from chunk a to chunk b on the same tp rank (whole, or its run of tokens under
+    --sequence-parallel: what chunk b expects), so no cut is scattered there; the baseline's losses."""
+    run = run_grid(tmp_path, args, 1, 2, 2, ["--schedule", "zbv", "--microbatches", "2", *extra])
+    assert_same_losses(run, baseline(args))
+    assert_replicas_identical(run, 1, 2)
 
 
 @pytest.mark.parametrize("args,extra", [(MLP + ["--layers", "4"], []), (VIT, ["--sequence-parallel"]),

@@ -22,7 +22,6 @@ CASES = [  # program, world size, command line that fails
                                     "--batch-size", "24"]),
     (pipeline_microbatch, 2, MLP + ["--layers", "8", "--schedule", "zbv", "--virtual-stages", "3",
                                     "--batch-size", "24"]),
-    (parallel_3d, 4, MLP + ["--dp", "1", "--tp", "2", "--schedule", "zbv"]),
     (pipeline_dp_joint, 6, ["--data", "synthetic", "--schedule", "interleaved"]),        # the launcher's default
     (pipeline_dp_joint, 4, MLP + ["--dp", "3"]),
     (tensor_parallel, 3, ["--data", "synthetic", "--model", "vit", "--hidden", "96"]),   # --heads 4

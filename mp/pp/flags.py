@@ -23,10 +23,9 @@ def add_pipeline_flags(p):
     return p
 
 
-def validate_pipeline(args, stages, replicas, tp=None):
+def validate_pipeline(args, stages, replicas, tp=1):
     """Arithmetic of the split, checked from flags and WORLD_SIZE alone: no collective yet.
-    tp: ranks per stage (parallel_3d.py; None in the programs without tensor parallelism), for the
-    rank counts the messages suggest."""
+    tp: ranks per stage (parallel_3d.py), only for the rank counts the messages suggest."""
     if args.virtual_stages is None:
         args.virtual_stages = 2 if args.schedule in ("interleaved", "zbv") else 1
     elif args.schedule == "zbv" and args.virtual_stages != 2:
@@ -54,14 +53,9 @@ def validate_pipeline(args, stages, replicas, tp=None):
                  f"use {' or '.join(near)}, or --schedule 1f1b (without --virtual-stages)")
     if args.schedule == "2bw":
         validate_pipedream(args, stages)
-    if args.schedule == "zbv" and tp is not None:
-        fail("--schedule zbv runs in pipeline_microbatch.py and pipeline_dp_joint.py, not parallel_3d.py: the "
-             "V hands the activation at its tip from one chunk to the next on the same rank, past "
-             "parallel_3d.py's scatter/gather at each cut (its CutMessenger), which that hand-over would skip. "
-             "ZB-H1 splits B and W the same way on one chunk per rank: use --schedule zb")
     if args.balance == "auto":   # the program turns it into the list by counting flops (mp.pp.balance.resolve_balance)
         if chunks > num_blocks(args):
-            fail(too_few_blocks(args, stages, replicas * (tp or 1)))
+            fail(too_few_blocks(args, stages, replicas * tp))
     elif args.balance is not None:
         try:
             balance = [int(b) for b in args.balance.split(",")]
@@ -69,12 +63,12 @@ def validate_pipeline(args, stages, replicas, tp=None):
             fail(f"--balance {args.balance!r} must be comma-separated integers, e.g. 2,1,1,1, or auto")
         if len(balance) != chunks or min(balance) < 1 or sum(balance) != num_blocks(args):
             if chunks > num_blocks(args):   # no list can do: fewer chunks or more blocks
-                fail(too_few_blocks(args, stages, replicas * (tp or 1)))
+                fail(too_few_blocks(args, stages, replicas * tp))
             even = ",".join(map(str, split_sizes(num_blocks(args), chunks)))
             fail(f"--balance {args.balance} must give {chunks} positive block counts summing to the "
                  f"{num_blocks(args)} blocks of the {args.model}; use --balance {even} or --balance auto")
     elif chunks > num_blocks(args):
-        fail(too_few_blocks(args, stages, replicas * (tp or 1)))
+        fail(too_few_blocks(args, stages, replicas * tp))
 
 
 def validate_pipedream(args, stages):
