@@ -58,8 +58,8 @@ from mp.errors import note_one_rank
 from mp.loop import train
 from mp.models import num_blocks
 from mp.pp.balance import resolve_balance
-from mp.pp.training import pipeline_check, stage_batch
 from mp.pp.schedules import placement_of
+from mp.pp.training import pipeline_check, stage_batch
 from mp.sizes import split_sizes
 from mp.tp.collectives import all_gather, tp_rank, tp_size
 from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters

@@ -119,8 +119,8 @@ def build_stage_model(args, pos, device, shard=None):
     shard(i, block)) takes one zero sample through it, which gives the per-sample shape entering
     every virtual stage, known to both sides of each cut up front (no message carries a shape);
     then the block is kept if it is in one of my chunks and dropped at once if not. Returns
-    (my blocks, named as in the full model; my chunks: virtual stages pp_rank, pp_rank + p, ...;
-    the shapes entering each virtual stage)."""
+    (my blocks, named as in the full model; my chunks: virtual stages pp_rank, pp_rank + p, ... (zbv's
+    V: pp_rank, 2p-1-pp_rank); the shapes entering each virtual stage)."""
     bounds = partition(num_blocks(args), pos.pp_size * pos.virtual, args.balance)
     mine = [range(*bounds[virtual_stage(c, pos.pp_rank, pos.pp_size, pos.placement)]) for c in range(pos.virtual)]
     starts = [start for start, _ in bounds]
