@@ -185,3 +185,28 @@ def test_torch_rejects_a_missing_message(capsys):
 def test_a_torch_without_the_private_api_skips_naming_what_is_missing():
     with pytest.raises(pytest.skip.Exception, match="lacks torch.distributed.pipelining.schedules._no_such"):
         torch_private("_validate_schedule", "_no_such")
+
+
+def test_zbv_is_torchs_own_zbv_order():
+    """Our zbv order, rank by rank, against torch's ScheduleZBVZeroBubble's own (its
+    _calculate_single_rank_operations, which reads only the sizes; its None padding left out)."""
+    try:
+        from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    except ImportError as e:
+        pytest.skip(f"torch {torch.__version__} has no ScheduleZBVZeroBubble ({e})")
+    from types import SimpleNamespace
+    plan = getattr(ScheduleZBVZeroBubble, "_calculate_single_rank_operations", None)
+    if plan is None:
+        pytest.skip(f"torch {torch.__version__}'s ScheduleZBVZeroBubble plans otherwise (private API)")
+    for p in range(2, 9):
+        for m in range(1, 17):
+            sizes = SimpleNamespace(pp_group_size=p, _n_microbatches=m, n_microbatches=m, num_stages=2 * p,
+                                    _num_stages=2 * p)
+            for r in range(p):
+                theirs = [str(a) for a in plan(sizes, r) if a is not None]
+                ours = [str(a) for a in as_torch("zbv", p, r, compute_units_flat("zbv", p, m, r))]
+                assert ours == theirs, f"p={p} m={m} rank {r}:\n ours   {ours}\n theirs {theirs}"
+
+
+def compute_units_flat(schedule, p, m, rank):
+    return [a for unit in compute_units(schedule, p, m, rank) for a in unit]
