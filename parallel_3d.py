@@ -58,6 +58,7 @@ from mp.errors import note_one_rank
 from mp.loop import train
 from mp.models import num_blocks
 from mp.pp.balance import resolve_balance
+from mp.pp.schedules import placement_of
 from mp.pp.training import pipeline_check, stage_batch
 from mp.sizes import split_sizes
 from mp.tp.collectives import all_gather, tp_rank, tp_size
@@ -103,10 +104,10 @@ class Grid:
         self.dp_group, self.pp_group, self.tp_group = (groups[name] for name in self.AXES)
         self.dp_peers = self.ranks[:, self.pp_rank, self.tp_rank].tolist()   # same stage, same tp rank
 
-    def pipeline(self, virtual):
+    def pipeline(self, virtual, placement="loop"):
         """My place in my pipeline (my replica, my tp rank), its peers addressed by global rank."""
         peers = self.ranks[self.dp_rank, :, self.tp_rank].tolist()
-        return PipelineRank(self.pp_rank, self.pp_size, peers, virtual, self.pp_group)
+        return PipelineRank(self.pp_rank, self.pp_size, peers, virtual, self.pp_group, placement)
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -122,7 +123,7 @@ def build_stage(args, env, grid):
     Returns (my place in my pipeline, my stage's sliced blocks, named as in the full model, the
     runner of my chunks, (the partial gradients to sum over the tp group, the replicated gradients
     to average over it: each None where there are none))."""
-    pos = grid.pipeline(args.virtual_stages)
+    pos = grid.pipeline(args.virtual_stages, placement_of(args.schedule))   # zbv: its V
     shard = partial(parallelize_block, model_name=args.model, group=grid.tp_group, n_blocks=num_blocks(args),
                     sequence_parallel=args.sequence_parallel)
     scattered = set()   # the cuts whose activation is whole on every tp rank: filled while the blocks are built

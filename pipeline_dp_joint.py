@@ -51,7 +51,7 @@ from mp.loop import Job, Sums, train
 from mp.optim import make_optimizer
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
-from mp.pp.schedules import schedule_actions
+from mp.pp.schedules import placement_of, schedule_actions
 from mp.pp.timeline import Timeline
 from mp.pp.training import pipeline_check, stage_batch
 from mp.zero import ZeroOptimizer
@@ -87,9 +87,10 @@ class Grid:
         self.dp_group = [dist.new_group(ranks, timeout=timeout) for ranks in columns][self.pp_rank]
         self.dp_peers = columns[self.pp_rank]  # my stage's replicas: the gradient all-reduce's ranks
 
-    def pipeline(self, virtual):
-        """My place in my pipeline, its peers addressed by global rank."""
-        return PipelineRank(self.pp_rank, self.pp_size, self.ranks[self.dp_rank].tolist(), virtual, self.pp_group)
+    def pipeline(self, virtual, placement="loop"):
+        """My place in my pipeline, its peers addressed by global rank (placement: zbv's V, or the loop)."""
+        return PipelineRank(self.pp_rank, self.pp_size, self.ranks[self.dp_rank].tolist(), virtual, self.pp_group,
+                            placement)
 
 
 def data_parallel_buckets(model, runner, grid, args, late=()):
@@ -180,7 +181,7 @@ def main(argv=None):
         grid = Grid(env.rank, env.world_size, args.dp, timeout=group_timeout(env, args.timeout_s))
         if env.rank == 0:
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)
-        pos = grid.pipeline(args.virtual_stages)      # 1 outside interleaved (validate_pipeline)
+        pos = grid.pipeline(args.virtual_stages, placement_of(args.schedule))   # 1 outside interleaved and zbv
         model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
         grads = data_parallel_buckets(model, runner, grid, args)
         if args.check:   # each replica checks its slice of the first batch

@@ -19,9 +19,9 @@ GPipe, the default, per clock tick on 4 stages x 4 microbatches (F2: forward of 
 In order: the stage (each rank keeps only its blocks), the four point-to-point cases over
 isend/irecv, the executor that plays a schedule's actions (F, B and the exchanges between them),
 the training step, train_step (the batch, zero_grad, the schedule, clip, update; only the last stage
-sees labels). Schedules are data (mp/pp/schedules.py); what a student may skip has one name each:
-zb's split backward (mp.pp.zero_bubble), 2bw's two weight versions (mp.pp.pipedream), --recompute,
-a stage's batch (mp.pp.training.stage_batch), the loop (mp.loop), --check (mp.check).
+sees labels). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a student
+may skip has one name each: zb's and zbv's split backward (mp.pp.zero_bubble), 2bw's two weight versions
+(mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check.
 
 No deadlock on gloo, whose send completes only once the peer posts the receive: a rank posts the
 send of what it just computed together with the receive its next action needs, as one batch
@@ -56,7 +56,7 @@ from mp.optim import make_optimizer
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.pipedream import TwoVersions
-from mp.pp.schedules import flow_name, schedule_actions
+from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
 from mp.pp.training import pipeline_check, stage_batch
 from mp.pp.zero_bubble import split_weight_grads
@@ -81,16 +81,17 @@ class PipelineRank:
     pp_rank: int
     pp_size: int
     ranks: list          # global rank of each stage of this pipeline
-    virtual: int = 1     # model chunks per rank (interleaved)
+    virtual: int = 1     # model chunks per rank (interleaved, zbv)
     group: object = None  # the process group of this pipeline's ranks (None: all ranks)
+    placement: str = "loop"  # where my chunks sit: "loop" (chunk c: virtual stage c*p + r), "v" (zbv)
 
     @property
     def is_first_stage(self):
         return self.pp_rank == 0
 
     @property
-    def is_last_stage(self):
-        return self.pp_rank == self.pp_size - 1
+    def is_last_stage(self):              # mine is the model's last chunk (zbv: rank 0, at the V's end)
+        return self.pp_rank == stage_owner(self.pp_size * self.virtual - 1, self.pp_size, self.placement)[0]
 
     @property
     def prev_rank(self):                  # global rank of the stage before mine (None: I am the first)
@@ -101,8 +102,7 @@ class PipelineRank:
         return None if self.is_last_stage else self.ranks[self.pp_rank + 1]
 
     def peer(self, chunk, step):              # global rank and chunk of the virtual stage `step` (+-1) away
-        v = chunk * self.pp_size + self.pp_rank + step   # virtual stage index, p*V of them in a ring
-        return self.ranks[v % self.pp_size], v // self.pp_size
+        return peer_of(self, chunk, step)     # p*V virtual stages, in a ring or a V (mp.pp.schedules)
 
 
 def partition(n_blocks, n_chunks, balance=None):
@@ -119,10 +119,10 @@ def build_stage_model(args, pos, device, shard=None):
     shard(i, block)) takes one zero sample through it, which gives the per-sample shape entering
     every virtual stage, known to both sides of each cut up front (no message carries a shape);
     then the block is kept if it is in one of my chunks and dropped at once if not. Returns
-    (my blocks, named as in the full model; my chunks: virtual stages pp_rank, pp_rank + p, ...;
-    the shapes entering each virtual stage)."""
+    (my blocks, named as in the full model; my chunks: virtual stages pp_rank, pp_rank + p, ... (zbv's
+    V: pp_rank, 2p-1-pp_rank); the shapes entering each virtual stage)."""
     bounds = partition(num_blocks(args), pos.pp_size * pos.virtual, args.balance)
-    mine = [range(*bounds[c * pos.pp_size + pos.pp_rank]) for c in range(pos.virtual)]
+    mine = [range(*bounds[virtual_stage(c, pos.pp_rank, pos.pp_size, pos.placement)]) for c in range(pos.virtual)]
     starts = [start for start, _ in bounds]
     shapes, x = [], torch.zeros(1, 3, 32, 32, device=device)
 
@@ -298,7 +298,7 @@ class StageRunner(TimelineRecorder):
         assert not outbox and (self.versions or not saved and not inbox), "the schedule left work behind"
 
     def vstage(self, chunk):
-        return chunk * self.pos.pp_size + self.pos.pp_rank
+        return virtual_stage(chunk, self.pos.pp_rank, self.pos.pp_size, self.pos.placement)
 
     def is_last(self, chunk):
         return self.vstage(chunk) == self.pos.pp_size * self.pos.virtual - 1
@@ -326,7 +326,8 @@ class StageRunner(TimelineRecorder):
         with torch.no_grad() if self.recompute else contextlib.nullcontext():
             y = self.call(chunk, mb, x, training)
         if not self.is_last(chunk):
-            outbox[("act", mb, vstage + 1)] = y.detach()
+            # zbv's tip: my own next chunk takes it from my inbox, no message (mp.pp.schedules.messages)
+            (inbox if is_mine(self.pos, vstage + 1) else outbox)[("act", mb, vstage + 1)] = y.detach()
             if training:                      # kept for the backward, dropped right after it
                 saved[(mb, chunk)] = Saved(x, output=None if self.recompute else y)
             return
@@ -352,8 +353,8 @@ class StageRunner(TimelineRecorder):
             output = kept.loss
         with self.stashes[chunk].backward_of(mb) if self.stashes else contextlib.nullcontext():
             torch.autograd.backward(output, grad)
-        if vstage > 0:
-            outbox[("grad", mb, vstage - 1)] = kept.input.grad
+        if vstage > 0:                        # (zbv's tip: to my own chunk, through my inbox)
+            (inbox if is_mine(self.pos, vstage - 1) else outbox)[("grad", mb, vstage - 1)] = kept.input.grad
         return start
 
 
@@ -408,7 +409,7 @@ def setup_stage(args, env, pos, shard=None, messenger=None):
     model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
     messenger = (messenger or Messenger)(pos, shapes, env.device, args.timeout_s)
     versions = TwoVersions(chunks, pos, args.microbatches, args.steps, model) if args.schedule == "2bw" else None
-    return model, StageRunner(chunks, pos, messenger, split=args.schedule == "zb",
+    return model, StageRunner(chunks, pos, messenger, split=args.schedule in ("zb", "zbv"),
                               recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)
 
 
@@ -435,7 +436,8 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages)
+        pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages,
+                           placement=placement_of(args.schedule))
         model, runner = setup_stage(args, env, pos)
         if args.check:   # one step against the full model in this process (mp.check)
             status = pipeline_check(env, args, model, runner, data, forward_backward)

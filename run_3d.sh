@@ -21,7 +21,7 @@ knob DP "2"                            # data-parallel replicas
 knob TP "2"                            # tensor-parallel ranks per stage
 knob NPROC "8"                         # ranks; stages = NPROC / (DP x TP)
 knob MICROBATCHES "4"                  # per replica, per step
-knob SCHEDULE "1f1b"                   # gpipe | 1f1b | interleaved | zb (2bw runs in the pipeline and joint programs only)
+knob SCHEDULE "1f1b"                   # gpipe | 1f1b | interleaved | zb | zbv (2bw runs in the pipeline and joint programs only)
 knob RECOMPUTE "0"                     # 1: --recompute (keep only stage inputs, re-run forwards before B)
 knob BALANCE ""                        # blocks per stage, e.g. 1,4, or auto (mp/pp/balance.py); empty: even
 knob MODEL "cnn"                       # cnn | mlp | vit

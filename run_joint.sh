@@ -21,7 +21,7 @@ knob NPROC "6"                         # ranks; stages = NPROC / DP
 knob MICROBATCHES "3"                  # per pipeline, per step
 knob BALANCE ""                        # blocks per stage, e.g. 1,1,3, or auto (mp/pp/balance.py); empty: even
 knob SCHEDULE "1f1b"                   # gpipe | 1f1b | interleaved (2 chunks per stage: more blocks than the cnn's 5,
-                                       #   e.g. SCHEDULE=interleaved MODEL=vit bash run_joint.sh --layers 4) | zb
+                                       #   e.g. SCHEDULE=interleaved MODEL=vit bash run_joint.sh --layers 4) | zb | zbv
                                        #   | 2bw (PipeDream-2BW; the baseline then runs --delay 1, its reference)
 knob MODEL "cnn"                       # cnn | mlp | vit
 knob STEPS "300"

@@ -31,7 +31,7 @@ knob MODEL "cnn"                       # cnn | mlp | vit
 knob STEPS "300"
 knob DATA "auto"                       # auto | cifar10 | synthetic
 knob MICROBATCHES "4"
-knob SCHEDULE "gpipe 1f1b 2bw"        # a list: any of gpipe 1f1b interleaved zb 2bw (2bw: MICROBATCHES >= NPROC)
+knob SCHEDULE "gpipe 1f1b 2bw"        # a list: any of gpipe 1f1b interleaved zb zbv 2bw (2bw: MICROBATCHES >= NPROC)
 knob RECOMPUTE "0"                     # 1: --recompute (keep only stage inputs, re-run forwards before B)
 knob VIRTUAL_STAGES "2"                # interleaved only
 knob BALANCE ""                        # blocks per stage (chunk), e.g. 1,1,1,2, or auto (mp/pp/balance.py); empty: even

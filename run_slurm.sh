@@ -55,7 +55,7 @@ done
 PROGRAM=${PROGRAM:-pipeline_microbatch.py}  # pipeline_microbatch.py | pipeline_dp_joint.py | tensor_parallel.py | parallel_3d.py
 NPROC=${NPROC:-2}                      # ranks per node (GPUs per node on a GPU cluster); world = nodes x NPROC
 MICROBATCHES=${MICROBATCHES:-4}        # pipelines: microbatches per global batch (per replica)
-SCHEDULE=${SCHEDULE:-1f1b}             # pipelines: gpipe | 1f1b | interleaved (2 chunks per rank) | zb | 2bw
+SCHEDULE=${SCHEDULE:-1f1b}             # pipelines: gpipe | 1f1b | interleaved (2 chunks per rank) | zb | zbv | 2bw
                                        # (2bw: pipeline_microbatch.py; the baseline then runs --delay 1, its reference)
 BALANCE=${BALANCE:-}                   # pipelines: blocks per stage, e.g. 1,1,1,2, or auto (mp/pp/balance.py); empty: even
 ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, both programs (relu: the course's)

@@ -5,6 +5,7 @@ runs 4 stages of a 16-layer mlp (4 processes on 2 cores: oversubscribed, say so 
 
     python benchmarks/zero_bubble.py --out logs/bench/zero_bubble.json     # about 4 minutes on 2 cores
     python benchmarks/zero_bubble.py --paired 80 --out logs/bench/zero_bubble_paired.json   # about a minute
+    python benchmarks/zero_bubble.py --paired-zbv 40 --out logs/bench/zero_bubble_zbv.json   # 1f1b, zb, zbv
 
 Each configuration runs `--rounds` times, the configurations of one microbatch count in turn
 (1f1b, zb, 1f1b --recompute, ...), so a drift of the machine's speed hits all alike; a run's step
@@ -42,7 +43,7 @@ from mp.flags import base_parser  # noqa: E402
 from mp.models import build_model  # noqa: E402
 from mp.pp.flags import add_pipeline_flags  # noqa: E402
 from mp.optim import make_optimizer  # noqa: E402
-from mp.pp.schedules import compute_order, schedule_actions  # noqa: E402
+from mp.pp.schedules import compute_order, placement_of, schedule_actions, stage_owner, virtual_stage  # noqa: E402
 from mp.pp.timeline import gather_timeline  # noqa: E402
 from mp.pp.zero_bubble import split_weight_grads  # noqa: E402
 
@@ -113,6 +114,10 @@ def measure(microbatches, rounds, steps, stages=2, configs=CONFIGS):
 PAIRED = ["--model", "mlp", "--layers", "8", "--hidden", "768", "--balance", "2,6", "--batch-size", "256",
           "--microbatches", "8", "--data", "synthetic", "--eval-every", "0", "--threads", "1"]
 ENGINES = ("1f1b", "zb", "zb-autograd-w")   # zb-autograd-w: zb with every W through autograd (a no-op hook)
+# --paired-zbv: 1f1b, zb and zbv on 14 Linear layers, whose first (3072 x 768) has the multiply-adds of four
+# others: zbv's 4 chunks of 4 such units each (--balance 1,4,4,5; the last holds the tiny classifier too), the
+# V's premise (every chunk's F, B and W alike), and 1f1b's and zb's 2 stages of the same 8 units (--balance 5,9)
+ZBV_ENGINES, ZBV_EXTRA, ZBV_BALANCE = ("1f1b", "zb", "zbv"), ["--layers", "14", "--balance", "5,9"], "1,4,4,5"
 
 
 def paired_worker(argv):
@@ -120,11 +125,16 @@ def paired_worker(argv):
     order rotating every round, each step between two barriers), each step recorded on the
     timeline. Rank 0 prints one JSON object: per round, each engine's seconds, bubble and per-stage
     F/B/W/wait milliseconds, the load average, and the one-way time of one message."""
-    rounds, warmup, extra = int(argv[0]), int(argv[1]), argv[2:]
-    margs = {name: pm.parse_args(PAIRED + extra + ["--schedule", name.split("-")[0]]) for name in ENGINES}
+    rounds, warmup, names, extra = int(argv[0]), int(argv[1]), tuple(argv[2].split(",")), argv[3:]
+    margs = {name: pm.parse_args(PAIRED + extra + ["--schedule", name.split("-")[0]] +
+                                 (["--balance", ZBV_BALANCE] if name == "zbv" else [])) for name in names}
     with distributed(margs["1f1b"]) as env:
-        pos = pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)))
-        engines = {name: engine(margs[name], env, pos, autograd_w=name == "zb-autograd-w") for name in ENGINES}
+        positions = {name: pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
+                                           margs[name].virtual_stages, placement=placement_of(margs[name].schedule))
+                     for name in names}
+        pos = positions["1f1b"]
+        engines = {name: engine(margs[name], env, positions[name], autograd_w=name == "zb-autograd-w")
+                   for name in names}
         data = SyntheticData(margs["1f1b"].seed)
         batches = [data.batch(s, margs["1f1b"].batch_size) for s in range(4)]
         first = margs["1f1b"]
@@ -132,12 +142,13 @@ def paired_worker(argv):
         rows = []
         for k in range(warmup + rounds):
             load = loadavg()
-            names = ENGINES[k % len(ENGINES):] + ENGINES[:k % len(ENGINES)]
-            row = {name: timed_step(engines[name], batches[k % len(batches)], pos, margs[name]) for name in names}
+            order = names[k % len(names):] + names[:k % len(names)]
+            row = {name: timed_step(engines[name], batches[k % len(batches)], positions[name], margs[name])
+                   for name in order}
             if k >= warmup:
                 rows.append({"load": [load, loadavg()], **row})
         if env.rank == 0:
-            print("PAIRED " + json.dumps({"args": PAIRED + extra, "microbatches": first.microbatches,
+            print("PAIRED " + json.dumps({"args": PAIRED + extra, "engines": names, "microbatches": first.microbatches,
                                           "message_ms": message_ms, "rounds": rows}), flush=True)
 
 
@@ -172,7 +183,8 @@ def timed_step(engine, batch, pos, margs):
     losses = [None] * pos.pp_size
     dist.all_gather_object(losses, loss)
     split = split_ms(trace, kinds={"forward": "F", "backward": "B", "weight": "W", "wait": "wait"})
-    return {"s": seconds, "loss": losses[-1], "bubble": trace["otherData"]["bubble_measured"], "split_ms": split,
+    loss = next(x for x in losses if x is not None)   # the last stage's (zbv: rank 0's, at the V's end)
+    return {"s": seconds, "loss": loss, "bubble": trace["otherData"]["bubble_measured"], "split_ms": split,
             "per_mb_ms": per_microbatch_ms(trace)}
 
 
@@ -181,7 +193,8 @@ def per_microbatch_ms(trace):
     durations = {}
     for e in trace["traceEvents"]:
         if e.get("cat") in ("forward", "backward", "weight"):
-            durations.setdefault(str(e["pid"]), {}).setdefault(e["name"][0], []).append(e["dur"] / 1000)
+            kind = e["name"][0] + ("b" if e["args"]["chunk"] == 1 else "")   # zbv's chunk b: Fb, Bb, Wb
+            durations.setdefault(str(e["pid"]), {}).setdefault(kind, []).append(e["dur"] / 1000)
     return {stage: {k: statistics.median(v) for k, v in kinds.items()} for stage, kinds in sorted(durations.items())}
 
 
@@ -208,24 +221,31 @@ def loadavg():
 
 def simulate(schedule, ms, message_ms, p, m):
     """The arithmetic: the span of one step of `schedule` (its compute order from mp.pp.schedules)
-    when every action lasts the measured median ms[stage][F, B or W] and every message message_ms;
-    an action starts once its rank is free and its input is in. Returns (span ms, bubble)."""
-    orders = [compute_order(schedule, p, m, r) for r in range(p)]
+    when every action lasts the measured median ms[stage][F, B or W] (zbv's chunk b: Fb, Bb, Wb) and
+    every message between ranks message_ms; an action starts once its rank is free and its input is
+    in. Returns (span ms, bubble)."""
+    placement, v = placement_of(schedule), 2 if schedule == "zbv" else 1
+    orders = [compute_order(schedule, p, m, r, v) for r in range(p)]
     done, free, at = {}, [0.0] * p, [0] * p
+
+    def cost(r, kind, chunk):
+        return ms[str(r)][kind + ("b" if chunk == 1 else "")]
     while any(at[r] < len(orders[r]) for r in range(p)):
         moved = False
         for r in range(p):
             if at[r] == len(orders[r]):
                 continue
-            kind, mb, _ = orders[r][at[r]]
-            need = {"F": ("F", mb, r - 1) if r > 0 else None, "W": ("B", mb, r),
-                    "B": ("B", mb, r + 1) if r < p - 1 else ("F", mb, r)}[kind]
+            kind, mb, chunk = orders[r][at[r]]
+            vs = virtual_stage(chunk, r, p, placement)
+            need = {"F": ("F", mb, vs - 1) if vs > 0 else None, "W": ("B", mb, vs),
+                    "B": ("B", mb, vs + 1) if vs < p * v - 1 else ("F", mb, vs)}[kind]
             if need is None or need in done:
-                ready = 0.0 if need is None else done[need] + (message_ms if need[2] != r else 0.0)
-                free[r] = done[(kind, mb, r)] = max(free[r], ready) + ms[str(r)][kind]
+                far = need is not None and stage_owner(need[2], p, placement)[0] != r
+                ready = 0.0 if need is None else done[need] + (message_ms if far else 0.0)
+                free[r] = done[(kind, mb, vs)] = max(free[r], ready) + cost(r, kind, chunk)
                 at[r], moved = at[r] + 1, True
         assert moved, "the compute orders wait on each other"
-    work = sum(ms[str(r)][kind] for r in range(p) for kind, _, _ in orders[r])
+    work = sum(cost(r, kind, chunk) for r in range(p) for kind, _, chunk in orders[r])
     return max(free), 1 - work / (p * max(free))
 
 
@@ -235,7 +255,8 @@ def summarise_paired(result):
     rounds = result["rounds"]
     out = {"message_ms": round(result["message_ms"], 3), "rounds": len(rounds),
            "load": [min(r["load"][0] for r in rounds), max(r["load"][1] for r in rounds)]}
-    for name in ENGINES:
+    names = result.get("engines", ENGINES)
+    for name in names:
         runs = [r[name] for r in rounds]
         ms = {st: {k: statistics.median(r["per_mb_ms"][st][k] for r in runs) for k in runs[0]["per_mb_ms"][st]}
               for st in runs[0]["per_mb_ms"]}
@@ -248,7 +269,7 @@ def summarise_paired(result):
                      "per_mb_ms": {st: {k: round(v, 2) for k, v in d.items()} for st, d in ms.items()},
                      "sim_span_ms": round(span, 1), "sim_bubble": round(bubble, 3),
                      "loss_diff": max(abs(r[name]["loss"] - r["1f1b"]["loss"]) for r in rounds)}
-    for name in ENGINES:
+    for name in names:
         out[name]["sim_over_1f1b"] = round(out[name]["sim_span_ms"] / out["1f1b"]["sim_span_ms"], 3)
     # the schedule alone: zb's order with a split that costs nothing (B + W = 1F1B's backward)
     fused, zb = out["1f1b"]["per_mb_ms"], out["zb"]["per_mb_ms"]
@@ -258,9 +279,9 @@ def summarise_paired(result):
     return out
 
 
-def run_paired(rounds, warmup, extra):
+def run_paired(rounds, warmup, extra, engines=ENGINES):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--",
-           os.path.abspath(__file__), "--paired-worker", str(rounds), str(warmup), *extra]
+           os.path.abspath(__file__), "--paired-worker", str(rounds), str(warmup), ",".join(engines), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=1800)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PAIRED ")]
@@ -348,18 +369,23 @@ def main():
     p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                    help="instead: 1f1b, zb and zb with W through autograd stepped in turn in one pair of processes "
                         "(mlp 8x768, --balance 2,6, batch 256, m 8), ROUNDS rounds after 3 warm-up rounds")
+    p.add_argument("--paired-zbv", type=int, default=0, metavar="ROUNDS",
+                   help="instead: --paired's run with 1f1b, zb and zbv on --layers 14 (1f1b and zb --balance 5,9; "
+                        "zbv --balance 1,4,4,5: 4 chunks of equal multiply-adds)")
     p.add_argument("--pieces", action="store_true",
                    help="instead: one process, each stage's F, 1F1B backward, B and W of one microbatch, timed alone")
     args = p.parse_args()
     if args.pieces:
         print(json.dumps({"load": loadavg(), "pieces": pieces(), "load_after": loadavg()}, indent=1))
         return
-    if args.paired:
-        summary = run_paired(args.paired, 3, [])
+    if args.paired or args.paired_zbv:
+        summary = run_paired(args.paired or args.paired_zbv, 3, [] if args.paired else ZBV_EXTRA,
+                             ENGINES if args.paired else ZBV_ENGINES)
         print(json.dumps(summary, indent=1))
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "model": PAIRED, "paired": summary}, f, indent=1)
+            json.dump({"args": vars(args), "model": PAIRED + ([] if args.paired else ZBV_EXTRA), "paired": summary},
+                      f, indent=1)
         return
     rows = []
     for stages in (int(s) for s in args.stages.split(",")):

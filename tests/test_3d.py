@@ -223,6 +223,18 @@ def test_check_compares_each_tensor_with_the_slice_it_holds(monkeypatch):
     assert "gradient of 0.1.weight" in [what for what, _, error in check(wrong) if error]
 
 
+@pytest.mark.parametrize("args,extra", [
+    (MLP + ["--layers", "4", "--dropout", "0.1", "--clip-grad-norm", "0.15"], []),
+    slow(VIT + ["--dropout", "0.1", "--clip-grad-norm", "0.15"], ["--sequence-parallel"])])
+def test_zbv_carries_over_to_the_grid(tmp_path, baseline, args, extra):
+    """--schedule zbv on a 1x2x2 grid: 4 chunks in a V over 2 stages of 2 tp ranks each. The V's tip
+    hands its activation from chunk a to chunk b on the same tp rank (whole, or its run of tokens under
+    --sequence-parallel: what chunk b expects), so no cut is scattered there; the baseline's losses."""
+    run = run_grid(tmp_path, args, 1, 2, 2, ["--schedule", "zbv", "--microbatches", "2", *extra])
+    assert_same_losses(run, baseline(args))
+    assert_replicas_identical(run, 1, 2)
+
+
 @pytest.mark.parametrize("args,extra", [(MLP + ["--layers", "4"], []), (VIT, ["--sequence-parallel"]),
                                         (CNN, ["--no-scatter-gather"])])
 def test_zb_splits_the_sharded_layers_and_keeps_the_baseline(tmp_path, baseline, args, extra):

@@ -24,7 +24,7 @@ from mp.dist import Env
 from mp.models import build_model
 from mp.data import SyntheticData
 from helpers import FAST, PYTHON, ROOT, run_ranks
-from mp.pp.schedules import SCHEDULES, schedule_actions
+from mp.pp.schedules import SCHEDULES, placement_of, schedule_actions
 
 MLP = FAST + ["--model", "mlp", "--hidden", "16", "--layers", "4", "--batch-size", "8"]
 
@@ -54,7 +54,7 @@ def _one_work_case(rank, world, group):
     x, y = SyntheticData(0).batch(0, 8)
     for schedule in SCHEDULES:
         args = pm.parse_args(MLP + ["--schedule", schedule, "--microbatches", "4"])
-        pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
+        pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages, placement=placement_of(schedule))
         losses = []
         for batched in (GLOO_BATCH, as_on_nccl):
             pm.dist.batch_isend_irecv = batched

@@ -20,6 +20,8 @@ CASES = [  # program, world size, command line that fails
     (pipeline_microbatch, 2, ["--data", "synthetic", "--balance", "2,2"]),                  # 4 of the cnn's 5
     (pipeline_microbatch, 4, MLP + ["--layers", "8", "--schedule", "interleaved", "--microbatches", "6",
                                     "--batch-size", "24"]),
+    (pipeline_microbatch, 2, MLP + ["--layers", "8", "--schedule", "zbv", "--virtual-stages", "3",
+                                    "--batch-size", "24"]),
     (pipeline_dp_joint, 6, ["--data", "synthetic", "--schedule", "interleaved"]),        # the launcher's default
     (pipeline_dp_joint, 4, MLP + ["--dp", "3"]),
     (tensor_parallel, 3, ["--data", "synthetic", "--model", "vit", "--hidden", "96"]),   # --heads 4

@@ -22,7 +22,7 @@ from mp.data import SyntheticData
 from mp.dist import Env
 from mp.optim import make_optimizer
 from mp.pp.evaluate import evaluate_pipeline
-from mp.pp.schedules import SCHEDULES, eval_actions, schedule_actions
+from mp.pp.schedules import SCHEDULES, eval_actions, placement_of, schedule_actions
 from mp.pp.timeline import Timeline
 
 
@@ -47,8 +47,8 @@ def assert_same_order(all_actions, what):
                                              f"than it receives: {sent[pair]} against {received[pair]}"
 
 
-def ranks(p, v):
-    return [pm.PipelineRank(r, p, list(range(p)), v) for r in range(p)]
+def ranks(p, v, schedule="1f1b"):
+    return [pm.PipelineRank(r, p, list(range(p)), v, placement=placement_of(schedule)) for r in range(p)]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -56,10 +56,10 @@ def test_every_schedule_posts_sends_in_the_order_the_peer_posts_receives(schedul
     cases = 0
     for p in range(2, 7):
         for m in range(1, 13):
-            for v in ((2, 3) if schedule == "interleaved" else (1,)):
+            for v in ((2, 3) if schedule == "interleaved" else (2,) if schedule == "zbv" else (1,)):
                 if schedule == "interleaved" and m % p or schedule == "2bw" and m < p:
                     continue
-                assert_same_order([schedule_actions(schedule, pos, m) for pos in ranks(p, v)],
+                assert_same_order([schedule_actions(schedule, pos, m) for pos in ranks(p, v, schedule)],
                                   f"{schedule}, p={p}, m={m}, v={v}")
                 cases += 1
     assert cases >= 20
@@ -80,9 +80,10 @@ def test_2bw_posts_in_matching_order_across_step_boundaries():
     assert cases >= 40
 
 
-@pytest.mark.parametrize("p,v,n", [(2, 1, 3), (4, 1, 5), (3, 2, 4), (4, 2, 1)])
-def test_evaluation_posts_sends_in_the_order_the_peer_posts_receives(p, v, n):
-    assert_same_order([eval_actions(pos, n) for pos in ranks(p, v)], f"evaluation, p={p}, v={v}, {n} batches")
+@pytest.mark.parametrize("p,v,n,schedule", [(2, 1, 3, "1f1b"), (4, 1, 5, "1f1b"), (3, 2, 4, "interleaved"),
+                                            (4, 2, 1, "interleaved"), (3, 2, 4, "zbv"), (2, 2, 3, "zbv")])
+def test_evaluation_posts_sends_in_the_order_the_peer_posts_receives(p, v, n, schedule):
+    assert_same_order([eval_actions(pos, n) for pos in ranks(p, v, schedule)], f"evaluation, p={p}, v={v}, {n} batches")
 
 
 def test_the_check_can_fail():
@@ -100,7 +101,7 @@ def test_the_check_can_fail():
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24",
               "--timeout-s", "10"]  # a pairing gone wrong shows in seconds, not the default minutes
 CASE = "TEST_NCCL_ORDER_CASE"         # how a test hands its case to the ranks (they inherit the environment)
-QUICK = [("gpipe", 3), ("1f1b", 4), ("interleaved", 2), ("zb", 3), ("2bw", 2)]   # one of each in -m "not slow"
+QUICK = [("gpipe", 3), ("1f1b", 4), ("interleaved", 2), ("zb", 3), ("zbv", 3), ("2bw", 2)]   # one of each, not slow
 
 
 def microbatch_counts(schedule, p):
@@ -150,7 +151,7 @@ def play(schedule, m, rank, world, swap=False):
     steps = "3" if schedule == "2bw" else "2"
     args = pm.parse_args(MLP + ["--schedule", schedule, "--microbatches", str(m), "--steps", steps])
     env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
-    pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
+    pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages, placement=placement_of(schedule))
     model, runner = pm.setup_stage(args, env, pos)
     actions = (swapped_sends if swap and rank == 0 else schedule_actions)(args.schedule, pos, args.microbatches)
     optimizer, data = make_optimizer(runner.parameters(), args), SyntheticData(args.seed, test_size=700)

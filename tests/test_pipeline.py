@@ -14,7 +14,7 @@ from mp.models import build_model
 from mp.data import Cifar10Data, SyntheticData, load_data, next_batch
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks, slow
 from mp.check import check_one_step
-from mp.pp.schedules import SCHEDULES, schedule_actions
+from mp.pp.schedules import SCHEDULES, placement_of, schedule_actions
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
 
@@ -99,7 +99,7 @@ def _sends_in_flight_case(rank, world, group):
     x, y = SyntheticData(0).batch(0, 24)
     for schedule in SCHEDULES:
         args = pm.parse_args(MLP + ["--schedule", schedule, "--microbatches", "4"])
-        pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages)
+        pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages, placement=placement_of(schedule))
         _, runner = pm.setup_stage(args, env, pos)
         messenger, exchange, last_sends = runner.messenger, runner.messenger.exchange, []
 
@@ -171,6 +171,10 @@ class Scale(torch.nn.Module):
     (["--schedule", "1f1b", "--virtual-stages", "3"], 2,
      "error: --virtual-stages 3 applies only to --schedule interleaved"),
     (["--layers", "1"], 2, "error: --layers 1: the mlp needs at least 2"),
+    (["--schedule", "zbv", "--virtual-stages", "3"], 2, "error: --schedule zbv places exactly 2 chunks on each rank, "
+     "in a V (rank r holds virtual stages r and 2p-1-r), not --virtual-stages 3; use --virtual-stages 2 or "
+     "--schedule interleaved"),
+    (["--schedule", "zbv"], 5, "error: 5 stages x 2 virtual stages = 10 chunks but the mlp has only 8 blocks"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world, message):
     assert_one_error_line(pm.parse_args, MLP + argv, world, message, monkeypatch, capsys)
@@ -285,3 +289,26 @@ def _plain_gpipe_case(rank, world, group):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+# ----------------------------------------------------------------------------- zbv: zero bubble in a V
+
+
+@pytest.mark.parametrize("stages,microbatches,extra", [(3, 4, []), (2, 6, ["--recompute"]), slow(4, 2, [])])
+def test_zbv_equals_the_baseline_with_dropout_and_clipping(tmp_path, baseline, stages, microbatches, extra):
+    """Two chunks per rank in a V: rank 0 reads the inputs and the labels and logs the loss; rank p-1
+    hands its chunk 0's output to its chunk 1 in place. Losses and gradient norms are the baseline's."""
+    args = MLP + ["--steps", "10", "--dropout", "0.1", "--clip-grad-norm", "0.15"]   # clips most steps
+    run = launch("pipeline_microbatch.py", args + extra + ["--schedule", "zbv", "--microbatches", str(microbatches)],
+                 tmp_path, nproc=stages)
+    base = baseline(args)
+    assert_same_losses(run, base)
+    norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(run.events("train"), base.events("train"), strict=True)]
+    assert max(abs(a - b) for a, b in norms) < 1e-4 and sum(b > 0.15 for _, b in norms) >= len(norms) // 2, norms
+
+
+def test_zbv_check_compares_every_tensor_with_the_full_model(tmp_path):
+    run = launch("pipeline_microbatch.py", MLP + ["--check", "--schedule", "zbv", "--microbatches", "4", "--dropout",
+                                                  "0.1", "--clip-grad-norm", "1"], tmp_path, nproc=2)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("all tensors match the full model") == 1, run.stdout

@@ -63,7 +63,9 @@ def test_1f1b_holds_at_most_p_minus_rank_microbatches_gpipe_holds_all():
 
 
 def every_rank(schedule, p, m, v=1, fused=True):
-    return [schedule_actions(schedule, PipelineRank(r, p, list(range(p)), v), m, fused) for r in range(p)]
+    placement = schedules.placement_of(schedule)
+    return [schedule_actions(schedule, PipelineRank(r, p, list(range(p)), v, placement=placement), m, fused)
+            for r in range(p)]
 
 
 def test_every_send_has_its_receive():
@@ -76,7 +78,8 @@ def test_every_send_has_its_receive():
 
 
 CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b", "zb") for p in (2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 16)] + \
-        [("interleaved", p, k * p, v) for p in (2, 3, 4) for k in (1, 2, 3) for v in (1, 2, 3)]
+        [("interleaved", p, k * p, v) for p in (2, 3, 4) for k in (1, 2, 3) for v in (1, 2, 3)] + \
+        [("zbv", p, m, 2) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 9, 16)]
 
 
 @pytest.mark.parametrize("schedule,p,m,v", CASES)
@@ -121,6 +124,7 @@ def test_the_module_docstring_shows_the_tables_the_code_runs():
     for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]:
         table = "\n".join("    " + row for row in schedules.clock_table(schedule, 4, 4, v))
         assert table in schedules.__doc__, schedule
+    assert "\n".join("    " + row for row in schedules.clock_table("zbv", 2, 3, 2)) in schedules.__doc__
 
 
 def test_a_forward_never_waits_for_a_gradient_in_gpipe_and_1f1b():
@@ -232,9 +236,127 @@ def test_the_command_line_prints_and_draws_the_planned_table(tmp_path, capsys):
      "error: --schedule interleaved needs --microbatches a multiple of --stages 4, got 6; use --microbatches 8 or 4"),
     (["--virtual-stages", "2"], "error: --virtual-stages 2 applies only to --schedule interleaved, not 1f1b"),
     (["--schedule", "2bw", "--microbatches", "2"], "error: --schedule 2bw needs --microbatches at least --stages 4"),
+    (["--schedule", "zbv", "--virtual-stages", "3"], "error: --schedule zbv places exactly 2 chunks on each rank"),
 ])
 def test_the_command_line_refuses_bad_sizes_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         schedule_tool.main(argv)
     err = capsys.readouterr().err.splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(message), err
+
+
+# ----------------------------------------------------------------------------- zero bubble in a V (ZB-V)
+
+
+def test_the_v_places_chunk_1_of_rank_r_at_2p_minus_1_minus_r():
+    p = 4
+    assert [schedules.virtual_stage(c, r, p, "v") for c in (0, 1) for r in range(p)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    assert [schedules.virtual_stage(c, r, p) for c in (0, 1) for r in range(p)] == list(range(8))   # the loop
+    for placement in ("v", "loop"):
+        assert all(schedules.stage_owner(schedules.virtual_stage(c, r, p, placement), p, placement) == (r, c)
+                   for c in (0, 1) for r in range(p))
+    ranks = [PipelineRank(r, p, [10, 11, 12, 13], 2, placement="v") for r in range(p)]
+    assert [pos.is_last_stage for pos in ranks] == [True, False, False, False]   # rank 0 holds the loss
+    assert ranks[3].peer(0, +1) == (13, 1) and ranks[0].peer(1, -1) == (11, 1) and ranks[1].peer(1, +1) == (10, 1)
+
+
+def test_zbv_follows_torchs_order_warm_up_steady_state_and_cool_down():
+    """p=2, m=3 (torch's ScheduleZBVZeroBubble's order, its padding left out): rank 0 runs 2(p-r)-1 = 3
+    forwards of chunk 0, then F B W of chunk 1; rank 1 alternates chunks from the start (the V's tip)."""
+    assert table("zbv", 2, 3, v=2) == [
+        "F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 B0.0 W0.0 F2.1 B2.1 W2.1 B1.0 W1.0 B2.0 W2.0",
+        "F0.0 F0.1 F1.0 F1.1 B0.1 W0.1 F2.0 B0.0 W0.0 F2.1 B1.1 W1.1 B1.0 B2.1 B2.0 W1.0 W2.1 W2.0",
+    ]
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 1), (2, 4), (3, 2), (4, 7), (4, 16), (8, 9)])
+def test_zbv_runs_every_pass_once_w_after_b_and_holds_what_1f1bs_first_stage_holds(p, m):
+    for rank in range(p):
+        order = compute_order("zbv", p, m, rank)
+        for kind in "FBW":
+            assert sorted(a for a in order if a[0] == kind) == [(kind, i, c) for i in range(m) for c in (0, 1)]
+        assert all(order.index(("F", i, c)) < order.index(("B", i, c)) < order.index(("W", i, c))
+                   for i in range(m) for c in (0, 1))
+        assert in_flight(order) <= 2 * min(p, m)   # chunks of half a stage: 1F1B's first stage's p microbatches
+
+
+def test_zbv_messages_skip_the_tip_of_the_v():
+    """Rank p-1's chunk 0 feeds its own chunk 1 (virtual stages p-1 and p): no message either way."""
+    p = 3
+    pos = PipelineRank(p - 1, p, list(range(p)), 2, placement="v")
+    assert schedules.messages(("F", 0, 0), pos) == (("recv", 1, ("act", 0, 2)), None)
+    assert schedules.messages(("F", 0, 1), pos) == (None, ("send", 1, ("act", 0, 4)))
+    assert schedules.messages(("B", 0, 1), pos) == (("recv", 1, ("grad", 0, 3)), None)
+    assert schedules.messages(("B", 0, 0), pos) == (None, ("send", 1, ("grad", 0, 1)))
+    top = PipelineRank(0, p, list(range(p)), 2, placement="v")      # the model's two ends: no message out
+    assert schedules.messages(("F", 0, 1), top)[1] is None and schedules.messages(("B", 0, 1), top)[0] is None
+    every = every_rank("zbv", p, 5, 2)
+    assert not any(peer == r for r, acts in enumerate(every) for a in acts if a[0] == "comm" for _, peer, _ in a[1])
+
+
+def test_zbv_with_1f1bs_message_rule_deadlocks_and_the_clock_tables_placement_does_not():
+    """Sends posted right after their compute (with_communication, as 1f1b) block zbv's ranks on each
+    other: chunk 0's forwards go down while chunk 1's come up. Placed on the clock table, they do not."""
+    positions = [PipelineRank(r, 2, [0, 1], 2, placement="v") for r in range(2)]
+    naive = [schedules.with_communication([[a] for a in schedules.zbv_order(2, 4, r)], pos)
+             for r, pos in enumerate(positions)]
+    assert dry_run(naive) is not None
+    assert dry_run(every_rank("zbv", 2, 4, 2)) is None
+
+
+def test_a_plan_for_placed_chunks_refuses_the_other_placement():
+    with pytest.raises(AssertionError, match="zbv runs on chunks placed 'v'"):
+        schedule_actions("zbv", PipelineRank(0, 2, [0, 1], 2), 4)
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 8), (3, 5), (4, 7), (4, 8), (4, 16), (8, 15)])
+def test_zbv_clock_table_has_its_formula_half_of_zbs_bubble(p, m):
+    rows = [row.split(": ")[1].split() for row in schedules.clock_table("zbv", p, m, 2)]
+    ticks = max(len(row) for row in rows)
+    assert ticks == 6 * m + p - 1
+    idle = 1 - 6 * m * p / (p * ticks)
+    assert idle == pytest.approx(schedules.bubble_theory(p, m, 2, "zbv")) == pytest.approx((p - 1) / (6 * m + p - 1))
+    assert idle < schedules.bubble_theory(p, m, schedule="zb") < schedules.bubble_theory(p, m, schedule="1f1b")
+
+
+def test_zbv_bubble_with_fewer_microbatches_than_fill_the_v_is_the_tables():
+    for p, m in [(2, 2), (4, 4), (8, 3)]:
+        rows = schedules.clock_cells("zbv", p, m, 2)
+        assert schedules.bubble_theory(p, m, 2, "zbv") == pytest.approx(1 - 6 * m / max(map(len, rows)))
+
+
+def test_the_command_line_draws_zbv(capsys):
+    schedule_tool.main(["--schedule", "zbv", "--stages", "4", "--microbatches", "8"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("zbv: 4 stages, 8 microbatches, v=2 chunks per rank") and "51 ticks" in lines[0]
+    assert "idle 5.9% of the table = bubble_theory 5.9%" in lines[0]
+    assert lines[1:] == schedules.clock_table("zbv", 4, 8, 2)
+
+
+def played_span(all_actions):
+    """Ticks to play every rank's actions when each F, B and W lasts one tick, a send is posted when its
+    rank reaches it and never waits, and a receive waits for its send: what the messages' placement adds."""
+    clock, at, sent = [0] * len(all_actions), [0] * len(all_actions), {}
+    while any(a < len(actions) for a, actions in zip(at, all_actions)):
+        before = list(at)
+        for r, actions in enumerate(all_actions):
+            while at[r] < len(actions):
+                action = actions[at[r]]
+                if action[0] != "comm":
+                    clock[r], at[r] = clock[r] + 1, at[r] + 1
+                    continue
+                sent.update({msg: clock[r] for kind, _, msg in action[1] if kind == "send"})
+                recvs = [msg for kind, _, msg in action[1] if kind == "recv"]
+                if not all(msg in sent for msg in recvs):
+                    break
+                clock[r], at[r] = max([clock[r]] + [sent[msg] for msg in recvs]), at[r] + 1
+        assert at != before, "stuck"
+    return max(clock)
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 8), (3, 5), (4, 8), (4, 16), (8, 16)])
+def test_zbv_messages_cost_the_clock_table_no_tick(p, m):
+    """Each message is posted at the tick its reader starts on the clock table, so the plan played with
+    one-tick actions spans the table's 6m+p-1 ticks, as zb's spans its 3m+p-1: the messages add no wait."""
+    assert played_span(every_rank("zbv", p, m, 2)) == 6 * m + p - 1
+    assert played_span(every_rank("zb", p, m)) == 3 * m + p - 1

@@ -1,8 +1,9 @@
 """Our schedules (mp/pp/schedules.py) checked by torch.distributed.pipelining's own schedule checker,
 an independent oracle. Each rank's compute actions, as pipeline_microbatch.py's executor plays them,
 become torch's actions ("stage kind microbatch": "1F3" is virtual stage 1's forward of microbatch 3,
-"1B3" its full backward, zb's split backward "1I3" (input gradient) and "1W3" (weight gradient);
-interleaved's virtual stage is chunk * p + rank, on rank stage % p), and torch then
+"1B3" its full backward, zb's and zbv's split backward "1I3" (input gradient) and "1W3" (weight gradient);
+interleaved's virtual stage is chunk * p + rank, on rank stage % p; zbv's V puts chunk 1 of rank r at 2p-1-r,
+torch's generate_stage_to_rank_mapping(style="v"), and the checks get that map), and torch then
   _validate_schedule       every stage runs each microbatch's F, and its B (or I, then W) after it
   _add_send_recv           torch's own sends and receives between those compute orders (raises when
                            the ranks' orders wait on each other: a deadlock in the schedule itself)
@@ -13,7 +14,7 @@ These functions are torch's private API: a torch without one skips the test that
 import pytest
 import torch
 
-from mp.pp.schedules import compute_units, schedule_actions
+from mp.pp.schedules import compute_units, placement_of, schedule_actions, stage_owner, virtual_stage
 from pipeline_microbatch import PipelineRank
 
 PRIVATE = ("_Action", "_ComputationType", "_validate_schedule", "_add_send_recv", "_simulate_comms_compute")
@@ -22,7 +23,17 @@ CASES = {   # (p, m, v) each schedule accepts (mp.pp.flags): p 2-8, m 1-16
     "1f1b": [(p, m, 1) for p in range(2, 9) for m in range(1, 17)],
     "zb": [(p, m, 1) for p in range(2, 9) for m in range(1, 17)],
     "interleaved": [(p, m, v) for p in range(2, 9) for m in range(p, 17, p) for v in (2, 3)],
+    "zbv": [(p, m, 2) for p in range(2, 9) for m in range(2, 17)],
 }
+
+
+def torch_v_mapping(p, stages):
+    """torch's stage -> rank map of its V schedules (ScheduleZBVZeroBubble, DualPipeV), or a skip."""
+    try:
+        from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    except ImportError as e:
+        pytest.skip(f"torch {torch.__version__} has no generate_stage_to_rank_mapping ({e})")
+    return generate_stage_to_rank_mapping(p, stages, style="v")
 
 
 def torch_private(*names):
@@ -40,14 +51,16 @@ def torch_private(*names):
 
 def played(schedule, p, m, v):
     """{rank: the actions its executor plays in one step}, messages included (mp.pp.schedules)."""
-    return {r: schedule_actions(schedule, PipelineRank(r, p, list(range(p)), v), m) for r in range(p)}
+    return {r: schedule_actions(schedule, PipelineRank(r, p, list(range(p)), v, placement=placement_of(schedule)), m)
+            for r in range(p)}
 
 
 def as_torch(schedule, p, rank, compute):
     """Our compute actions (kind, microbatch, chunk) of one rank as torch's _Action, by its own parser."""
     Action, = torch_private("_Action")
-    kinds = {"F": "F", "B": "I" if schedule == "zb" else "B", "W": "W"}   # zb's B is the input gradient only
-    return [Action.from_str(f"{chunk * p + rank}{kinds[kind]}{mb}") for kind, mb, chunk in compute]
+    kinds = {"F": "F", "B": "I" if schedule in ("zb", "zbv") else "B", "W": "W"}   # zb's B: the input gradient only
+    return [Action.from_str(f"{virtual_stage(chunk, rank, p, placement_of(schedule))}{kinds[kind]}{mb}")
+            for kind, mb, chunk in compute]
 
 
 def compute_only(all_actions, schedule, p):
@@ -79,10 +92,13 @@ def torch_check(schedule, p, m, v, all_actions):
     """Every check torch has, on one schedule; raises the first one's error."""
     validate, add_send_recv, simulate = torch_private("_validate_schedule", "_add_send_recv",
                                                       "_simulate_comms_compute")
-    stages, stage_to_rank = p * v, lambda stage: stage % p
+    stages, placement = p * v, placement_of(schedule)
+    stage_to_rank = lambda stage: stage_owner(stage, p, placement)[0]    # noqa: E731
     compute = compute_only(all_actions, schedule, p)
     mapping = validate(compute, p, stages, m)
-    assert mapping == {s: s % p for s in range(stages)}, mapping
+    assert mapping == {s: stage_to_rank(s) for s in range(stages)}, mapping
+    if placement == "v":                                                  # torch's own V, where it has one
+        assert mapping == torch_v_mapping(p, stages), mapping
     with_comms = add_send_recv({r: list(a) for r, a in compute.items()}, stage_to_rank, stages)   # it consumes
     simulate(with_comms, stage_to_rank, stages)
     simulate(messages_as_torch(schedule, p, all_actions), stage_to_rank, stages)
@@ -169,3 +185,28 @@ def test_torch_rejects_a_missing_message(capsys):
 def test_a_torch_without_the_private_api_skips_naming_what_is_missing():
     with pytest.raises(pytest.skip.Exception, match="lacks torch.distributed.pipelining.schedules._no_such"):
         torch_private("_validate_schedule", "_no_such")
+
+
+def test_zbv_is_torchs_own_zbv_order():
+    """Our zbv order, rank by rank, against torch's ScheduleZBVZeroBubble's own (its
+    _calculate_single_rank_operations, which reads only the sizes; its None padding left out)."""
+    try:
+        from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    except ImportError as e:
+        pytest.skip(f"torch {torch.__version__} has no ScheduleZBVZeroBubble ({e})")
+    from types import SimpleNamespace
+    plan = getattr(ScheduleZBVZeroBubble, "_calculate_single_rank_operations", None)
+    if plan is None:
+        pytest.skip(f"torch {torch.__version__}'s ScheduleZBVZeroBubble plans otherwise (private API)")
+    for p in range(2, 9):
+        for m in range(1, 17):
+            sizes = SimpleNamespace(pp_group_size=p, _n_microbatches=m, n_microbatches=m, num_stages=2 * p,
+                                    _num_stages=2 * p)
+            for r in range(p):
+                theirs = [str(a) for a in plan(sizes, r) if a is not None]
+                ours = [str(a) for a in as_torch("zbv", p, r, compute_units_flat("zbv", p, m, r))]
+                assert ours == theirs, f"p={p} m={m} rank {r}:\n ours   {ours}\n theirs {theirs}"
+
+
+def compute_units_flat(schedule, p, m, rank):
+    return [a for unit in compute_units(schedule, p, m, rank) for a in unit]

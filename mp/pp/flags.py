@@ -27,8 +27,11 @@ def validate_pipeline(args, stages, replicas, tp=1):
     """Arithmetic of the split, checked from flags and WORLD_SIZE alone: no collective yet.
     tp: ranks per stage (parallel_3d.py), only for the rank counts the messages suggest."""
     if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
-    elif args.schedule != "interleaved" and args.virtual_stages != 1:
+        args.virtual_stages = 2 if args.schedule in ("interleaved", "zbv") else 1
+    elif args.schedule == "zbv" and args.virtual_stages != 2:
+        fail(f"--schedule zbv places exactly 2 chunks on each rank, in a V (rank r holds virtual stages r and "
+             f"2p-1-r), not --virtual-stages {args.virtual_stages}; use --virtual-stages 2 or --schedule interleaved")
+    elif args.schedule not in ("interleaved", "zbv") and args.virtual_stages != 1:
         fail(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not "
              f"{args.schedule}; drop it or use --schedule interleaved")
     m, chunks = args.microbatches, stages * args.virtual_stages

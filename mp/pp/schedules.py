@@ -34,6 +34,12 @@ backward, . idle: the bubble; drawn by clock_table() with B as long as F):
     stage 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 B3 W1 W2 W3
     stage 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3
 
+    zbv (ZB-V), drawn on 2 stages x 3 microbatches: zb's split on 2 chunks per rank placed in a V,
+    a: virtual stage r, b: 2p-1-r (a tick is half a stage's F, B or W); rank 0 holds the model's
+    two ends (the inputs and the loss), rank p-1 its middle, handed from chunk a to b in place
+    stage 0: F0a F1a F2a F0b B0b W0b F1b B1b W1b B0a W0a F2b B2b W2b B1a W1a B2a W2a
+    stage 1: .   F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b B1a B2b B2a W1a W2b W2a
+
 GPipe and 1F1B take the same 2(m+p-1) ticks, a bubble of (p-1)/(m+p-1); but 1F1B holds at most
 p - r microbatches' activations on stage r instead of all m, so its memory does not grow with m.
 Interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
@@ -42,10 +48,15 @@ Figure 5 is tensor parallelism's f and g, in tensor_parallel.py) gives each rank
 model (virtual stages r, r+p, r+2p, ...): 2(Vm+p-1) ticks of 1/V stage each, a bubble of
 (p-1)/(Vm+p-1), for V times the messages. ZB-H1 (Qi et al. 2024) takes 3m+p-1 ticks of F, B or W,
 a bubble of (p-1)/(3m+p-1): a third of 1F1B's for m >> p, with at most p microbatches in flight
-(F done, W not yet) on any stage.
+(F done, W not yet) on any stage. ZB-V (the same paper, section 6) takes 6m+p-1 ticks of half a
+stage once m >= 2p-1: a bubble of (p-1)/(6m+p-1), half of ZB-H1's and a sixth of 1F1B's for m >> p,
+holding about 1F1B's first stage's activations (2p chunk-microbatches of half a stage each).
 """
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "2bw")
+from bisect import bisect_left
+from dataclasses import replace
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "2bw")
 
 
 # A compute action is ("F", "B" or "W", microbatch, chunk). A communication action is ("comm", parts),
@@ -86,6 +97,8 @@ def compute_units(schedule, p, m, rank, v=1):
     bwd = [(mb, v - 1 - c) for mb, c in fwd]
     if schedule == "zb":
         return zero_bubble_units(p, m, rank)
+    if schedule == "zbv":
+        return [[action] for action in zbv_order(p, m, rank)]
     if schedule == "2bw":                  # two steps, the second's microbatches numbered m .. 2m-1
         return pipedream_units(p, m, rank, last=False) + \
             [[(k, mb + m, c) for k, mb, c in unit] for unit in pipedream_units(p, m, rank, first=False)]
@@ -113,6 +126,69 @@ def zero_bubble_units(p, m, rank):
             unit.append(("W", late.pop(0), 0))
         units.append(unit)
     return units + [[("W", i, 0)] for i in late]
+
+
+def placement_of(schedule):
+    """Where a rank's chunks sit: "v" for zbv (down the ranks and back up), else "loop" (interleaved's
+    round: chunk c of rank r is virtual stage c*p + r). torch's generate_stage_to_rank_mapping styles."""
+    return "v" if schedule == "zbv" else "loop"
+
+
+def virtual_stage(chunk, rank, p, placement="loop"):
+    """The virtual stage that chunk `chunk` of rank `rank` holds. loop: chunk*p + rank. v (2 chunks):
+    chunk 0 is virtual stage rank, chunk 1 is 2p-1-rank, so rank p-1 holds the V's tip (p-1 and p)
+    and rank 0 holds both ends, the model's input and its loss."""
+    return 2 * p - 1 - rank if placement == "v" and chunk == 1 else chunk * p + rank
+
+
+def stage_owner(vstage, p, placement="loop"):
+    """(rank, chunk) that holds virtual stage vstage: virtual_stage's inverse (loop: round a ring,
+    so one past either end wraps; the schedules never send there)."""
+    if placement == "v" and p <= vstage < 2 * p:
+        return 2 * p - 1 - vstage, 1
+    return vstage % p, vstage // p
+
+
+def peer_of(pos, chunk, step):
+    """Global rank and chunk of the virtual stage `step` (+-1) away from my chunk (PipelineRank.peer)."""
+    rank, chunk = stage_owner(virtual_stage(chunk, pos.pp_rank, pos.pp_size, pos.placement) + step,
+                              pos.pp_size, pos.placement)
+    return pos.ranks[rank], chunk
+
+
+def is_mine(pos, vstage):
+    """Does this rank hold virtual stage vstage? zbv's tip: a message between two chunks of one rank
+    goes straight from its outbox to its inbox, never over the wire."""
+    return stage_owner(vstage, pos.pp_size, pos.placement)[0] == pos.pp_rank
+
+
+def zbv_order(p, m, rank):
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6; torch's ScheduleZBVZeroBubble):
+    two chunks per rank in a V (chunk 0: virtual stage r, chunk 1: 2p-1-r), each backward split into
+    B and W as zb's. Warm-up: 2(p-r)-1 forwards of chunk 0, then r pairs (F chunk 1, F chunk 0),
+    then p-r times F, B, W of chunk 1 (the V's way back starts on the rank that ran its way down);
+    steady state: F B W of chunk 0, F B W of chunk 1; cool-down: r pairs of B (chunk 0, chunk 1),
+    p-r of (B, W) of chunk 0, then the W's left. Planned for max(m, 2p-1) microbatches, the fewest
+    that fill the V, and played for the first m (torch's rule): an action (kind, microbatch, chunk)."""
+    n, order, done = max(m, 2 * p - 1), [], {}
+
+    def run(*pairs):                                     # (kind, chunk): the next microbatch of each
+        for kind, chunk in pairs:
+            mb = done[(kind, chunk)] = count(kind, chunk)
+            order.append((kind, mb, chunk))
+
+    def count(kind, chunk):                              # how many of that kind and chunk so far
+        return done.get((kind, chunk), -1) + 1
+
+    run(*[("F", 0)] * (2 * (p - rank) - 1))
+    run(*[("F", 1), ("F", 0)] * rank)
+    run(*[("F", 1), ("B", 1), ("W", 1)] * (p - rank))
+    while count("F", 1) < count("F", 0) or count("F", 0) < n:
+        run(*([("F", 0)] if count("F", 0) < n else []), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+    run(*[("B", 0), ("B", 1)] * rank)
+    run(*[("B", 0), ("W", 0)] * (p - rank))
+    run(*[("W", 1)] * (count("B", 1) - count("W", 1)), *[("W", 0)] * (count("B", 0) - count("W", 0)))
+    return [action for action in order if action[1] < m]
 
 
 def pipedream_units(p, m, rank, first=True, last=True):
@@ -161,6 +237,7 @@ def clock_table(schedule, p, m, v=1):
 
 def clock_cells(schedule, p, m, v=1):
     """clock_table's cells: a list per stage, one cell per tick ("F3", "B1b", "W0" or "." idle)."""
+    v = 2 if schedule == "zbv" else v                    # zbv: always two chunks, in a V
     orders, last = [compute_order(schedule, p, m, r, v) for r in range(p)], p * v - 1
     done, rows = {}, [[] for _ in range(p)]              # done: (kind, mb, virtual stage) -> end tick
     while len(done) < sum(map(len, orders)):
@@ -170,7 +247,7 @@ def clock_cells(schedule, p, m, v=1):
             if placed == len(orders[r]):
                 continue
             kind, mb, chunk = orders[r][placed]
-            vs = chunk * p + r
+            vs = virtual_stage(chunk, r, p, placement_of(schedule))
             if kind == "F":
                 need = ("F", mb, vs - 1) if vs > 0 else None
             elif kind == "W":
@@ -190,15 +267,17 @@ def messages(action, pos):
     kind, mb, chunk = action
     if kind == "W":                                      # the weight gradient stays on its rank
         return None, None
-    vstage, last = chunk * pos.pp_size + pos.pp_rank, pos.pp_size * pos.virtual - 1
+    vstage, last = virtual_stage(chunk, pos.pp_rank, pos.pp_size, pos.placement), pos.pp_size * pos.virtual - 1
     prev_rank, _ = pos.peer(chunk, -1)
     next_rank, _ = pos.peer(chunk, +1)
+    # no message before the first virtual stage, after the last, nor across zbv's tip (both sides mine)
+    first, final = vstage == 0 or is_mine(pos, vstage - 1), vstage == last or is_mine(pos, vstage + 1)
     if kind == "F":
-        recv = ("recv", prev_rank, ("act", mb, vstage)) if vstage > 0 else None
-        send = ("send", next_rank, ("act", mb, vstage + 1)) if vstage < last else None
+        recv = ("recv", prev_rank, ("act", mb, vstage)) if not first else None
+        send = ("send", next_rank, ("act", mb, vstage + 1)) if not final else None
     else:
-        recv = ("recv", next_rank, ("grad", mb, vstage)) if vstage < last else None
-        send = ("send", prev_rank, ("grad", mb, vstage - 1)) if vstage > 0 else None
+        recv = ("recv", next_rank, ("grad", mb, vstage)) if not final else None
+        send = ("send", prev_rank, ("grad", mb, vstage - 1)) if not first else None
     return recv, send
 
 
@@ -224,11 +303,44 @@ def with_communication(units, pos, fused=True):
     return actions + ([("comm", pending)] if pending else [])
 
 
+def rendezvous(schedule, positions, m, me):
+    """zbv's messages, placed on the clock table (clock_cells: every F, B and W one tick, each as
+    early as its rank and its input allow): a message meets its receive at the tick the action that
+    reads it starts. The receiver posts the receive in the exchange just before that action; the
+    sender posts the send in the exchange before its first action starting at that tick or later
+    (after its last one, if none), sends in the order of their ticks. Both are posted then, which
+    gloo's blocking sends need: with_communication's rule (every send in the exchange right after
+    its compute) deadlocks here, as chunk 0's forwards go down while chunk 1's come up and a send
+    waits for a receive posted ticks later (dry_run names the cycle). Every rank places every
+    message the same way and keeps its own actions: rank `me`'s."""
+    p, ranks = len(positions), positions[0].ranks
+    orders = [compute_order(schedule, p, m, r) for r in range(p)]
+    starts = [[tick for tick, cell in enumerate(row) if cell != "."] for row in clock_cells(schedule, p, m)]
+    sends = [[[] for _ in range(len(order) + 1)] for order in orders]   # rank -> action index -> (tick, send)
+    for r, order in enumerate(orders):
+        for action, tick in zip(order, starts[r]):
+            recv, _ = messages(action, positions[r])
+            if recv:
+                sender = ranks.index(recv[1])
+                at = bisect_left(starts[sender], tick)          # its first action starting then or later
+                sends[sender][at].append((tick, ("send", ranks[r], recv[2])))
+    actions = []
+    for i, action in enumerate(orders[me] + [None]):
+        recv = messages(action, positions[me])[0] if action else None
+        parts = [part for _, part in sorted(sends[me][i])] + ([recv] if recv else [])
+        actions += ([("comm", parts)] if parts else []) + ([action] if action else [])
+    return actions
+
+
 def schedule_actions(schedule, pos, m, fused=True, first=True, last=True):
     """One step's actions of this rank, messages included. first/last: 2bw's first and last steps,
     which warm up and drain; its other steps do neither."""
+    assert pos.placement == placement_of(schedule), f"{schedule} runs on chunks placed {placement_of(schedule)!r}"
     if schedule == "2bw":
         return pipedream_actions(pos, m, first, last)
+    if schedule == "zbv":
+        positions = [replace(pos, pp_rank=r) for r in range(pos.pp_size)]
+        return rendezvous(schedule, positions, m, pos.pp_rank)
     units = compute_units(schedule, pos.pp_size, m, pos.pp_rank, pos.virtual)
     if schedule != "interleaved":  # exchange between every two actions: F runs as soon as its input is in
         units = [[action] for unit in units for action in unit]
@@ -284,10 +396,15 @@ def waiting_cycle(all_actions, at, done):
 
 def bubble_theory(p, m, v=1, schedule=None, steps=None):
     """Idle fraction of the clock table: (p-1)/(vm+p-1); for zb (F, B and W one tick each, m >= p)
-    (p-1)/(3m+p-1), about a third of 1F1B's. 2bw fills once and drains once over all its steps:
-    (p-1)/(steps*m+p-1), and a step in the steady state (steps=None) has no bubble at all."""
+    (p-1)/(3m+p-1), about a third of 1F1B's; for zbv (m >= 2p-1) (p-1)/(6m+p-1), half of zb's. 2bw
+    fills once and drains once over all its steps: (p-1)/(steps*m+p-1), and a step in the steady
+    state (steps=None) has no bubble at all."""
     if schedule == "2bw":
         return 0.0 if steps is None else (p - 1) / (steps * m + p - 1)
     if schedule == "zb":
         return (p - 1) / (3 * m + p - 1)
+    if schedule == "zbv":                 # 6m half-stage ticks of work per rank; the V fills p-1 ticks late
+        if m >= 2 * p - 1:
+            return (p - 1) / (6 * m + p - 1)
+        return 1 - 6 * m / max(len(row) for row in clock_cells("zbv", p, m))   # a V not full: the table's
     return (p - 1) / (v * m + p - 1)

@@ -1,6 +1,7 @@
 """The planned schedule of a pipeline, printed as a clock table (and with -o drawn as a PNG):
 
     python -m mp.tools.schedule --schedule zb --stages 4 --microbatches 4
+    python -m mp.tools.schedule --schedule zbv --stages 4 --microbatches 8
     python -m mp.tools.schedule --schedule interleaved --stages 4 --microbatches 8 --virtual-stages 2 -o plan.png
 
 The tables are mp.pp.schedules' clock_table; the drawing is mp.tools.plot_timeline's, which also draws
@@ -21,15 +22,18 @@ def parse_args(argv=None):
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages p (ranks)")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches m per step")
-    p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank v (interleaved; default 2)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (interleaved: default 2; zbv: 2)")
     p.add_argument("-o", "--out", default=None, help="also draw the table into this PNG")
     args = p.parse_args(argv)
     for flag, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
         if value < 1:
             bad(f"{flag} {value} must be a positive integer")
     if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
-    elif args.schedule != "interleaved" and args.virtual_stages != 1:
+        args.virtual_stages = 2 if args.schedule in ("interleaved", "zbv") else 1
+    elif args.schedule == "zbv" and args.virtual_stages != 2:
+        bad(f"--schedule zbv places exactly 2 chunks on each rank, in a V, not --virtual-stages {args.virtual_stages}; "
+            f"use --virtual-stages 2 or --schedule interleaved")
+    elif args.schedule not in ("interleaved", "zbv") and args.virtual_stages != 1:
         bad(f"--virtual-stages {args.virtual_stages} applies only to --schedule interleaved, not {args.schedule}; "
             f"drop it or use --schedule interleaved")
     if args.schedule == "2bw" and args.microbatches < args.stages:
