@@ -213,7 +213,7 @@ def test_ctrl_c_while_a_launcher_or_its_tools_start_says_at_most_one_line(tmp_pa
     launcher runs import theirs (torchrun's agent imports torch for seconds; plot_curves matplotlib):
     exit status 130 (or the shell's own death by SIGINT, which a shell also shows as 130), at most one
     line, never a traceback. The launcher is interrupted from 0.1 s on: once in CI a signal sent 0.02 s
-    after bash started was lost (the launcher ran to the end, exit 0, before any of our code ran)."""
+    after bash started was lost, and the launcher ran to the end (exit 0)."""
     env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic", STEPS="2",
                OMP_NUM_THREADS="1")
     cases = [(["bash", os.path.join(ROOT, "run_tp.sh")], delay) for delay in (0.1, 0.4, 1.5)]
