@@ -57,6 +57,7 @@ from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import note_one_rank
 from mp.loop import train
 from mp.models import num_blocks
+from mp.optim import whole_params
 from mp.pp.balance import resolve_balance
 from mp.pp.schedules import placement_of
 from mp.pp.training import pipeline_check, stage_batch
@@ -142,7 +143,7 @@ def build_stage(args, env, grid):
     return pos, model, runner, (partial_sums, replicated)
 
 
-def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeline, tp_sums):
+def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeline, tp_sums, shards=None):
     """One optimizer step on the 3-D grid, in the order it runs: pipeline_dp_joint.train_step with the
     tensor-parallel sums between the backward and the data-parallel average."""
     timeline.begin(step)
@@ -151,12 +152,14 @@ def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeli
     grads.zero_grad()                     # the buckets zeroed, each .grad a view into its bucket again
     with runner.keys.training(step):      # tp collectives inside every layer; dp buckets start in the backward
         loss = forward_backward(runner, actions, x, y, args.microbatches, samples, grid.dp_rank * samples, grads=grads)
+    if shards:
+        shards.release()                  # --zero 3: the whole weights gathered for this step go
     sync_tp_grads(*tp_sums)               # tensor parallelism first: its partial gradients made whole,
     grads.final_late()                    # then their buckets start too
     grads.wait()                          # data parallelism: every bucket's all-reduce, then / D
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
-        norm = clip(runner, optimizer, args, grid)   # over tp shards, stages (--zero 1, 2: and replicas)
-    runner.update(optimizer)              # --zero 1, 2: my slices, then the all-gather
+        norm = clip(runner, optimizer, args, grid)   # over tp shards, stages (--zero 1, 2, 3: and replicas)
+    runner.update(optimizer)              # --zero 1, 2: my slices, then the all-gather (3: my slices only)
     timeline.end(step)
     return loss, norm
 
@@ -270,21 +273,23 @@ def main(argv=None):
         # the data-parallel buckets of the 2-D program over the ranks with my (pp, tp) coordinates; the
         # gradients the tp sums complete start their buckets after those sums (late)
         late = [p for sums in tp_sums if sums for p in sums.params]
-        grads = data_parallel_buckets(model, runner, grid, args, late)
+        grads, shards = data_parallel_buckets(model, runner, grid, args, late)
         if args.check:   # my shards against the matching slices of a full model in this process
             status = pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
                                     grads, sum_first=partial(sync_tp_grads, *tp_sums))
         else:   # the loss is logged by tp rank 0 of replica 0's last stage
-            timeline, job = train_job(args, env, grid, runner, model, data, grads, PROGRAM,
+            timeline, job = train_job(args, env, grid, runner, model, data, grads, shards, PROGRAM,
                                       step=partial(train_step, tp_sums=tp_sums))
             status = train(args, env, job)
             timeline.write()
-            # both reports are collectives: every rank runs both
-            data_replicas = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical "
-                                            f"across the {grid.dp_size} replicas of every stage", env, args.timeout_s)
-            tp_replicas = report_replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
-                                          f"bit-identical across the {grid.tp_size} tensor-parallel ranks", env,
-                                          args.timeout_s)
+            # both reports are collectives: every rank runs both (--zero 3: on the weights gathered whole)
+            with whole_params(job.optimizer):
+                data_replicas = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical "
+                                                f"across the {grid.dp_size} replicas of every stage", env,
+                                                args.timeout_s)
+                tp_replicas = report_replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
+                                              f"bit-identical across the {grid.tp_size} tensor-parallel ranks", env,
+                                              args.timeout_s)
             status = status or data_replicas or tp_replicas
     exit_now(status)
 

@@ -48,7 +48,8 @@ from mp.data import agree_on_data, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import note_one_rank
 from mp.loop import Job, Sums, train
-from mp.optim import make_optimizer
+from mp.optim import make_optimizer, whole_params
+from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.schedules import placement_of, schedule_actions
@@ -94,18 +95,22 @@ class Grid:
 
 
 def data_parallel_buckets(model, runner, grid, args, late=()):
-    """The gradients as views into flat buckets (mp.buckets), each all-reduced (--zero 1 and 2: reduce-
-    scattered; --zero 2: the whole buckets let go after it) over my column of the grid as soon as the
-    executor says its gradients are final, so that it overlaps the rest of the backward. None under
-    2bw, which steps its two weight versions in turn: its gradients are averaged after the backward
-    instead, in one flat all-reduce."""
+    """The gradients as views into flat buckets (mp.buckets), each all-reduced (--zero 1, 2, 3: reduce-
+    scattered; --zero 2, 3: the whole buckets let go after it) over my column of the grid as soon as the
+    executor says its gradients are final, so that it overlaps the rest of the backward; --zero 3: a
+    bucket per block, whose weights mp.param_shards gathers and frees. Returns (the buckets, the shards
+    of the weights under --zero 3, else None). The buckets are None under 2bw, which steps its two weight
+    versions in turn: its gradients are averaged after the backward instead, in one flat all-reduce."""
     if runner.versions:
-        return None
+        return None, None
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # zb's W writes these in place itself
     grads = GradBuckets(runner.parameters(), grid.dp_group, waiting(grid, args), shard=args.zero >= 1,
-                        recorder=runner, late=late, direct=direct, free=args.zero == 2)
+                        recorder=runner, late=late, direct=direct, free=args.zero >= 2,
+                        groups=weights_by_block(runner.chunks) if args.zero == 3 else None)
     grads.name_params(model.named_parameters())   # for its error lines
-    return grads
+    model.grad_buckets = grads            # the summary reports what they sent per step (mp.loop)
+    shards = ParamShards(runner.chunks, grads, args.zero3_gather) if args.zero == 3 else None
+    return grads, shards
 
 
 def waiting(grid, args):
@@ -114,10 +119,11 @@ def waiting(grid, args):
             f"group, ranks {grid.dp_peers}", args.timeout_s)
 
 
-def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeline):
+def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeline, shards=None):
     """One optimizer step of D pipelines, in the order it runs; pipeline_microbatch.train_step with
     the replicas' slice of the batch and their gradient average. The loss (my slice's mean, on the
-    last stages) is averaged over the replicas when the loop logs it (Sums), not in the step."""
+    last stages) is averaged over the replicas when the loop logs it (Sums), not in the step.
+    shards (--zero 3): each block's weights are all-gathered by the block's own hooks as it runs."""
     timeline.begin(step)
     samples = args.batch_size // grid.dp_size     # my replica's contiguous slice of the global batch
     x, y = stage_batch(data, step, args, runner, runner.messenger.device, (grid.dp_rank, grid.dp_size))
@@ -129,6 +135,8 @@ def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeli
         actions = runner.versions.actions(step)
     with runner.keys.training(step):      # buckets start during the backward, as the executor says
         loss = forward_backward(runner, actions, x, y, args.microbatches, samples, grid.dp_rank * samples, grads=grads)
+    if shards:
+        shards.release()                  # --zero 3: the whole weights gathered for this step go
     # data parallelism: each replica's gradient is its slice's mean; the batch's is their average
     if grads:
         grads.wait()                      # every bucket's all-reduce (or reduce-scatter), then / D
@@ -137,14 +145,15 @@ def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeli
             all_reduce_flat([p.grad for p in runner.parameters()], grid.dp_group, divide_by=grid.dp_size)
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
         norm = clip(runner, optimizer, args, grid)
-    runner.update(optimizer)              # --zero 1, 2: my slices, then the all-gather; 2bw: the versions swap
+    runner.update(optimizer)              # --zero 1, 2: my slices, then the all-gather (3: my slices only);
+                                          # 2bw: the versions swap
     timeline.end(step)
     return loss, norm
 
 
 def clip(runner, optimizer, args, grid):
     """The global gradient norm, and clipping (mp.clipping): over the stages (and parallel_3d.py's tp
-    shards); --zero 1, 2: each replica holds the mean gradient of its slices only, so over the slices,
+    shards); --zero 1, 2, 3: each replica holds the mean gradient of its slices only, so over the slices,
     the replicas' squares summed too."""
     if not args.zero:
         return clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups, runner.counted)
@@ -152,10 +161,10 @@ def clip(runner, optimizer, args, grid):
                        squares=optimizer.squares(runner.counted))
 
 
-def train_job(args, env, grid, runner, model, data, grads, program, step=train_step):
+def train_job(args, env, grid, runner, model, data, grads, shards, program, step=train_step):
     """The loop's Job for D pipelines: the step (this file's, or parallel_3d.py's), the optimizer
-    (--zero 1, 2: mp.zero's, over my slices of the buckets), my layout, who logs."""
-    optimizer = ZeroOptimizer(grads, args) if args.zero else make_optimizer(runner.parameters(), args)
+    (--zero 1, 2, 3: mp.zero's, over my slices of the buckets), my layout, who logs."""
+    optimizer = ZeroOptimizer(grads, args, shards) if args.zero else make_optimizer(runner.parameters(), args)
     actions = schedule_actions(args.schedule, runner.pos, args.microbatches)   # the same every step
     owner = runner.pos.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0   # logs the loss
     timeline = Timeline(args, runner, runner.pos, owner)
@@ -164,12 +173,19 @@ def train_job(args, env, grid, runner, model, data, grads, program, step=train_s
                                   virtual_stages=runner.pos.virtual)
     return timeline, Job(
         partial(step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args, grid=grid,
-                grads=grads, timeline=timeline),
+                grads=grads, timeline=timeline, shards=shards),
         model, optimizer, layout, owner,
-        evaluate=lambda: evaluate_pipeline(runner, runner.pos, data, env.device) if grid.dp_rank == 0 else None,
+        evaluate=partial(evaluate_replica, runner, grid, data, env, optimizer),
         # logged: the replicas' losses averaged; the norm's squares summed as clip() sums them
         sums=Sums(replicas=grid.dp_group, norm_groups=runner.norm_groups + ([grid.dp_group] if args.zero else [])),
         versions=runner.versions.weights if runner.versions else None)
+
+
+def evaluate_replica(runner, grid, data, env, optimizer):
+    """Replica 0's pipeline evaluates (the others hold the same weights). --zero 3: every replica takes
+    part in gathering the weights whole first (whole_params: collectives over the replicas)."""
+    with whole_params(optimizer):
+        return evaluate_pipeline(runner, runner.pos, data, env.device) if grid.dp_rank == 0 else None
 
 
 def main(argv=None):
@@ -183,16 +199,17 @@ def main(argv=None):
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)
         pos = grid.pipeline(args.virtual_stages, placement_of(args.schedule))   # 1 outside interleaved and zbv
         model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
-        grads = data_parallel_buckets(model, runner, grid, args)
+        grads, shards = data_parallel_buckets(model, runner, grid, args)
         if args.check:   # each replica checks its slice of the first batch
             status = pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
                                     grads)
         else:
-            timeline, job = train_job(args, env, grid, runner, model, data, grads, PROGRAM)
+            timeline, job = train_job(args, env, grid, runner, model, data, grads, shards, PROGRAM)
             status = train(args, env, job)
             timeline.write()
-            same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across the "
-                                   f"{grid.dp_size} replicas of every stage", env, args.timeout_s)
+            with whole_params(job.optimizer):   # --zero 3: gathered from the replicas' slices
+                same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across "
+                                       f"the {grid.dp_size} replicas of every stage", env, args.timeout_s)
             status = status or same
     exit_now(status)
 

@@ -31,7 +31,8 @@ knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"                   # global: a multiple of DP x MICROBATCHES
 knob ZERO "0"                          # 1: --zero 1, ZeRO-1 (each replica keeps the optimizer state of 1/DP of
                                        #   the parameters); 2: --zero 2, ZeRO-2 (and 1/DP of the gradients after
-                                       #   the backward), the 3-D run only
+                                       #   the backward); 3: --zero 3, ZeRO-3 (and 1/DP of the weights between
+                                       #   uses), the 3-D run only
 shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
                                        # SAVE_EVERY RESTARTS CHECK_ONLY LOGS PLOTS PYTHON: mp/tools/launch_checks.sh
 

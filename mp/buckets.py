@@ -25,6 +25,12 @@ padded to a multiple of the group's size and reduce-scattered, so each replica r
 its 1/D of every bucket only. free=True (--zero 2) goes one step further: once the reduce-scatters
 are done, the whole buckets are let go, so that between the backward and the next step a replica
 holds only its slices of the gradients (zero_grad() makes the whole buckets again, for the backward).
+groups (--zero 3, mp.param_shards): one bucket per block, so that a block's weights are gathered and
+freed as one flat tensor, the bucket its gradients are reduce-scattered in.
+
+sent_bytes counts what this replica sends in the data-parallel collectives, as a ring moves them: an
+all-reduce of n bytes over D replicas sends 2(D-1)/D n, a reduce-scatter or an all-gather (D-1)/D n
+(the summary's dp_sent_mb_per_step; docs/optimizers.md compares it with the formula).
 """
 import time
 
@@ -97,7 +103,7 @@ class GradBuckets:
     direct: weights whose gradients our own code writes in place (zero-bubble's W): no hook on them."""
 
     def __init__(self, params, group, waiting, shard=False, bucket_mb=BUCKET_MB, recorder=None, late=(), direct=(),
-                 free=False):
+                 free=False, groups=None):
         params = [p for p in params if p.requires_grad][::-1]   # backward finishes the last layers first
         self.late_ids = {id(p) for p in late}
         self.late = [p for p in params if id(p) in self.late_ids]
@@ -105,7 +111,12 @@ class GradBuckets:
         self.waiting, self.sharded, self.recorder = waiting, shard, recorder
         self.free = free and shard          # --zero 2: the whole buckets exist from zero_grad() to wait() only
         device = params[0].device if params else torch.device("cpu")
-        self.buckets = [Bucket(ps, self.size if shard else 1, device) for ps in buckets(params, bucket_mb * 2**20)]
+        if groups is None:
+            groups = buckets(params, bucket_mb * 2**20)
+        else:                                         # given (--zero 3: a block each), the last block's first
+            groups = [g for g in ([p for p in ps if p.requires_grad][::-1] for ps in groups[::-1]) if g]
+        self.buckets = [Bucket(ps, self.size if shard else 1, device) for ps in groups]
+        self.sent_bytes, self.unclocked = 0, []    # unclocked: (work, name, start) for the timeline
         self.where = {id(p): b for b in self.buckets for p in b.params}
         self.names = {}                               # id -> a name for error lines (name_params)
         self.too_late = None                          # the first gradient that arrived after its bucket started
@@ -170,11 +181,36 @@ class GradBuckets:
             b.work = REDUCE_SCATTER(self.shard_grads[self.buckets.index(b)], b.grad, group=self.group, async_op=True)
         else:
             b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
+        self.count(b.grad, 1 if self.sharded else 2)
+        self.on_timeline(b.work, f"{'reduce-scatter' if self.sharded else 'all-reduce'} {self.buckets.index(b)}")
+
+    def count(self, flat, halves):
+        """sent_bytes += what a ring sends of this collective of `flat` (halves: 2 for an all-reduce,
+        1 for its halves, a reduce-scatter or an all-gather)."""
+        self.sent_bytes += halves * (self.size - 1) * flat.numel() * flat.element_size() // self.size
+
+    def on_timeline(self, work, name):
+        """The timeline (when it records): the collective's span, from now to its end, on a row of its own.
+        gloo's reduce-scatter and all-gather have no completion callback (Work.get_future raises): their
+        span ends where the step waited for them (wait()), at most that long."""
         events = getattr(self.recorder, "events", None)
-        if events is not None:   # the timeline: from the start to the end of the collective, on its own row
-            start, name = time.perf_counter(), f"{'reduce-scatter' if self.sharded else 'all-reduce'} {self.buckets.index(b)}"
-            b.work.get_future().add_done_callback(
-                lambda _: events.append(("collective", name, None, 0, start, time.perf_counter())))
+        if events is None:
+            return
+        start = time.perf_counter()
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            self.unclocked.append((work, name, start))
+            return
+        future.add_done_callback(lambda _: events.append(("collective", name, None, 0, start, time.perf_counter())))
+
+    def clocked(self, work):
+        """work was waited for: its span on the timeline, if it had no callback to end it."""
+        events = getattr(self.recorder, "events", None)
+        for item in [u for u in self.unclocked if u[0] is work]:
+            self.unclocked.remove(item)
+            if events is not None:
+                events.append(("collective", item[1], None, 0, item[2], time.perf_counter()))
 
     def wait(self):
         """After the step's last backward, before the update: wait for every bucket, divide by the
@@ -191,6 +227,7 @@ class GradBuckets:
             for b in self.buckets:
                 if b.work is not None:
                     b.work.wait()
+                    self.clocked(b.work)
         if self.too_late is not None:
             raise BucketError(f"a gradient of {self.name(self.too_late)} arrived after its bucket's "
                               f"{self.collective()} had started: the replicas would average part of it; say a "

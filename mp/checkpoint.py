@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from mp.errors import fail
 from mp.models import shard_of
-from mp.optim import after_save, load_param_state, param_state
+from mp.optim import after_save, load_param_state, param_state, whole_params
 
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
 SETTINGS = ("model", "layers", "hidden", "heads", "patch_size", "activation", "data", "seed", "batch_size",
@@ -183,9 +183,10 @@ def save(args, next_step, model, optimizer, layout, rank, versions=None):
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)        # a save of this step that was killed
     dist.barrier()
-    state = {key(kind, name, spec): t.detach() for kind, name, spec, t in held(model, optimizer, versions)}
-    dcp().save(state, checkpoint_id=partial)
-    del state
+    with whole_params(optimizer):                        # --zero 3: the weights gathered for the save
+        state = {key(kind, name, spec): t.detach() for kind, name, spec, t in held(model, optimizer, versions)}
+        dcp().save(state, checkpoint_id=partial)
+        del state
     after_save(optimizer)                                # --zero 1: the state gathered whole for the save goes
     dist.barrier()                                       # every rank's pieces are written
     if rank == 0:
@@ -227,7 +228,8 @@ def resume(args, model, optimizer, rank, versions=None):
             wanted[k] = torch.empty(shape, dtype=dtype, device=p.device if shape else "cpu")
     dcp().load(wanted, checkpoint_id=args.resume_from)
     states = {}                                          # the tensor stepped -> {kind: this rank's slice}
-    with torch.no_grad():
+    # --zero 3: loaded into the whole weights, which give each replica its slice on the way out
+    with torch.no_grad(), whole_params(optimizer):
         for kind, name, spec, p in plans:
             mine = assemble(pieces_of(saved, kind, name, spec, args.resume_from), wanted, spec, p)
             if kind in WEIGHTS:

@@ -108,10 +108,15 @@ def add_optimizer_flags(p):
     p.add_argument("--beta2", type=float, default=0.999,
                    help="AdamW's decay rate of the squared gradient's running mean")
     p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon, added to the denominator")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0,
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                    help="1: ZeRO-1, each data-parallel replica keeps the optimizer state of its 1/D slice of the "
                         "parameters only; 2: ZeRO-2, and between the backward and the next step only its 1/D of "
-                        "the gradients (pipeline_dp_joint.py, parallel_3d.py)")
+                        "the gradients; 3: ZeRO-3, and between uses only its 1/D of the weights, each block's "
+                        "all-gathered before it runs (pipeline_dp_joint.py, parallel_3d.py)")
+    p.add_argument("--zero3-gather", choices=["step", "microbatch"], default=None,
+                   help="--zero 3: gather each block's weights once a step and keep them through every "
+                        "microbatch (step, the default: fewer bytes), or before every microbatch's forward and "
+                        "backward, freed after each (microbatch: less memory held)")
 
 
 def validate_optimizer(args, program):
@@ -126,6 +131,11 @@ def validate_optimizer(args, program):
         fail(f"--adam-eps {args.adam_eps} must be a finite number > 0, e.g. 1e-8")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         fail(f"--weight-decay {args.weight_decay} must be a finite number >= 0 (0: no decay), e.g. 0.01")
+    if args.zero3_gather is not None and args.zero != 3:
+        fail(f"--zero3-gather {args.zero3_gather} says when --zero 3 gathers the weights, and this run has "
+             f"--zero {args.zero}; add --zero 3, or drop --zero3-gather")
+    if args.zero == 3 and args.zero3_gather is None:
+        args.zero3_gather = "step"
     if args.zero and program not in ZERO_PROGRAMS:
         fail(f"--zero {args.zero}: {program}.py has no data-parallel axis to split the optimizer state over; "
              f"drop --zero, or run {' or '.join(p + '.py' for p in ZERO_PROGRAMS)}, which have one")

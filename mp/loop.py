@@ -134,7 +134,7 @@ def train(args, env, job):
         checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
-              **activation_fields(env, job.model),
+              **activation_fields(env, job.model), **data_parallel_fields(env, job, args.steps - first),
               **{k: getattr(args, k) for k in ("schedule", "microbatches") if hasattr(args, k)})   # a pipeline's
     log.close()
     if job.owner:
@@ -145,6 +145,9 @@ def train(args, env, job):
 def held(job):
     """The weights this rank holds between steps (the summary's param_mb): the model's, and under 2BW's
     rule the version before the last update too."""
+    slices = getattr(job.optimizer, "held_params", lambda: None)()   # --zero 3: my slices of the weights,
+    if slices is not None:              # and any whole weight still in memory (none: all were freed)
+        return slices + [p for p in job.model.parameters() if p.untyped_storage().nbytes()]
     if job.versions is None:
         return list(job.model.parameters())
     tensors = {}
@@ -173,6 +176,21 @@ def optimizer_fields(env, model, optimizer):
     replicas)."""
     return {"grad_mb": gather_per_rank(env, grad_mb(model.parameters(), optimizer), digits=4),
             "optimizer_state_mb": gather_per_rank(env, optimizer_state_mb(optimizer), digits=4)}
+
+
+def data_parallel_fields(env, job, steps):
+    """The summary's dp_sent_mb_per_step, where the program has data-parallel buckets (model.grad_buckets,
+    mp.buckets.GradBuckets, which count what each rank sent in them per step, as a ring sends it) and,
+    under --zero 3, peak_param_mb (the most weights it held at once during the steps: its slices and the
+    blocks gathered, mp.param_shards)."""
+    grads = getattr(job.model, "grad_buckets", None)
+    if grads is None:
+        return {}
+    fields = {"dp_sent_mb_per_step": gather_per_rank(env, grads.sent_bytes / 2**20 / max(steps, 1), digits=4)}
+    shards = getattr(job.optimizer, "shards", None)
+    if shards is not None:
+        fields["peak_param_mb"] = gather_per_rank(env, shards.peak_mb(), digits=4)
+    return fields
 
 
 @torch.no_grad()

@@ -11,6 +11,8 @@ Checkpoints (mp/checkpoint.py) read and write the state one parameter at a time 
 elsewhere (a ZeRO-1 wrapper, which holds only its replica's share) defines methods of the same names
 and is asked through them instead.
 """
+import contextlib
+
 import torch
 
 from mp.flags import DEFAULT_LR
@@ -53,6 +55,12 @@ def after_save(optimizer):
     drops that copy."""
     if hasattr(optimizer, "drop_gathered"):
         optimizer.drop_gathered()
+
+
+def whole_params(optimizer):
+    """A context in which every weight of the model is whole: --zero 3 gathers them for its duration
+    (mp.param_shards); otherwise they always are."""
+    return optimizer.whole_params() if hasattr(optimizer, "whole_params") else contextlib.nullcontext()
 
 
 def load_param_state(optimizer, p, state):

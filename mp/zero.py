@@ -20,7 +20,14 @@ global norm over the slices (every replica sums the squares of its slice; mp.cli
 the replicas too). A checkpoint stays in the baseline model's coordinates: saving gathers each
 parameter's whole state (a collective over the replicas, once a save) and drops it once written,
 resuming cuts this replica's slice out of it (docs/optimizers.md).
+
+--zero 3 (mp.param_shards.ParamShards, `shards`): the slices are tensors of their own, not views of the
+whole weights, which exist only while a block runs; so the step ends after the update, without the
+all-gather (the next forward gathers each block), and a checkpoint reads the weights inside
+shards.whole().
 """
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -33,10 +40,11 @@ from mp.dist import awaiting
 class ZeroOptimizer:
     """torch's optimizer over this replica's slices of the buckets, then the all-gather of the slices."""
 
-    def __init__(self, grad_buckets, args):
-        self.grads, rank = grad_buckets, grad_buckets.rank
+    def __init__(self, grad_buckets, args, shards=None):
+        self.grads, rank, self.shards = grad_buckets, grad_buckets.rank, shards
         # a Parameter made from a view shares its memory: stepping it writes into the flat parameters
-        self.slices = [nn.Parameter(b.shard(b.param, rank)) for b in grad_buckets.buckets]
+        # (--zero 3: into my slice, b.mine, which the next forward's all-gather reads)
+        self.slices = [nn.Parameter(b.mine if shards else b.shard(b.param, rank)) for b in grad_buckets.buckets]
         for s, g in zip(self.slices, grad_buckets.shard_grads):
             s.grad = g
         self.inner = optim.make_optimizer(self.slices, args)
@@ -50,13 +58,24 @@ class ZeroOptimizer:
         """My slices' update, then every replica's slices into every replica's parameters."""
         self.inner.step()
         self.gathered = None
+        if self.shards:                   # --zero 3: each block's next forward gathers its weights
+            return
         group, works = self.grads.group, []
         for b, mine in zip(self.grads.buckets, self.slices):
             # in place: my slice already sits at my offset of b.param, which every rank's slices fill
             works.append(ALL_GATHER(b.param, mine.detach(), group=group, async_op=True))
+            self.grads.count(b.param, 1)
         with awaiting(*self.grads.waiting):
             for work in works:
                 work.wait()
+
+    def whole_params(self):
+        """--zero 3: every weight whole for what runs inside (mp.param_shards); else they always are."""
+        return self.shards.whole() if self.shards else contextlib.nullcontext()
+
+    def held_params(self):
+        """The weights this replica holds between steps: --zero 3, its slices; else the whole model's."""
+        return self.slices if self.shards else None
 
     def squares(self, counted=None):
         """This replica's share of the gradient norm: the squares of its slices' elements that belong to

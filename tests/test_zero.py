@@ -1,7 +1,8 @@
-"""ZeRO-1 and ZeRO-2 (--zero 1 and 2, mp/zero.py, mp/buckets.py): the same training as without them,
-half the optimizer state at D=2 (--zero 2: half the gradients too), and checkpoints in the baseline's
-coordinates that resume with or without it and in the baseline; the identity it stands on
-(reduce-scatter + all-gather = all-reduce) on gloo; its refusals."""
+"""ZeRO-1, 2 and 3 (--zero 1, 2, 3, mp/zero.py, mp/buckets.py, mp/param_shards.py): the same training as
+without them, half the optimizer state at D=2 (--zero 2: half the gradients too; --zero 3: and half the
+weights, a quarter at D=4), the bytes each replica sends per step as the formula says, and checkpoints
+in the baseline's coordinates that resume with or without it and in the baseline; the identity it
+stands on (reduce-scatter + all-gather = all-reduce) on gloo; its refusals."""
 import shutil
 
 import pytest
@@ -143,7 +144,16 @@ def test_zero_in_3d_trains_as_without_it(layout, tmp_path):
      "error: --zero 2 splits the optimizer state and the gradients over the data-parallel replicas"),
     (pipeline_dp_joint.parse_args, ["--zero", "2", "--check"], 4, "error: --check compares every rank's whole"),
     (single_baseline.parse_args, ["--zero", "2"], 1, "error: --zero 2: single_baseline.py has no data-parallel axis"),
-    (pipeline_dp_joint.parse_args, ["--zero", "3"], 4, "error: argument --zero: invalid choice"),
+    (pipeline_dp_joint.parse_args, ["--zero", "4"], 4, "error: argument --zero: invalid choice"),
+    (pipeline_dp_joint.parse_args, ["--zero", "3", "--dp", "1"], 3,
+     "error: --zero 3 splits the optimizer state, the gradients and the weights over the data-parallel replicas"),
+    (pipeline_dp_joint.parse_args, ["--zero", "3", "--schedule", "2bw", "--microbatches", "4", "--batch-size", "64"],
+     4, "error: --zero 3 does not run with --schedule 2bw"),
+    (pipeline_dp_joint.parse_args, ["--zero", "3", "--check"], 4, "error: --check compares every rank's whole"),
+    (pipeline_dp_joint.parse_args, ["--zero", "2", "--zero3-gather", "microbatch"], 4,
+     "error: --zero3-gather microbatch says when --zero 3 gathers the weights, and this run has --zero 2"),
+    (parallel_3d.parse_args, ["--zero3-gather", "step"], 4, "error: --zero3-gather step says when --zero 3"),
+    (tensor_parallel.parse_args, ["--zero", "3"], 2, "error: --zero 3: tensor_parallel.py has no data-parallel axis"),
 ])
 def test_zero_where_it_cannot_run_is_one_error_line(parse, argv, world, message, monkeypatch, capsys):
     assert_one_error_line(parse, argv, world, message, monkeypatch, capsys)
@@ -190,3 +200,109 @@ def _save_keeps_the_slice_case(rank, world, group):
 def test_a_zero_save_leaves_each_replica_its_slice_only(tmp_path, monkeypatch):
     monkeypatch.setenv("SAVE_DIR", str(tmp_path / "ck"))
     run_ranks(_save_keeps_the_slice_case, 2, tmp_path)
+
+
+# ----------------------------------------------------------------------------- ZeRO-3
+
+
+def ring_mb(mb, replicas, halves):
+    """What a ring sends of a collective of mb over `replicas` ranks: (D-1)/D of it per half."""
+    return halves * (replicas - 1) / replicas * mb
+
+
+@pytest.mark.parametrize("gather", ["step", "microbatch"])
+def test_zero3_trains_as_without_it_with_half_the_weights(unsharded, reference, gather, tmp_path):
+    """Issue 44, items 2-4: pipeline_dp_joint.py --zero 3 (2 replicas x 2 stages, AdamW, dropout and
+    clipping; the weights gathered once a step, or for every microbatch's forward and backward) logs the
+    run without it to float32 rounding and the baseline within the contract, saves the same checkpoint
+    (the weights gathered whole for it); between steps each replica holds half of its stage's weights,
+    gradients and state; it sends per step the bytes the formula says: (D-1)/D of the gradients (the
+    reduce-scatter) plus (D-1)/D of the weights once a step (step) or twice a microbatch (microbatch),
+    where plain data parallelism's all-reduce sends 2(D-1)/D of the gradients."""
+    flags = JOINT[1] + ["--zero", "3", "--zero3-gather", gather]
+    run = saved_run(JOINT[0], flags, JOINT[2], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_same_losses(run, unsharded[0], atol=1e-6)
+    assert_same_losses(run, reference[0])
+    assert "replicas of every stage: yes" in run.stdout
+    got = full_tensors(tmp_path / "ck" / f"step-{STEPS:08d}", tmp_path / "zero3.pt")
+    want = full_tensors(unsharded[1] / "ck" / f"step-{STEPS:08d}", tmp_path / "plain.pt")
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    plain, zero = (r.events("summary")[0] for r in (unsharded[0], run))
+    m = 2                                   # JOINT's microbatches
+    for rank in plain["param_mb"]:          # half, give or take the padding of a block to a multiple of D
+        for field in ("param_mb", "grad_mb", "optimizer_state_mb"):
+            assert abs(zero[field][rank] - plain[field][rank] / 2) <= 1e-3, (field, zero[field], plain[field])
+        weights = plain["param_mb"][rank]
+        assert abs(plain["dp_sent_mb_per_step"][rank] - ring_mb(weights, 2, 2)) <= 1e-3, plain
+        gathers = 1 if gather == "step" else 2 * m
+        assert abs(zero["dp_sent_mb_per_step"][rank] - ring_mb(weights, 2, 1 + gathers)) <= 1e-3, zero
+        # at the peak: my slices and, gathered, at most the whole stage (step) or a block and the next
+        assert zero["param_mb"][rank] < zero["peak_param_mb"][rank] <= zero["param_mb"][rank] + weights + 1e-3
+
+
+def test_zero3_as_plain_data_parallelism_on_4_replicas_holds_a_quarter(baseline, tmp_path):
+    """--dp equal to the world size is plain data parallelism (one stage): --zero 3 on 4 replicas with
+    SGD's momentum, dropout and clipping, the weights gathered for every microbatch, logs the baseline's
+    losses; each replica holds a quarter of the weights, gradients and momentum, and at its peak only
+    the blocks running (the largest two of the mlp's here) beside its slices."""
+    flags = FAST + ["--model", "mlp", "--layers", "4", "--hidden", "64", "--batch-size", "16", "--steps", "6",
+                    "--dropout", "0.1", "--clip-grad-norm", "0.5", "--eval-every", "3"]
+    run = launch("pipeline_dp_joint.py", flags + ["--dp", "4", "--microbatches", "2", "--zero", "3",
+                                                  "--zero3-gather", "microbatch"], tmp_path, nproc=4)
+    assert run.returncode == 0, run.stderr[-3000:]
+    want = baseline(flags)
+    assert_same_losses(run, want)
+    assert [e["test_loss"] for e in run.events("eval")] == pytest.approx([e["test_loss"] for e in want.events("eval")],
+                                                                         abs=1e-4)
+    summary, model = run.events("summary")[0], run.events("summary")[0]["model_param_mb"]
+    for rank in range(4):
+        for field in ("param_mb", "grad_mb", "optimizer_state_mb"):
+            assert abs(summary[field][str(rank)] - model / 4) <= 1e-3, (field, summary[field], model)
+        # 3072x64 + 64 and 64x64 + 64: the first two blocks, whole at once while the first computes
+        two = (3072 * 64 + 64 + 64 * 64 + 64) * 4 / 2**20
+        assert summary["peak_param_mb"][str(rank)] <= model / 4 + two + 1e-3, summary["peak_param_mb"]
+
+
+@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"],
+                                    slow(["--dp", "2", "--tp", "2", "--model", "vit", "--layers", "2", "--hidden", "32",
+                                          "--heads", "2", "--sequence-parallel", "--schedule", "zb"])])
+def test_zero3_in_3d_trains_as_without_it(layout, tmp_path):
+    """parallel_3d.py --zero 3 (dp x tp; and dp x tp with sequence parallelism and zb's split backward)
+    logs the run without it to float32 rounding, with half the weights held between steps."""
+    flags = ADAMW + layout + ["--microbatches", "2", "--eval-every", "10"]
+    runs = [launch("parallel_3d.py", flags + z, tmp_path, nproc=4, log_name=f"z{i}.jsonl")
+            for i, z in enumerate([["--zero", "0"], ["--zero", "3"], ["--zero", "3", "--zero3-gather", "microbatch"]])]
+    for run in runs[1:]:
+        assert_same_losses(run, runs[0], atol=1e-6)
+        assert [e["test_loss"] for e in run.events("eval")] == pytest.approx(
+            [e["test_loss"] for e in runs[0].events("eval")], abs=1e-6)   # evaluated on the weights gathered whole
+        assert "replicas of every stage: yes" in run.stdout
+        params = [r.events("summary")[0]["param_mb"] for r in (runs[0], run)]
+        assert all(abs(params[1][r] - params[0][r] / 2) <= 1e-3 for r in params[0]), params
+
+
+def test_a_zero3_checkpoint_resumes_without_zero_and_in_the_baseline(reference, unsharded, tmp_path):
+    """A --zero 3 run saves after step 10 (the weights and the state gathered whole); the run without
+    --zero and single_baseline.py resume from it, and a --zero 3 run resumes from the checkpoint the run
+    without --zero saved (each replica cuts its slice out of the whole weights): each logs the
+    uninterrupted baseline's losses for steps 10..19."""
+    want = {r["step"]: r["loss"] for r in reference[0].events("train")}
+    (tmp_path / "first").mkdir()
+    zero3 = JOINT[1] + ["--zero", "3", "--zero3-gather", "microbatch"]
+    first = saved_run(JOINT[0], zero3, JOINT[2], tmp_path / "first", save_every=STEPS // 2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumes = {"plain": (JOINT, tmp_path / "first"), "baseline": (("single_baseline.py", [], 1), tmp_path / "first"),
+               "zero3": ((JOINT[0], zero3, JOINT[2]), unsharded[1])}
+    for name, ((program, extra, nproc), source) in resumes.items():
+        folder = tmp_path / name
+        shutil.copytree(source / "ck", folder / "ck")
+        shutil.rmtree(folder / "ck" / f"step-{STEPS:08d}")    # resume from step 10
+        resumed = saved_run(program, extra, nproc, folder)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert resumed.events("resume")[0]["step"] == STEPS // 2, name
+        got = {r["step"]: r["loss"] for r in resumed.events("train")}
+        assert sorted(got) == list(range(STEPS // 2, STEPS)), name
+        assert max(abs(got[k] - want[k]) for k in got) <= 1e-4, name

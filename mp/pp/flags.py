@@ -114,12 +114,12 @@ def too_few_blocks(args, stages, replicas):
 
 
 def validate_zero(args, dp):
-    """--zero 1 and 2 (mp.zero) need replicas to split the state over, and steps that stand alone."""
+    """--zero 1, 2 and 3 (mp.zero, mp.param_shards) need replicas to split the state over, and steps that stand alone."""
     if not args.zero:
         return
     z = f"--zero {args.zero}"
     if dp == 1:
-        what = "the optimizer state" + (" and the gradients" if args.zero == 2 else "")
+        what = "the optimizer state" + {1: "", 2: " and the gradients", 3: ", the gradients and the weights"}[args.zero]
         fail(f"{z} splits {what} over the data-parallel replicas, and --dp 1 has one replica; use --dp 2 or more "
              "(the world size a multiple of it), or drop --zero")
     if args.schedule == "2bw":

@@ -241,7 +241,7 @@ balance_knob() {   # BALANCE: --balance for the pipeline program only (the basel
 
 zero_knob() {   # ZERO (run_joint.sh, run_3d.sh): --zero for the parallel program only (the baseline has no
                 # replicas), and its tag for the log and plot names: ZERO_FLAGS, ZERO_TAG (1 -> _zero1)
-    check_knob ZERO "$ZERO" 0 1 2
+    check_knob ZERO "$ZERO" 0 1 2 3
     ZERO_FLAGS=(--zero "$ZERO") ZERO_TAG=$(settings_tag ZERO)
 }
 

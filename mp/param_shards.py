@@ -1,0 +1,185 @@
+"""ZeRO-3 (--zero 3; FSDP's idea, written out): a data-parallel replica holds between steps only its 1/D
+slice of its stage's weights, and each block's whole weights exist only while the block runs.
+
+--zero 1 (mp.zero) split the optimizer state, --zero 2 the gradients too; both still keep every weight
+on every replica. Here the weights go the same way. Each block of the stage is one flat bucket of
+mp.buckets.GradBuckets(groups=...): its parameters' data are views into the flat tensor `param`, and
+the replica's own slice of it, `mine`, lives in a tensor of its own (the optimizer steps it). Between
+uses the flat tensor's storage is given back (resized to 0 bytes: the parameters keep their shapes,
+names and autograd identity, but hold nothing); an all-gather of every replica's `mine` fills it again:
+
+    forward of block k:   all-gather block k (prefetched)  |  compute k   |  free k (--zero3-gather microbatch)
+                          ...while block k+1's all-gather is already on its way (prefetch)
+    backward of block k:  all-gather block k again (microbatch), prefetch block k-1  |  compute  |  free k
+    gradients of block k: reduce-scattered as soon as they are final (mp.buckets), the whole buckets let go
+    update:               each replica steps its `mine` only; no all-gather after it (the next forward's does it)
+
+With a pipeline, each block runs once per microbatch, forward and backward. --zero3-gather says how
+often its weights are gathered:
+    step        once, before its first forward of the step; kept through every microbatch's forward and
+                backward, freed when the step's backward is over (release()): (D-1)/D of the weights sent
+                per step, but the whole stage's weights held during the step
+    microbatch  before every forward and every backward, freed right after each: 2M times the bytes, and
+                only the blocks that are running (and the next one, prefetched) are whole at any moment
+
+The hooks are torch's module hooks, so the executor (pipeline_microbatch.StageRunner) is unchanged: a
+forward pre-hook gathers the block (and starts the next block's all-gather), a forward hook frees it
+(microbatch) and puts a hook on the block's output, which fires when the output's gradient arrives,
+that is, just before the block's backward: it gathers the block again (and starts the previous
+block's). The block's backward is over when the block before it receives its output's gradient (that
+block's hook frees it), or, for the first block of a chunk, when the backward call returns (a callback
+queued on autograd's engine, as FSDP does). Every replica of a stage runs the same schedule, so the
+all-gathers start in the same order on every replica, as gloo and nccl need.
+
+A checkpoint, the evaluation and the replicas' end-of-run comparison read the weights whole: whole()
+gathers every block for their duration, and writes each replica's slice back into `mine` afterwards (a
+resume loaded new weights into the whole tensors).
+"""
+from contextlib import contextmanager
+
+import torch
+
+from mp.buckets import ALL_GATHER
+from mp.dist import awaiting
+
+GATHER_EVERY = ("step", "microbatch")
+
+
+class ParamShards:
+    """The blocks of `chunks` (this rank's part of the model), each one bucket of grads (GradBuckets made
+    with groups=weights_by_block(chunks) and shard=True), held as 1/D slices between uses."""
+
+    def __init__(self, chunks, grads, gather_every="step"):
+        self.grads, self.gather_every, self.rank = grads, gather_every, grads.rank
+        self.pinned, self.held_bytes, self.peak_bytes = False, 0, 0
+        self.buckets = []                             # one per block, in forward order, chunk by chunk
+        for chunk in chunks:
+            mine = [self.take(block) for block in blocks_of([chunk])]
+            for earlier, later in zip(mine, mine[1:]):   # prefetch within a chunk: the block that runs next
+                earlier.next, later.prev = later, earlier
+            self.buckets += mine
+        for b in self.buckets:
+            self.free(b)
+        # held_bytes: the whole weights gathered now; the peak counts from here (the build held them all)
+        self.peak_bytes = self.held_bytes
+        self.slice_bytes = sum(b.mine.numel() * b.mine.element_size() for b in self.buckets)
+
+    def take(self, block):
+        """Block's bucket, with my slice copied out and the hooks on the block."""
+        trainable = [p for p in block.parameters() if p.requires_grad]
+        b = self.grads.where[id(trainable[0])]
+        assert len(b.params) == len(trainable), "GradBuckets(groups=weights_by_block(chunks)): one bucket a block"
+        b.block, b.gathering, b.whole, b.next, b.prev = block, None, True, None, None
+        b.mine = b.shard(b.param, self.rank).clone()   # my slice, in memory of its own: the optimizer's
+        self.held_bytes += b.param.numel() * b.param.element_size()
+        block.register_forward_pre_hook(lambda module, inputs: self.before_forward(b))
+        block.register_forward_hook(lambda module, inputs, output: self.after_forward(b, output))
+        return b
+
+    # --------------------------------------------------------------- gather, wait, free
+
+    def gather(self, b):
+        """Start the all-gather of block b's weights into its flat tensor (nothing if it is whole or on its way)."""
+        if b.whole or b.gathering is not None:
+            return
+        storage = b.param.untyped_storage()
+        storage.resize_(b.param.numel() * b.param.element_size())   # memory again, filled by the all-gather
+        self.note(b.param.numel() * b.param.element_size())
+        b.gathering = ALL_GATHER(b.param, b.mine, group=self.grads.group, async_op=True)
+        self.grads.count(b.param, 1)
+        self.grads.on_timeline(b.gathering, f"all-gather {self.buckets.index(b)}")
+
+    def wait(self, b):
+        """Block b's weights, whole: gathered now, or the prefetch waited for."""
+        self.gather(b)
+        if b.gathering is not None:
+            with awaiting(*self.grads.waiting):
+                b.gathering.wait()
+            self.grads.clocked(b.gathering)   # its span on the timeline (gloo's: ends where it was waited for)
+            b.gathering, b.whole = None, True
+
+    def free(self, b):
+        """Give block b's whole weights back (an all-gather on its way is waited for first: it writes there)."""
+        if b.gathering is not None:
+            self.wait(b)
+        if b.whole:
+            b.param.untyped_storage().resize_(0)
+            b.whole = False
+            self.note(-b.param.numel() * b.param.element_size())
+
+    def note(self, nbytes):
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    # --------------------------------------------------------------- the hooks
+
+    def before_forward(self, b):
+        if self.pinned:
+            return
+        self.wait(b)
+        if b.next is not None:
+            self.gather(b.next)                       # prefetch: its all-gather runs while b computes
+
+    def after_forward(self, b, output):
+        if self.pinned:
+            return
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad, b=b: self.before_backward(b))
+        if self.gather_every == "microbatch" or not torch.is_grad_enabled():   # (evaluation: always)
+            self.free(b)
+
+    def before_backward(self, b):
+        """The gradient of b's output arrived: b's backward is next, and b.next's is over (its input's
+        gradient is b's output's)."""
+        if self.gather_every == "microbatch":
+            if b.next is not None:
+                self.free(b.next)                     # first: at most two blocks whole (b, and the prefetch)
+            # the first block of a chunk has no block before it to say so: free it when this backward returns
+            torch.autograd.Variable._execution_engine.queue_callback(lambda b=b: self.free(b))
+        self.wait(b)
+        if b.prev is not None:
+            self.gather(b.prev)                       # prefetch for the backward that comes after b's
+
+    # --------------------------------------------------------------- the step, and whole weights
+
+    def release(self):
+        """The step's backward is over: every block's whole weights go (--zero3-gather step kept them
+        through every microbatch; microbatch has freed them already)."""
+        for b in self.buckets:
+            self.free(b)
+
+    @contextmanager
+    def whole(self):
+        """Every block gathered for what runs inside (a checkpoint, the evaluation, the end-of-run
+        comparison: every replica must enter, the all-gathers are collectives), then each replica's slice
+        copied back from the whole weights (a resume wrote them) and the whole weights freed."""
+        # the steps' peak and bytes sent: what is gathered here is not counted in them
+        peak, sent = self.peak_bytes, self.grads.sent_bytes
+        for b in self.buckets:
+            self.gather(b)
+        for b in self.buckets:
+            self.wait(b)
+        self.pinned, self.peak_bytes = True, peak
+        try:
+            yield
+        finally:
+            self.pinned = False
+            with torch.no_grad():
+                for b in self.buckets:
+                    b.mine.copy_(b.shard(b.param, self.rank))
+                    self.free(b)
+            self.peak_bytes, self.grads.sent_bytes = peak, sent
+
+    def peak_mb(self):
+        """The most weights this rank held at once during training: its slices and the blocks gathered."""
+        return (self.slice_bytes + self.peak_bytes) / 2**20
+
+
+def blocks_of(chunks):
+    """The blocks (a chunk's children) that hold trainable weights, in forward order."""
+    return [block for chunk in chunks for block in chunk if any(p.requires_grad for p in block.parameters())]
+
+
+def weights_by_block(chunks):
+    """GradBuckets' groups for --zero 3: the parameters of each block, a bucket each."""
+    return [list(block.parameters()) for block in blocks_of(chunks)]
