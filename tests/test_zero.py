@@ -3,6 +3,7 @@ without them, half the optimizer state at D=2 (--zero 2: half the gradients too;
 weights, a quarter at D=4), the bytes each replica sends per step as the formula says, and checkpoints
 in the baseline's coordinates that resume with or without it and in the baseline; the identity it
 stands on (reduce-scatter + all-gather = all-reduce) on gloo; its refusals."""
+import json
 import shutil
 
 import pytest
@@ -306,3 +307,23 @@ def test_a_zero3_checkpoint_resumes_without_zero_and_in_the_baseline(reference, 
         got = {r["step"]: r["loss"] for r in resumed.events("train")}
         assert sorted(got) == list(range(STEPS // 2, STEPS)), name
         assert max(abs(got[k] - want[k]) for k in got) <= 1e-4, name
+
+
+def test_the_timeline_draws_the_sharded_collectives(tmp_path):
+    """--timeline under --zero 1 (whose gloo reduce-scatter has no completion callback: it stopped the run
+    before) and --zero 3: the collective row holds each bucket's reduce-scatter and, under --zero 3, each
+    block's all-gathers, the first ones while the first microbatch's forward runs (the prefetch)."""
+    flags = FAST + ["--model", "mlp", "--layers", "4", "--hidden", "64", "--batch-size", "16", "--steps", "2",
+                    "--dp", "2", "--microbatches", "2"]
+    for zero in (["--zero", "1"], ["--zero", "3", "--zero3-gather", "microbatch"]):
+        trace = tmp_path / f"trace{zero[1]}.json"
+        run = launch("pipeline_dp_joint.py", flags + zero + ["--timeline", str(trace)], tmp_path, nproc=2)
+        assert run.returncode == 0, run.stderr[-3000:]
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["pid"] == 0]
+        names = [e["name"] for e in events if e["cat"] == "collective"]
+        assert sum(n.startswith("reduce-scatter") for n in names) >= 1, names
+        if zero[1] == "3":                # 4 blocks: gathered for F0, F1, B0, B1
+            assert sum(n.startswith("all-gather") for n in names) == 4 * 4, names
+            f0 = next(e for e in events if e["name"] == "F0")
+            during = [e for e in events if e["name"].startswith("all-gather") and f0["ts"] <= e["ts"] <= f0["ts"] + f0["dur"]]
+            assert len(during) >= 2, (f0, names)
