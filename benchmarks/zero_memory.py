@@ -1,0 +1,97 @@
+"""ZeRO 0-3 side by side: what a data-parallel replica holds, what it sends, and its peak.
+
+    python benchmarks/zero_memory.py                      # vit, 6 blocks of 256, D = 2 and 4, AdamW
+    python benchmarks/zero_memory.py --hidden 64 --steps 2  # a quick look
+
+Runs pipeline_dp_joint.py as plain data parallelism (--dp equal to the world size: one stage, so N
+below is the whole model) with --zero 0, 1, 2 and 3 (--zero3-gather step and microbatch), AdamW, and
+reads each run's summary record: param_mb (weights held between steps), grad_mb (gradients held after
+the update), optimizer_state_mb, dp_sent_mb_per_step (what a replica sent in its data-parallel
+collectives per step, counted as a ring sends them) and, under --zero 3, peak_param_mb (its slices
+plus the blocks gathered at once). Beside each, the formula for N MB of weights over D replicas and M
+microbatches. The last column is measured memory: the rank's peak resident set above its floor, the
+same run with a tiny model (--hidden 8: the interpreter, torch, gloo and the data), so what the model
+costs it at its peak: weights, gradients, state, activations (a CPU process's peak cannot be reset, so
+it includes set-up, when the stage's whole weights are built). Prints a markdown table (docs/optimizers.md
+quotes it).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = [("0", []), ("1", []), ("2", []), ("3 step", ["--zero3-gather", "step"]),
+           ("3 microbatch", ["--zero3-gather", "microbatch"])]
+
+
+def run(nproc, flags, log):
+    cmd = [sys.executable, "-m", "mp.tools.torchrun", "--standalone", f"--nproc-per-node={nproc}", "--",
+           os.path.join(ROOT, "pipeline_dp_joint.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd + flags + ["--log-file", log], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=ROOT)
+    if proc.returncode:
+        sys.exit(f"error: pipeline_dp_joint.py {' '.join(flags)} failed: {proc.stderr[-2000:]}")
+    with open(log) as f:
+        return next(r for r in map(json.loads, f) if r["event"] == "summary")
+
+
+def formula(zero, n, d, m):
+    """(weights, gradients, AdamW state, sent per step) a replica holds and sends, in MB, for N MB of weights."""
+    ring = (d - 1) / d * n                         # one half of an all-reduce of N: a reduce-scatter or an all-gather
+    sent = {"0": 2 * ring, "1": 2 * ring, "2": 2 * ring, "3 step": 2 * ring, "3 microbatch": ring * (1 + 2 * m)}
+    weights = n / d if zero.startswith("3") else n
+    grads = n if zero == "0" else n + n / d if zero == "1" else n / d
+    state = 2 * n if zero == "0" else 2 * n / d
+    return weights, grads, state, sent[zero]
+
+
+def measure(args, tmp):
+    common = ["--model", "vit", "--layers", str(args.layers), "--heads", "4", "--batch-size", "32", "--microbatches",
+              str(args.microbatches), "--steps", str(args.steps), "--eval-every", "0", "--data", "synthetic",
+              "--optimizer", "adamw"]
+    rows = []
+    for d in args.replicas:
+        for zero, extra in CONFIGS:
+            flags = common + ["--dp", str(d), "--zero", zero.split()[0]] + extra
+            big = run(d, flags + ["--hidden", str(args.hidden)], os.path.join(tmp, "big.jsonl"))
+            tiny = run(d, flags + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
+            n = big["model_param_mb"]
+            rows.append({"D": d, "zero": zero, "N": n, "formula": formula(zero, n, d, args.microbatches),
+                         "measured": [big[k]["0"] for k in ("param_mb", "grad_mb", "optimizer_state_mb",
+                                                             "dp_sent_mb_per_step")],
+                         "peak_param_mb": big.get("peak_param_mb", {}).get("0"),
+                         "above_floor_mb": big["peak_memory_mb"]["0"] - tiny["peak_memory_mb"]["0"]})
+            print(f"D={d} --zero {zero}: done", file=sys.stderr, flush=True)
+    return rows
+
+
+def table(rows, m):
+    lines = ["| D | --zero | weights held | gradients held | AdamW state | sent per step | weights at the peak "
+             "| peak RSS above the floor |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cells = [f"{got:.2f} ({want:.2f})" for got, want in zip(r["measured"], r["formula"])]
+        peak = f"{r['peak_param_mb']:.2f}" if r["peak_param_mb"] is not None else f"{r['measured'][0]:.2f}"
+        lines.append(f"| {r['D']} | {r['zero']} | " + " | ".join(cells) + f" | {peak} | {r['above_floor_mb']:.0f} |")
+    return "\n".join(lines) + (f"\n\nMB per rank (rank 0), measured (formula); N = {rows[0]['N']:.2f} MB of weights, "
+                               f"M = {m} microbatches.")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4],
+                   help="the D values, comma-separated (each runs on D ranks)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        print(table(measure(args, tmp), args.microbatches))
+
+
+if __name__ == "__main__":
+    main()
