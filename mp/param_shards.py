@@ -42,8 +42,6 @@ import torch
 from mp.buckets import ALL_GATHER
 from mp.dist import awaiting
 
-GATHER_EVERY = ("step", "microbatch")
-
 
 class ParamShards:
     """The blocks of `chunks` (this rank's part of the model), each one bucket of grads (GradBuckets made
@@ -125,7 +123,7 @@ class ParamShards:
             return
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad, b=b: self.before_backward(b))
-        if self.gather_every == "microbatch" or not torch.is_grad_enabled():   # (evaluation: always)
+        if self.gather_every == "microbatch":   # (step: kept, --recompute's forward without autograd too)
             self.free(b)
 
     def before_backward(self, b):
