@@ -94,7 +94,10 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
+        # summed in place, no copy: f feeds only column-parallel layers (and attention's q, k, v), so grad
+        # is the input gradient they just computed, a fresh product (or autograd's fresh sum of three)
+        # that nothing else holds; a residual's shared gradient reaches f's input, never its output
+        return all_reduce(grad, ctx.group, in_place=True), None
 
 
 class _ReduceFromTP(torch.autograd.Function):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 import pipeline_microbatch as pm  # noqa: E402
-from mp.pp.schedules import schedule_actions  # noqa: E402
+from mp.pp.schedules import placement_of, schedule_actions, virtual_stage  # noqa: E402
 from mp.pp.timeline import gather_timeline  # noqa: E402
 import single_baseline  # noqa: E402
 import tensor_parallel as tp  # noqa: E402
@@ -74,7 +74,7 @@ def validate_runs(args):
     else:
         runs = [(f"--configs {c}", pm.parse_args, program_argv(args, *split_config(c))) for c in pipeline_grid(args)]
         runs += [(f"--bubble {m} (mlp, {s})", pm.parse_args, program_argv(args, "mlp", m, s))
-                 for m in bubble_counts(args) for s in RACED]
+                 for m in bubble_counts(args) for s in BUBBLE]
     for name, parse, argv in runs:
         refusal = own_check(parse, argv)
         if refusal is not None:
@@ -103,7 +103,7 @@ def program_argv(args, model, m=None, schedule=None):
         argv += [f"--{flag}", str(getattr(args, flag))]
     if schedule is not None:
         argv += ["--microbatches", str(m), "--schedule", schedule]
-        argv += ["--virtual-stages", "2"] if schedule == "interleaved" else []   # as model_args sets it
+        argv += ["--virtual-stages", "2"] if schedule in ("interleaved", "zbv") else []   # as model_args sets it
     return argv
 
 
@@ -120,11 +120,11 @@ def split_config(config):
 
 
 def pipeline_grid(args):
-    """The pipeline configs to race: --configs, or the issue's grid (no interleaved cnn: 5 blocks)."""
+    """The pipeline configs to race: --configs, or the issue's grid (no interleaved or zbv cnn: 5 blocks, 8 chunks)."""
     if args.configs:
         return args.configs.split(",")
     return [f"{model}:{m}:{s}" for model in ("mlp", "cnn") for m in (8, 32) for s in RACED
-            if not (model == "cnn" and s == "interleaved")]
+            if not (model == "cnn" and s in ("interleaved", "zbv"))]
 
 
 def bubble_counts(args):
@@ -197,15 +197,20 @@ def ours_pipeline(margs, env, pos):
 
 def torch_pipeline(margs, env, pos):
     """torch.distributed.pipelining on the same blocks, cut at the same boundaries as ours."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleZBVZeroBubble)
     model = build_model(margs).to(env.device)
     p, v = pos.pp_size, pos.virtual
     bounds = pm.partition(len(model), p * v)
-    stages = [PipelineStage(model[slice(*bounds[c * p + pos.pp_rank])], c * p + pos.pp_rank, p * v, env.device)
-              for c in range(v)]
+    # my chunks' virtual stages, ours: c * p + r in a loop, r and 2p-1-r in zbv's V (torch's "v" style,
+    # which ScheduleZBVZeroBubble sets on its stages itself)
+    mine = [virtual_stage(c, pos.pp_rank, p, pos.placement) for c in range(v)]
+    stages = [PipelineStage(model[slice(*bounds[s])], s, p * v, env.device) for s in mine]
     m = margs.microbatches
     if margs.schedule == "interleaved":
         schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=F.cross_entropy)
+    elif margs.schedule == "zbv":
+        schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=F.cross_entropy)
     else:
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[margs.schedule](stages[0], m, loss_fn=F.cross_entropy)
     opt = make_optimizer([q for s in stages for q in s.submod.parameters()], margs)
@@ -256,7 +261,14 @@ def device_batches(args, env):
     return [tuple(t.to(env.device) for t in data.batch(s, args.batch_size)) for s in range(4)]
 
 
-RACED = ("gpipe", "1f1b", "interleaved")   # the schedules raced against torch's own (zb: benchmarks/zero_bubble.py)
+RACED = ("gpipe", "1f1b", "interleaved", "zbv")   # the schedules raced against torch's own (zb: benchmarks/zero_bubble.py)
+BUBBLE = ("gpipe", "1f1b", "interleaved")          # the bubble table's (zb's and zbv's: benchmarks/zero_bubble.py)
+
+
+def pipeline_rank(env, schedule):
+    """This rank in the one pipeline of all ranks: 2 chunks for interleaved (in a loop) and zbv (in a V)."""
+    return pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
+                           2 if schedule in ("interleaved", "zbv") else 1, placement=placement_of(schedule))
 
 
 def run_pipeline(args, env):
@@ -265,8 +277,7 @@ def run_pipeline(args, env):
     for config in pipeline_grid(args):
         model, m, schedule = split_config(config)
         margs = model_args(args, model, schedule, m)
-        pos = pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
-                              2 if schedule == "interleaved" else 1)
+        pos = pipeline_rank(env, schedule)
         engines = {"ours": ours_pipeline(margs, env, pos)[0], "torch": torch_pipeline(margs, env, pos),
                    "baseline": baseline_engine(margs, env)}
         result = race(engines, batches, args.warmup, args.repeat, env.device)
@@ -275,10 +286,9 @@ def run_pipeline(args, env):
             print(json.dumps(rows[-1]), flush=True)
     bubbles = []
     for m in bubble_counts(args):
-        for schedule in RACED:             # zb's bubble: benchmarks/zero_bubble.py
+        for schedule in BUBBLE:
             margs = model_args(args, "mlp", schedule, m)
-            pos = pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
-                                  2 if schedule == "interleaved" else 1)
+            pos = pipeline_rank(env, schedule)
             step, runner, actions = ours_pipeline(margs, env, pos)
             measured, theory = bubble_of(runner, actions, pos, margs, step, batches, 2, 5)
             bubbles.append({"schedule": schedule, "microbatches": m, "measured": measured, "theory": theory})

@@ -40,6 +40,7 @@ def traffic_worker(argv):
     import torch.distributed as dist
 
     from mp.dist import exit_now
+    from mp.tp import collectives
     import parallel_3d
     args = parallel_3d.parse_args(argv)
     world, counts, counting = int(os.environ["WORLD_SIZE"]), Counter(), [False]
@@ -74,6 +75,10 @@ def traffic_worker(argv):
 
     dist.all_reduce, dist.all_gather = tally(dist.all_reduce, "all_reduce"), tally(dist.all_gather, "all_gather")
     dist.reduce_scatter = tally(dist.reduce_scatter, "reduce_scatter")
+    # tensor parallelism's flat-buffer gather and scatter, bound by mp.tp.collectives at import (their
+    # arguments line up: a gather's a[1] and a scatter's a[0] are this rank's part)
+    collectives.ALL_GATHER = tally(collectives.ALL_GATHER, "all_gather")
+    collectives.REDUCE_SCATTER = tally(collectives.REDUCE_SCATTER, "reduce_scatter")
     batch_isend_irecv, dist.batch_isend_irecv = dist.batch_isend_irecv, batch
     assert callable(parallel_3d.train) and callable(parallel_3d.exit_now), "the names patched here moved"
     real_train, parallel_3d.train = parallel_3d.train, train

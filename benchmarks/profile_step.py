@@ -59,8 +59,7 @@ def main():
         for config in args.configs.split(","):
             model, m, schedule = config.split(":")
             margs = bench.model_args(args, model, schedule, int(m))
-            pos = bench.pm.PipelineRank(env.rank, env.world_size, list(range(env.world_size)),
-                                        2 if schedule == "interleaved" else 1)
+            pos = bench.pipeline_rank(env, schedule)
             engines = {"ours": bench.ours_pipeline(margs, env, pos)[0], "torch": bench.torch_pipeline(margs, env, pos)}
             for name, step in engines.items():
                 mine = profile_engine(step, batches, args.warmup, args.repeat)

@@ -39,6 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import tensor_parallel as tp  # noqa: E402
 from bench import one_step, race  # noqa: E402
+from tp_hybrid import counted_collectives  # noqa: E402
 from mp.dist import distributed, exit_now
 from mp.flags import base_parser
 from mp.models import build_model
@@ -70,26 +71,28 @@ def saved_bytes_of_block(model, x, index=1):
 def collectives_of_one_step(model, x, y):
     """{"phase kind": elements} and {"phase kind": calls} of one forward and backward."""
     elements, calls, phase = Counter(), Counter(), ["forward"]
-    originals = {n: getattr(dist, n) for n in WIRE}
+    targets = [t for t in counted_collectives() if t[2] in WIRE]
+    originals = {(module, name): getattr(module, name) for module, name, _ in targets}
 
-    def counting(name):
+    def counting(module, name, kind):
         def wrapper(*args, **kwargs):
-            whole = [args[0]] if name == "all_reduce" else args[0 if name == "all_gather" else 1]
-            elements[f"{phase[0]} {name}"] += sum(t.numel() for t in whole)
-            calls[f"{phase[0]} {name}"] += 1
-            return originals[name](*args, **kwargs)
+            # the whole tensor: an all-gather's output, a reduce-scatter's input (a list or one flat buffer)
+            whole = args[0] if kind != "reduce_scatter" else args[1]
+            elements[f"{phase[0]} {kind}"] += sum(t.numel() for t in whole) if isinstance(whole, list) else whole.numel()
+            calls[f"{phase[0]} {kind}"] += 1
+            return originals[(module, name)](*args, **kwargs)
         return wrapper
 
-    for name in WIRE:
-        setattr(dist, name, counting(name))
+    for module, name, kind in targets:
+        setattr(module, name, counting(module, name, kind))
     try:
         loss = F.cross_entropy(model(x), y)
         phase[0] = "backward"
         loss.backward()
         tp.sync_tp_grads(getattr(model, "partial_grads", None), None)   # the step's sums after the backward (the norms')
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
     model.zero_grad(set_to_none=True)
     return dict(elements), dict(calls)
 

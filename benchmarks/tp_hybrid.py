@@ -28,6 +28,7 @@ from mp.flags import base_parser
 from mp.models import build_model
 from mp.optim import make_optimizer
 from mp.data import SyntheticData
+from mp.tp import collectives
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
@@ -37,22 +38,29 @@ def count_collectives(phase):
     """Record (phase[0], collective, elements) for each torch.distributed collective called inside;
     the caller sets phase[0] ("forward", "backward") as it goes. Elements: the tensor of an
     all-reduce, the whole gathered output of an all-gather (padding included)."""
-    calls, originals = [], {n: getattr(dist, n) for n in COLLECTIVES}
+    calls, originals = [], {(module, n): getattr(module, n) for module, n, _ in counted_collectives()}
 
-    def counting(name):
+    def counting(module, name, kind):
         def wrapper(*args, **kwargs):
-            out = kwargs.get("tensor_list", args[0] if args else None)
-            calls.append((phase[0], name, sum(t.numel() for t in out) if isinstance(out, list) else out.numel()))
-            return originals[name](*args, **kwargs)
+            out = kwargs.get("tensor_list", args[0] if args else None)   # a flat gather's args[0]: its whole output
+            calls.append((phase[0], kind, sum(t.numel() for t in out) if isinstance(out, list) else out.numel()))
+            return originals[(module, name)](*args, **kwargs)
         return wrapper
 
-    for name in COLLECTIVES:
-        setattr(dist, name, counting(name))
+    for module, name, kind in counted_collectives():
+        setattr(module, name, counting(module, name, kind))
     try:
         yield calls
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
+
+
+def counted_collectives():
+    """(module, name, kind) of every collective to count: torch.distributed's, and the flat-buffer gather
+    and scatter that mp.tp.collectives bound at import (so wrapping torch.distributed's names misses them)."""
+    return [(dist, n, n) for n in COLLECTIVES] + [(collectives, "ALL_GATHER", "all_gather"),
+                                                 (collectives, "REDUCE_SCATTER", "reduce_scatter")]
 
 
 def collectives_of_one_step(model, x, y):

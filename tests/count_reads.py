@@ -43,7 +43,8 @@ SYNC_DEBUG = os.environ.get("SYNC_DEBUG") == "1" and torch.cuda.is_available()
 for method in ("item", "tolist", "__float__", "__bool__"):
     setattr(torch.Tensor, method, counted(method, getattr(torch.Tensor, method), "reads"))
 dist.all_reduce = counted("all_reduce", dist.all_reduce, "all_reduce")
-# ZeRO-1's collectives (mp.buckets binds them when the program imports it, after this): torch 2.14's
+# ZeRO's and tensor parallelism's flat collectives (mp.buckets binds them when the program imports it,
+# after this; mp.tp.collectives takes them from there): torch 2.14's
 # names and the older ones, each counted once (neither calls the other through torch.distributed)
 for name, key in (("reduce_scatter_single", "reduce_scatter"), ("reduce_scatter_tensor", "reduce_scatter"),
                   ("all_gather_single", "all_gather"), ("all_gather_into_tensor", "all_gather")):

@@ -30,6 +30,15 @@ def test_our_pipeline_schedules_step_like_torch_pipelining(tmp_path):
         assert b["theory"] == pytest.approx(3 / 7 if b["schedule"] != "interleaved" else 3 / 11)
 
 
+def test_our_zbv_steps_like_torch_zbv_zero_bubble(tmp_path):
+    """zbv raced against torch's ScheduleZBVZeroBubble, its stages placed in the same V (rank r holds
+    virtual stages r and 2p-1-r, so rank 0 holds the first and the last): the same losses step by step."""
+    result = bench(tmp_path, "pipeline", 2, ["--configs", "mlp:4:zbv", "--bubble", ""])
+    (row,) = result["rows"]
+    assert row["config"] == "mlp:4:zbv" and row["ours_s"] > 0 and row["torch_s"] > 0
+    assert row["max_loss_diff_vs_torch"] < 1e-6 and row["max_loss_diff_vs_baseline"] < 1e-4, row
+
+
 def test_our_tensor_parallel_mlp_steps_like_torch_tensor_parallel(tmp_path):
     result = bench(tmp_path, "tp", 2)
     assert (result["backend"], result["device"]) == ("gloo", "cpu")   # the report says where it ran

@@ -15,6 +15,7 @@ import tensor_parallel as tp
 from mp.check import check_one_step
 from mp import models
 from mp.models import build_model
+from mp.tp import collectives
 from helpers import FAST, ROOT, assert_same_losses, launch, run_ranks, slow
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -200,6 +201,55 @@ def case_check_catches(rank, world, group):
 
 def test_check_names_a_wrong_tensor(tmp_path):
     run_ranks(case_check_catches, 2, tmp_path)
+
+
+def case_flat_collectives(rank, world, group):
+    """mp.tp.collectives' flat-buffer gather and scatter against their definitions, with shards that differ
+    by one (tensor_split) along each dim: the gather is the cat of every rank's shard, the scatter my
+    slice of the sum; both exact (they only move numbers, and the sum is gloo's either way)."""
+    torch.manual_seed(0)
+    whole = torch.randn(5, 7, 3)                                   # the same on every rank
+    for dim in (0, 1, 2, -1):
+        sizes = tp.split_sizes(whole.shape[dim], world)
+        mine = whole.tensor_split(world, dim)[rank].contiguous()
+        assert torch.equal(collectives.all_gather(mine, group, sizes, dim), whole), dim
+    parts = torch.randn(world, 4, 2 * world, 3)                    # rank r's own x: parts[r]
+    out = collectives.reduce_scatter(parts[rank].clone(), group, 1)
+    expected = parts.sum(0).chunk(world, 1)[rank]
+    assert_close(out, expected, rtol=0, atol=1e-6)
+    assert out.is_contiguous() and out.shape == expected.shape
+
+
+def test_flat_collectives_gather_uneven_shards_and_scatter_the_sum(tmp_path):
+    run_ranks(case_flat_collectives, 3, tmp_path)
+
+
+def case_f_in_place(rank, world, group):
+    """f's backward sums the gradient in place (no copy first): the input and weight gradients of a vit
+    block (f's output feeds q, k and v; a residual shares the block's output gradient) and of an mlp's
+    column | row pair are bit-identical to those of the copying all-reduce it replaced."""
+    torch.manual_seed(0)
+    vit = tp.parallelize(build_model(tp.parse_args(FAST + ["--model", "vit", "--layers", "2", "--hidden", "32"])),
+                         "vit", group)
+    mlp = tp.parallelize(build_model(tp.parse_args(FAST + ["--model", "mlp", "--layers", "4", "--hidden", "32"])),
+                         "mlp", group)
+    for model, h in ((vit[1], torch.randn(4, 64, 32)), (mlp[2:], torch.randn(4, 32))):
+        grads = []
+        for copying in (False, True):
+            h_in = h.clone().requires_grad_()
+            if copying:   # every all-reduce of tensor_parallel.py on a copy, as before
+                tp.all_reduce = lambda t, g, in_place=False: collectives.all_reduce(t, g)
+            try:
+                model(h_in).sum().backward()
+            finally:
+                tp.all_reduce = collectives.all_reduce
+            grads.append([h_in.grad] + [p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), type(model)
+
+
+def test_f_sums_its_gradient_in_place_with_the_same_result(tmp_path):
+    run_ranks(case_f_in_place, 2, tmp_path)
 
 
 def test_split_sizes_are_tensor_splits():
