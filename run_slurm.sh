@@ -62,7 +62,7 @@ ACTIVATION=${ACTIVATION:-gelu}         # gelu | relu: every model's activation, 
 OPTIMIZER=${OPTIMIZER:-sgd}            # sgd | adamw: --optimizer for both programs (--lr's default follows it)
 DP=${DP:-2}                            # pipeline_dp_joint.py, parallel_3d.py: data-parallel replicas
 TP=${TP:-2}                            # parallel_3d.py: tensor-parallel ranks per stage
-ZERO=${ZERO:-0}                        # pipeline_dp_joint.py, parallel_3d.py: 1 = ZeRO-1, 2 = ZeRO-2 (--zero, docs/optimizers.md)
+ZERO=${ZERO:-0}                        # pipeline_dp_joint.py, parallel_3d.py: 1 = ZeRO-1, 2 = ZeRO-2, 3 = ZeRO-3 (--zero, docs/optimizers.md)
 MODEL=${MODEL:-cnn}                    # cnn | mlp | vit
 STEPS=${STEPS:-300}
 DATA=${DATA:-auto}                     # auto | cifar10 | synthetic

@@ -1,6 +1,7 @@
 """ZeRO 0-3 side by side: what a data-parallel replica holds, what it sends, and its peak.
 
     python benchmarks/zero_memory.py                      # vit, 6 blocks of 256, D = 2 and 4, AdamW
+    python benchmarks/zero_memory.py --model mlp --hidden 2048 --replicas 2   # weights larger than activations
     python benchmarks/zero_memory.py --hidden 64 --steps 2  # a quick look
 
 Runs pipeline_dp_joint.py as plain data parallelism (--dp equal to the world size: one stage, so N
@@ -12,7 +13,8 @@ plus the blocks gathered at once). Beside each, the formula for N MB of weights 
 microbatches. The last column is measured memory: the rank's peak resident set above its floor, the
 same run with a tiny model (--hidden 8: the interpreter, torch, gloo and the data), so what the model
 costs it at its peak: weights, gradients, state, activations (a CPU process's peak cannot be reset, so
-it includes set-up, when the stage's whole weights are built). Prints a markdown table (docs/optimizers.md
+it includes set-up, when the stage's whole weights are built), with glibc's mmap threshold pinned so
+that memory freed is memory given back (docs/memory.md). Prints a markdown table (docs/optimizers.md
 quotes it).
 """
 import argparse
@@ -30,7 +32,9 @@ CONFIGS = [("0", []), ("1", []), ("2", []), ("3 step", ["--zero3-gather", "step"
 def run(nproc, flags, log):
     cmd = [sys.executable, "-m", "mp.tools.torchrun", "--standalone", f"--nproc-per-node={nproc}", "--",
            os.path.join(ROOT, "pipeline_dp_joint.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # glibc's threshold pinned: a freed block of 128 kB or more goes back to the system at once, so the
+    # peak resident set shows what is held together, not what the heap kept after an earlier free
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     proc = subprocess.run(cmd + flags + ["--log-file", log], env=env, capture_output=True, text=True, timeout=900,
                           cwd=ROOT)
     if proc.returncode:
@@ -50,9 +54,9 @@ def formula(zero, n, d, m):
 
 
 def measure(args, tmp):
-    common = ["--model", "vit", "--layers", str(args.layers), "--heads", "4", "--batch-size", "32", "--microbatches",
+    common = ["--model", args.model, "--layers", str(args.layers), "--batch-size", "32", "--microbatches",
               str(args.microbatches), "--steps", str(args.steps), "--eval-every", "0", "--data", "synthetic",
-              "--optimizer", "adamw"]
+              "--optimizer", "adamw"] + (["--heads", "4"] if args.model == "vit" else [])
     rows = []
     for d in args.replicas:
         for zero, extra in CONFIGS:
@@ -69,7 +73,7 @@ def measure(args, tmp):
     return rows
 
 
-def table(rows, m):
+def table(rows, m, args):
     lines = ["| D | --zero | weights held | gradients held | AdamW state | sent per step | weights at the peak "
              "| peak RSS above the floor |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -77,11 +81,12 @@ def table(rows, m):
         peak = f"{r['peak_param_mb']:.2f}" if r["peak_param_mb"] is not None else f"{r['measured'][0]:.2f}"
         lines.append(f"| {r['D']} | {r['zero']} | " + " | ".join(cells) + f" | {peak} | {r['above_floor_mb']:.0f} |")
     return "\n".join(lines) + (f"\n\nMB per rank (rank 0), measured (formula); N = {rows[0]['N']:.2f} MB of weights, "
-                               f"M = {m} microbatches.")
+                               f"M = {m} microbatches; {args.model}, {args.layers} layers of {args.hidden}.")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["vit", "mlp"], default="vit")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--microbatches", type=int, default=2)
@@ -90,7 +95,7 @@ def main():
                    help="the D values, comma-separated (each runs on D ranks)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        print(table(measure(args, tmp), args.microbatches))
+        print(table(measure(args, tmp), args.microbatches, args))
 
 
 if __name__ == "__main__":

@@ -167,10 +167,11 @@ def test_a_refused_setting_answers_at_once_and_the_check_never_imports_torch(tmp
     assert run.returncode == 0 and run.stdout.splitlines() == [
         "CHECK_ONLY=1: the knobs and the arguments of the 6 runs (the baseline's included) are good; nothing trained"]
     assert not (tmp_path / "logs").exists()
-    run = launcher("run_joint.sh", tmp_path, CHECK_ONLY="1", ZERO="2")          # issue 44: ZeRO-2's knob
-    assert run.returncode == 0 and run.stdout.startswith("CHECK_ONLY=1: "), run.stderr
+    for zero in ("2", "3"):                                                      # issue 44: ZeRO-2's and 3's knob
+        run = launcher("run_joint.sh", tmp_path, CHECK_ONLY="1", ZERO=zero)
+        assert run.returncode == 0 and run.stdout.startswith("CHECK_ONLY=1: "), run.stderr
     run = launcher("run_3d.sh", tmp_path, CHECK_ONLY="1", ZERO="4")
-    assert run.returncode == 2 and run.stderr.splitlines() == ["error: ZERO=4 must be one of: 0 1 2"], run.stderr
+    assert run.returncode == 2 and run.stderr.splitlines() == ["error: ZERO=4 must be one of: 0 1 2 3"], run.stderr
     probe = ("import sys; from mp.tools import check_args; "
              "check_args.main(['4', 'pipeline_microbatch', '--balance', 'auto', '::', '6', 'pipeline_dp_joint', '::', "
              "'2', 'tensor_parallel', '--hybrid', '::', '8', 'parallel_3d', '::', '1', 'single_baseline']); "

@@ -267,14 +267,17 @@ def test_zero3_as_plain_data_parallelism_on_4_replicas_holds_a_quarter(baseline,
         assert summary["peak_param_mb"][str(rank)] <= model / 4 + two + 1e-3, summary["peak_param_mb"]
 
 
-@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"],
-                                    slow(["--dp", "2", "--tp", "2", "--model", "vit", "--layers", "2", "--hidden", "32",
-                                          "--heads", "2", "--sequence-parallel", "--schedule", "zb"])])
-def test_zero3_in_3d_trains_as_without_it(layout, tmp_path):
-    """parallel_3d.py --zero 3 (dp x tp; and dp x tp with sequence parallelism and zb's split backward)
-    logs the run without it to float32 rounding, with half the weights held between steps."""
+@pytest.mark.parametrize("layout,nproc", [
+    (["--dp", "2", "--tp", "2"], 4),
+    slow(["--dp", "2", "--tp", "2", "--model", "vit", "--layers", "2", "--hidden", "32", "--heads", "2",
+          "--sequence-parallel", "--schedule", "zb"], 4),
+    slow(["--dp", "2", "--tp", "2"], 8)])
+def test_zero3_in_3d_trains_as_without_it(layout, nproc, tmp_path):
+    """parallel_3d.py --zero 3 (dp x tp; dp x tp with sequence parallelism and zb's split backward; dp x
+    pp x tp on 8 ranks) logs the run without it to float32 rounding, with half the weights held between
+    steps."""
     flags = ADAMW + layout + ["--microbatches", "2", "--eval-every", "10"]
-    runs = [launch("parallel_3d.py", flags + z, tmp_path, nproc=4, log_name=f"z{i}.jsonl")
+    runs = [launch("parallel_3d.py", flags + z, tmp_path, nproc=nproc, log_name=f"z{i}.jsonl")
             for i, z in enumerate([["--zero", "0"], ["--zero", "3"], ["--zero", "3", "--zero3-gather", "microbatch"]])]
     for run in runs[1:]:
         assert_same_losses(run, runs[0], atol=1e-6)
