@@ -131,4 +131,6 @@ def test_a_stopped_pipeline_leaves_its_data_parallel_peers_waiting_no_longer_tha
     for pid in stopped:
         os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
-    assert re.search(DP_WAIT + r"and gave up \(timeout 8 s\)", err), err[-3000:]
+    # both waits are on the data-parallel group: the gradients' all-reduce, or (when the stop lands at the
+    # end of a logged step; seen under load) the logged losses' average over the replicas
+    assert re.search(f"({DP_WAIT}|{LOG_WAIT})" + r"and gave up \(timeout 8 s\)", err), err[-3000:]
