@@ -1,9 +1,15 @@
 """The zygote (tests/zygote.py) forks every rank from one process; these runs go through the real
 python and torchrun instead, so that it is never the only witness (issue 43): each of the five
 programs once, its per-step losses against the baseline's (itself run by the real python)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
-from helpers import FAST, assert_same_losses, launch
+from helpers import FAST, ROOT, assert_same_losses, launch, read_log
 
 ARGS = FAST + ["--steps", "3", "--dropout", "0.1", "--clip-grad-norm", "0.5"]
 RUNS = [   # program, ranks, its own flags
@@ -27,3 +33,70 @@ def test_each_program_under_the_real_torchrun_gives_the_baselines_losses(program
                                                                         real_baseline):
     run = launch(program, ARGS + flags, tmp_path, nproc=nproc, real=True)
     assert_same_losses(run, real_baseline)
+
+
+# --- the launchers' torchrun (mp/tools/torchrun.py): ranks forked from its agent -------------------
+
+PROBE = """import json, os, signal, sys
+had_torch = "torch" in sys.modules
+import numpy
+rank = os.environ["RANK"]
+seen = dict(rank=rank, local_rank=os.environ["LOCAL_RANK"], world=os.environ["WORLD_SIZE"],
+            master=bool(os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")),
+            restart=os.environ["TORCHELASTIC_RESTART_COUNT"], name=__name__, argv=sys.argv[1:], path0=sys.path[0],
+            own_session=os.getsid(0) == os.getpid(), sigint=signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            sigterm=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, unbuffered=type(sys.stdout.buffer).__name__,
+            numpy_draw=int(numpy.random.randint(1 << 30)), had_torch=had_torch)
+print(json.dumps(seen), flush=True)
+if "--fail" in sys.argv and rank == "1":
+    print("error: rank 1 refuses --fail", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def wrapper(args, tmp_path, **env):
+    cmd = [sys.executable, "-m", "mp.tools.torchrun", "--standalone", "--nproc-per-node", "2", "--"] + args
+    start = time.perf_counter()
+    run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", **env), capture_output=True,
+                         text=True, timeout=120)
+    return run, time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_the_launchers_torchrun_forks_ranks_that_look_like_new_pythons(tmp_path):
+    """Without a GPU, python -m mp.tools.torchrun forks each rank from an agent that has imported torch:
+    each still has its own RANK and environment, runs as __main__ with its argv, in a session of its own,
+    with python's default signal handlers, unbuffered output and its own numpy seed, as the new python
+    that MP_TORCHRUN_FORK=0 starts does; a rank's error line and status 2 are the last word, and the rank
+    that had finished does not hold the agent for torchrun's 30 s grace."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    seen = {}
+    for fork in ("1", "0"):
+        run, _ = wrapper([str(probe), "--x", "1"], tmp_path, MP_TORCHRUN_FORK=fork)
+        assert run.returncode == 0 and not run.stderr, run.stderr[-2000:]
+        seen[fork] = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda s: s["rank"])
+    forked, fresh = seen["1"], seen["0"]
+    assert [s["had_torch"] for s in forked] == [True, True] and [s["had_torch"] for s in fresh] == [False, False]
+    assert forked[0]["numpy_draw"] != forked[1]["numpy_draw"]
+    for s in forked + fresh:
+        del s["had_torch"], s["numpy_draw"]
+    assert forked == fresh and [s["rank"] for s in forked] == ["0", "1"], (forked, fresh)
+    assert forked[1] == dict(rank="1", local_rank="1", world="2", master=True, restart="0", name="__main__",
+                             argv=["--x", "1"], path0=str(tmp_path), own_session=True, sigint=True, sigterm=True,
+                             unbuffered="FileIO")
+    run, took = wrapper([str(probe), "--fail"], tmp_path)
+    assert run.returncode == 2 and run.stderr.splitlines() == ["error: rank 1 refuses --fail"], run.stderr
+    assert took < 20, f"{took:.1f} s: the finished rank 0 held the agent"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program,nproc,flags", [RUNS[0], RUNS[2]], ids=["pipeline_microbatch.py", "tensor_parallel.py"])
+def test_programs_in_forked_ranks_give_the_baselines_losses(program, nproc, flags, tmp_path, real_baseline):
+    """The same programs in ranks forked by the launchers' torchrun (tensor_parallel.py ends with
+    os._exit, which a forked rank must turn into torchrun's success)."""
+    log = str(tmp_path / "forked.jsonl")
+    run, _ = wrapper([program] + ARGS + flags + ["--log-file", log], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = [r["loss"] for r in read_log(log) if r["event"] == "train"]
+    assert got and max(abs(a - b) for a, b in zip(got, real_baseline.losses())) <= 1e-4
