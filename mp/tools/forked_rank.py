@@ -12,9 +12,11 @@ waits for it and ends as it ended (returns on 0, else the same status or the sam
 on every signal the agent sends. The program's process is made to look like a new interpreter's:
 default signal handlers, `python -u`'s unbuffered output, its own random state, sys.argv and
 sys.path[0] as `python script.py` sets them, an uncaught exception printed with exit status 1.
-What cannot be made new: the string hash seed is the agent's, the same on every rank (no code here
-orders collectives by iterating a set or a dict of strings' hashes), and the modules the agent
-imported (torch, torch._dynamo, mp.errors, this file) are not imported again.
+What cannot be made new: the string hash seed is the agent's, the same on every rank, so a set of
+strings iterates in the same order on every rank here where new pythons' orders differ (code must not
+order collectives that way; with a GPU the ranks are new pythons, and tests/test_real_torchrun.py runs
+each program in new pythons too); and the modules the agent imported (torch, torch._dynamo, mp.errors,
+this file) are not imported again.
 """
 import ctypes
 import faulthandler
