@@ -72,6 +72,9 @@ def start_and_wait_for_steps(tmp_path, extra, steps_seen=2, program="pipeline_mi
     return proc, log
 
 
+GIVE_UP_S = 5   # --timeout-s of the hung-rank tests: a peer that waits this long on a stopped rank gives up
+
+
 def test_a_dead_rank_takes_the_job_down_quickly(tmp_path):
     proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "60"])
     os.kill(ranks_of(log)[1], signal.SIGKILL)
@@ -100,7 +103,7 @@ LOG_WAIT = r"error: rank \d waited for the logged losses' and norms' sums, "
      f"({P2P_WAIT}|{DP_WAIT}|{NORM_WAIT}|{LOG_WAIT})")],
     ids=["pipeline", "tensor-parallel", "joint"])
 def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp_path, program, args, waited):
-    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "8"], program=program, args=args)
+    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", str(GIVE_UP_S)], program=program, args=args)
     stopped = ranks_of(log)[2]
     os.kill(stopped, signal.SIGSTOP)
     deadline = time.time() + 40
@@ -110,7 +113,7 @@ def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp
     os.kill(stopped, signal.SIGKILL)  # torchrun's SIGTERM cannot wake a stopped process: it kills it 30 s later
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert re.search(waited + r"and gave up \(timeout 8 s\)", err), err[-3000:]
+    assert re.search(waited + rf"and gave up \(timeout {GIVE_UP_S} s\)", err), err[-3000:]
     assert err.count("Traceback (most recent call last)") <= 1, err[-3000:]   # torchrun's own, none of ours
     assert ranks_of(log) == {}
     assert read_log(newest_log(log))
@@ -120,7 +123,8 @@ def test_a_stopped_pipeline_leaves_its_data_parallel_peers_waiting_no_longer_tha
     """Pipeline 1 (ranks 2 and 3) stops whole: pipeline 0 then waits in the data-parallel all-reduce,
     on groups made by new_group, whose own default timeout is 30 minutes. They take --timeout-s."""
     args = PIPELINE + ["--dp", "2", "--batch-size", "24", "--microbatches", "2"]
-    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", "8"], program="pipeline_dp_joint.py", args=args)
+    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", str(GIVE_UP_S)], program="pipeline_dp_joint.py",
+                                         args=args)
     stopped = [ranks_of(log)[r] for r in (2, 3)]
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
@@ -133,4 +137,4 @@ def test_a_stopped_pipeline_leaves_its_data_parallel_peers_waiting_no_longer_tha
     _, err = proc.communicate(timeout=120)
     # both waits are on the data-parallel group: the gradients' all-reduce, or (when the stop lands at the
     # end of a logged step; seen under load) the logged losses' average over the replicas
-    assert re.search(f"({DP_WAIT}|{LOG_WAIT})" + r"and gave up \(timeout 8 s\)", err), err[-3000:]
+    assert re.search(f"({DP_WAIT}|{LOG_WAIT})" + rf"and gave up \(timeout {GIVE_UP_S} s\)", err), err[-3000:]

@@ -338,11 +338,11 @@ def test_a_requeued_job_resumes_and_finishes_with_the_uninterrupted_losses(slurm
     the parallel program resumes from its last checkpoint, and its losses are still the baseline's."""
     if not takes_checkpoints():
         pytest.skip("waits for checkpoints: pipeline_microbatch.py has no --checkpoint-dir yet")
-    steps = 1000   # about 20 ms a step here: long enough to be requeued mid-run
+    steps = 500    # about 20 ms a step here: long enough to be requeued mid-run
     env = dict(slurm_cluster.env, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic",
                EVAL_EVERY="0", OMP_NUM_THREADS="1", RDZV_PORT=str(free_port("127.0.0.1")), NPROC="2",
                PROGRAM="pipeline_microbatch.py", STEPS=str(steps), CHECKPOINT_DIR=str(tmp_path / "ckpt"),
-               SAVE_EVERY="50")
+               SAVE_EVERY="25")
     cmd = [tool("sbatch"), "--wait", "--requeue", "--open-mode=append", "-N", "2", "--time=6",
            f"--output={tmp_path}/slurm-%j.out", "run_slurm.sh"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -350,7 +350,7 @@ def test_a_requeued_job_resumes_and_finishes_with_the_uninterrupted_losses(slurm
     try:
         trained = lambda: [r for log in logs.glob("slurm-*-pipeline_microbatch_*.jsonl") for r in read_log(log)
                            if r["event"] == "train"]
-        wait_for(lambda: len(trained()) >= 120 or proc.poll() is not None, "the pipeline's step 120", 180)
+        wait_for(lambda: len(trained()) >= 60 or proc.poll() is not None, "the pipeline's step 60", 180)
         assert proc.poll() is None, proc.communicate()
         log = next(logs.glob("slurm-*-pipeline_microbatch_*.jsonl"))
         job = re.match(r"slurm-(\d+)-", log.name).group(1)
