@@ -99,16 +99,18 @@ def test_zero2_as_plain_data_parallelism_with_sgd_matches_the_baseline(baseline,
     assert "replicas of every stage: yes" in run.stdout
 
 
-def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, unsharded, tmp_path):
-    """A --zero 1 run saves after step 10 (each parameter's whole state, gathered); the run without
-    --zero and single_baseline.py resume from it, and a --zero 1 run resumes from the checkpoint the
-    run without --zero saved after step 10: each logs the uninterrupted baseline's losses for steps 10..19."""
+@pytest.mark.parametrize("zero", [["--zero", "1"], ["--zero", "3", "--zero3-gather", "microbatch"]], ids=["zero1", "zero3"])
+def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, unsharded, zero, tmp_path):
+    """A --zero 1 (--zero 3) run saves after step 10 (each parameter's whole state, gathered; under
+    --zero 3 the weights too); the run without --zero and single_baseline.py resume from it, and a run
+    with the same --zero resumes from the checkpoint the run without --zero saved after step 10 (each
+    replica cuts its slice out): each logs the uninterrupted baseline's losses for steps 10..19."""
     want = {r["step"]: r["loss"] for r in reference[0].events("train")}
     (tmp_path / "first").mkdir()
-    first = saved_run(JOINT[0], JOINT[1] + ["--zero", "1"], JOINT[2], tmp_path / "first", save_every=STEPS // 2)
+    first = saved_run(JOINT[0], JOINT[1] + zero, JOINT[2], tmp_path / "first", save_every=STEPS // 2)
     assert first.returncode == 0, first.stderr[-3000:]
     resumes = {"plain": (JOINT, tmp_path / "first"), "baseline": (("single_baseline.py", [], 1), tmp_path / "first"),
-               "zero": ((JOINT[0], JOINT[1] + ["--zero", "1"], JOINT[2]), unsharded[1])}
+               "zero": ((JOINT[0], JOINT[1] + zero, JOINT[2]), unsharded[1])}
     for name, ((program, extra, nproc), source) in resumes.items():
         folder = tmp_path / name
         shutil.copytree(source / "ck", folder / "ck")
@@ -286,30 +288,6 @@ def test_zero3_in_3d_trains_as_without_it(layout, nproc, tmp_path):
         assert "replicas of every stage: yes" in run.stdout
         params = [r.events("summary")[0]["param_mb"] for r in (runs[0], run)]
         assert all(abs(params[1][r] - params[0][r] / 2) <= 1e-3 for r in params[0]), params
-
-
-def test_a_zero3_checkpoint_resumes_without_zero_and_in_the_baseline(reference, unsharded, tmp_path):
-    """A --zero 3 run saves after step 10 (the weights and the state gathered whole); the run without
-    --zero and single_baseline.py resume from it, and a --zero 3 run resumes from the checkpoint the run
-    without --zero saved (each replica cuts its slice out of the whole weights): each logs the
-    uninterrupted baseline's losses for steps 10..19."""
-    want = {r["step"]: r["loss"] for r in reference[0].events("train")}
-    (tmp_path / "first").mkdir()
-    zero3 = JOINT[1] + ["--zero", "3", "--zero3-gather", "microbatch"]
-    first = saved_run(JOINT[0], zero3, JOINT[2], tmp_path / "first", save_every=STEPS // 2)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumes = {"plain": (JOINT, tmp_path / "first"), "baseline": (("single_baseline.py", [], 1), tmp_path / "first"),
-               "zero3": ((JOINT[0], zero3, JOINT[2]), unsharded[1])}
-    for name, ((program, extra, nproc), source) in resumes.items():
-        folder = tmp_path / name
-        shutil.copytree(source / "ck", folder / "ck")
-        shutil.rmtree(folder / "ck" / f"step-{STEPS:08d}")    # resume from step 10
-        resumed = saved_run(program, extra, nproc, folder)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert resumed.events("resume")[0]["step"] == STEPS // 2, name
-        got = {r["step"]: r["loss"] for r in resumed.events("train")}
-        assert sorted(got) == list(range(STEPS // 2, STEPS)), name
-        assert max(abs(got[k] - want[k]) for k in got) <= 1e-4, name
 
 
 def test_the_timeline_draws_the_sharded_collectives(tmp_path):
