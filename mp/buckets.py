@@ -109,7 +109,7 @@ class GradBuckets:
         self.late = [p for p in params if id(p) in self.late_ids]
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.waiting, self.sharded, self.recorder = waiting, shard, recorder
-        self.free = free and shard          # --zero 2: the whole buckets exist from zero_grad() to wait() only
+        self.free = free and shard          # --zero 2, 3: the whole buckets exist from zero_grad() to wait() only
         device = params[0].device if params else torch.device("cpu")
         if groups is None:
             groups = buckets(params, bucket_mb * 2**20)

@@ -144,7 +144,7 @@ def train(args, env, job):
 
 def held(job):
     """The weights this rank holds between steps (the summary's param_mb): the model's, and under 2BW's
-    rule the version before the last update too."""
+    rule the version before the last update too; --zero 3: its slices (and any whole weight not freed)."""
     slices = getattr(job.optimizer, "held_params", lambda: None)()   # --zero 3: my slices of the weights,
     if slices is not None:              # and any whole weight still in memory (none: all were freed)
         return slices + [p for p in job.model.parameters() if p.untyped_storage().nbytes()]

@@ -38,7 +38,8 @@ from mp.dist import awaiting
 
 
 class ZeroOptimizer:
-    """torch's optimizer over this replica's slices of the buckets, then the all-gather of the slices."""
+    """torch's optimizer over this replica's slices of the buckets, then the all-gather of the slices
+    (--zero 3: none; each block's forward gathers its weights)."""
 
     def __init__(self, grad_buckets, args, shards=None):
         self.grads, rank, self.shards = grad_buckets, grad_buckets.rank, shards
