@@ -80,12 +80,25 @@ mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves not
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
-DELAY_LOG="${BASELINE_LOG%.jsonl}_delay1.jsonl"
+DELAY_LOG="${BASELINE_LOG%.jsonl}_delay1.jsonl" DELAY_PID=""
 if [[ " $SCHEDULE_LIST " == *" 2bw "* ]]; then   # 2bw's own reference: the same stale-by-one rule in one process
+    # beside the baseline: two one-process runs on two cores take the time of one. Its lines wait in a
+    # file until it ends (two progress lines at once would interleave); leaving early stops it.
+    echo "== baseline with --delay 1 (PipeDream-2BW's update rule): one process, beside it (its lines follow)"
+    DELAY_OUT=$(mktemp)
+    trap 'if [ -n "$DELAY_PID" ]; then kill "$DELAY_PID" 2>/dev/null || true; fi; rm -f "$DELAY_OUT"' EXIT
+    "$PYTHON" single_baseline.py "${COMMON[@]}" --delay 1 --log-file "$DELAY_LOG" > "$DELAY_OUT" 2>&1 &
+    DELAY_PID=$!
+fi
+"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
+if [ -n "$DELAY_PID" ]; then
     STEP="the 2bw reference (single_baseline.py --delay 1)"
-    echo "== baseline with --delay 1 (PipeDream-2BW's update rule): one process"
-    "$PYTHON" single_baseline.py "${COMMON[@]}" --delay 1 --log-file "$DELAY_LOG"
+    DELAY_STATUS=0
+    wait "$DELAY_PID" || DELAY_STATUS=$?
+    DELAY_PID=""
+    echo "== baseline with --delay 1: its lines"
+    cat "$DELAY_OUT"
+    if [ "$DELAY_STATUS" != 0 ]; then (exit "$DELAY_STATUS"); fi   # the ERR trap names the step and stops
 fi
 
 WROTE=("$BASELINE_LOG") LOGS_OF=() TRACES=() PIPEDREAM_LOG=""
