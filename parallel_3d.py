@@ -286,7 +286,7 @@ def main(argv=None):
             with whole_params(job.optimizer):
                 data_replicas = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical "
                                                 f"across the {grid.dp_size} replicas of every stage", env,
-                                                args.timeout_s)
+                                                args.timeout_s, args.zero)
                 tp_replicas = report_replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
                                               f"bit-identical across the {grid.tp_size} tensor-parallel ranks", env,
                                               args.timeout_s)

@@ -209,7 +209,7 @@ def main(argv=None):
             timeline.write()
             with whole_params(job.optimizer):   # --zero 3: gathered from the replicas' slices
                 same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across "
-                                       f"the {grid.dp_size} replicas of every stage", env, args.timeout_s)
+                                       f"the {grid.dp_size} replicas of every stage", env, args.timeout_s, args.zero)
             status = status or same
     exit_now(status)
 

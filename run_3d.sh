@@ -77,7 +77,8 @@ echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 STEP="the 3-D run (parallel_3d.py on $NPROC ranks)"
-echo "== 3-D: $DP replicas x $((NPROC / (DP * TP))) stages x $TP tp ranks, $MICROBATCHES microbatches ($SCHEDULE$DOING)"
+plural() { [ "$1" = 1 ] && echo "$1 $2" || echo "$1 $2s"; }   # "1 replica", "2 replicas"
+echo "== 3-D: $(plural "$DP" replica) x $(plural $((NPROC / (DP * TP))) stage) x $(plural "$TP" "tp rank"), $(plural "$MICROBATCHES" microbatch | sed 's/hs$/hes/') ($SCHEDULE$DOING)"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 checkpoint_flags "$GRID_LOG"
 "$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \

@@ -114,10 +114,11 @@ def measure(microbatches, rounds, steps, stages=2, configs=CONFIGS):
 PAIRED = ["--model", "mlp", "--layers", "8", "--hidden", "768", "--balance", "2,6", "--batch-size", "256",
           "--microbatches", "8", "--data", "synthetic", "--eval-every", "0", "--threads", "1"]
 ENGINES = ("1f1b", "zb", "zb-autograd-w")   # zb-autograd-w: zb with every W through autograd (a no-op hook)
-# --paired-zbv: 1f1b, zb and zbv on 14 Linear layers, whose first (3072 x 768) has the multiply-adds of four
-# others: zbv's 4 chunks of 4 such units each (--balance 1,4,4,5; the last holds the tiny classifier too), the
-# V's premise (every chunk's F, B and W alike), and 1f1b's and zb's 2 stages of the same 8 units (--balance 5,9)
-ZBV_ENGINES, ZBV_EXTRA, ZBV_BALANCE = ("1f1b", "zb", "zbv"), ["--layers", "14", "--balance", "5,9"], "1,4,4,5"
+# --paired-zbv: 1f1b, zb and zbv on 14 Linear layers, whose first (3072 x 768) counts 2.7 others' flops (4 times
+# their multiply-adds, no input gradient). Each schedule runs the split --balance auto gives it: 6,8 for 1f1b and
+# zb (7.7 and 7.0 layers' worth a rank), 2,3,4,5 for zbv (mp.pp.balance.v_split, each rank's two chunks summed:
+# 7.7 and 7.0; the chunk-by-chunk 2,4,4,4 would give rank 1 blocks 2-9, 8 layers' worth, against rank 0's 6.7).
+ZBV_ENGINES, ZBV_EXTRA, ZBV_BALANCE = ("1f1b", "zb", "zbv"), ["--layers", "14", "--balance", "auto"], "auto"
 
 
 def paired_worker(argv):

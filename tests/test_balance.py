@@ -50,12 +50,36 @@ def test_the_search_finds_the_best_split_of_consecutive_blocks():
         assert balance.best_split(costs, stages)[0] == min(balance.stage_max(costs, s) for s in every)
 
 
+def test_zbv_balances_each_ranks_two_chunks_not_each_chunk():
+    """The V: rank r holds chunks r and 2p-1-r, so the search minimises the slowest rank's sum (then the
+    largest chunk); checked against every split of small random costs, and on the benchmark's mlp."""
+    rng = __import__("random").Random(0)
+    for _ in range(60):
+        n, ranks = rng.randint(4, 8), rng.choice([1, 2, 3])
+        if 2 * ranks > n:
+            continue
+        costs = [rng.randint(1, 20) for _ in range(n)]
+        every = [s for s in itertools.product(range(1, n + 1), repeat=2 * ranks) if sum(s) == n]
+        least = min(balance.rank_max(costs, s) for s in every)
+        slowest, split = balance.v_split(costs, ranks)
+        assert slowest == least == balance.rank_max(costs, split)
+        assert balance.stage_max(costs, split) == min(balance.stage_max(costs, s) for s in every
+                                                      if balance.rank_max(costs, s) == least)
+    costs = balance.block_flops(model_args("mlp", 14, 768))   # benchmarks/zero_bubble.py --paired-zbv
+    assert balance.v_split(costs, 2)[1] == [2, 3, 4, 5]      # rank 0: blocks 0-1 and 9-13; rank 1: 2-8
+    assert balance.best_split(costs, 4)[1] == [2, 4, 4, 4]  # chunk by chunk: rank 1 would hold 8 of 14
+    assert balance.rank_max(costs, [2, 3, 4, 5]) < 0.97 * balance.rank_max(costs, [2, 4, 4, 4])
+
+
 def test_auto_is_resolved_before_any_collective_into_the_explicit_list(monkeypatch):
     import parallel_3d
     import pipeline_dp_joint
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = pm.parse_args(FAST + ["--balance", "auto", "--schedule", "interleaved"])
     assert args.balance == "1,1,1,2"          # 2 stages x 2 virtual stages = 4 chunks of the cnn's 5 blocks
+    zbv = pm.parse_args(FAST + ["--model", "mlp", "--layers", "14", "--hidden", "768", "--balance", "auto",
+                                "--schedule", "zbv"])
+    assert zbv.balance == "2,3,4,5"            # the V's split (v_split), not the chunk-by-chunk one
     monkeypatch.setenv("WORLD_SIZE", "4")     # the joint and 3-D programs share the flags: 2 stages each
     assert pipeline_dp_joint.parse_args(FAST + ["--balance", "auto", "--dp", "2"]).balance == "1,4"
     assert parallel_3d.parse_args(FAST + ["--balance", "auto", "--dp", "1", "--tp", "2"]).balance == "1,4"

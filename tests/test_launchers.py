@@ -130,7 +130,7 @@ def test_run_3d_plots_the_grid_against_the_baseline(tmp_path):
     run = launcher("run_3d.sh", tmp_path, ["--hidden", "32", "--layers", "4"], MODEL="mlp", STEPS="3", NPROC="4",
                    DP="1", TP="2", BATCH_SIZE="16")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "== 3-D: 1 replicas x 2 stages x 2 tp ranks" in run.stdout
+    assert "== 3-D: 1 replica x 2 stages x 2 tp ranks" in run.stdout
     png, = [path for path in written(run.stdout) if path.endswith(".png")]
     assert os.path.basename(png) == "3d_loss_mlp_nproc4_dp1_batchsize16_hidden32_layers4_steps3_synthetic_evalevery0.png"
     assert os.path.getsize(png) > 10_000

@@ -11,6 +11,11 @@ and 89% of the time.
 
     costs = block_flops(args)                 # [flops of block 0, block 1, ...]
     slowest, sizes = best_split(costs, 4)     # e.g. the cnn: sizes [1, 1, 1, 2]
+    slowest, sizes = v_split(costs, 2)        # zbv: 4 chunks, rank r holding chunks r and 3-r
+
+zbv's V gives each rank two chunks that are not neighbours (rank 0 the model's first and last), so
+what has to be even is the sum of a rank's two chunks, not each chunk: v_split minimises the slowest
+rank's sum, then, among the splits that reach it, the largest chunk (the V's ticks assume chunks alike).
 
 Block 0's input (the images) needs no gradient, so its backward computes only the weight gradient,
 as on stage 0; every later block's input does, as on every other stage. Dropout does not run here
@@ -59,6 +64,43 @@ def best_split(costs, stages):
     return best[(n, stages)]
 
 
+def v_split(costs, ranks):
+    """(cost of the slowest rank, block counts per chunk) for zbv's 2 x ranks chunks, rank r holding
+    chunks r and 2*ranks-1-r. Built from both ends inward: after r ranks, chunks 0..r-1 hold blocks
+    [0, i) and the last r chunks [j, n); rank r then takes [i, a) and [b, j), and the last rank's two
+    chunks meet in the middle (b = a). Two passes of the same search: the least slowest-rank sum, then
+    the least largest chunk among the splits within that sum."""
+    n, prefix = len(costs), [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def search(score, bound):
+        best = {(0, n): (0, [], [])}                 # (i, j) -> (worst score so far, head sizes, tail sizes)
+        for r in range(ranks):
+            inner, ahead = 2 * (ranks - r - 1), {}   # chunks still to place between this rank's two
+            for (i, j), (worst, head, tail) in best.items():
+                for a in range(i + 1, j - inner):
+                    for b in ([a] if inner == 0 else range(a + inner, j)):
+                        x, y = prefix[a] - prefix[i], prefix[j] - prefix[b]
+                        if bound is not None and x + y > bound:
+                            continue
+                        option = (max(worst, score(x, y)), head + [a - i], [j - b] + tail)
+                        if (a, b) not in ahead or option[0] < ahead[(a, b)][0]:
+                            ahead[(a, b)] = option
+            best = ahead
+        worst, head, tail = min(best.values(), key=lambda o: o[0])
+        return worst, head + tail
+
+    slowest, _ = search(lambda x, y: x + y, None)
+    return slowest, search(max, slowest)[1]
+
+
+def rank_max(costs, split):
+    """The cost of zbv's slowest rank under `split` (block counts per chunk, 2 chunks a rank in a V)."""
+    chunks = [sum(costs[sum(split[:k]):sum(split[:k + 1])]) for k in range(len(split))]
+    return max(chunks[r] + chunks[-1 - r] for r in range(len(split) // 2))
+
+
 def stage_max(costs, split):
     """The cost of the slowest stage of `split` (block counts per stage)."""
     out, start = [], 0
@@ -68,9 +110,10 @@ def stage_max(costs, split):
     return max(out)
 
 
-def auto_balance(args, chunks):
-    """--balance auto as the explicit list --balance takes, e.g. "1,1,1,2"."""
-    return ",".join(map(str, best_split(block_flops(args), chunks)[1]))
+def auto_balance(args, chunks, v=False):
+    """--balance auto as the explicit list --balance takes, e.g. "1,1,1,2" (v: zbv's V of chunks)."""
+    costs = block_flops(args)
+    return ",".join(map(str, (v_split(costs, chunks // 2) if v else best_split(costs, chunks))[1]))
 
 
 def resolve_balance(args, stages):
@@ -78,4 +121,4 @@ def resolve_balance(args, stages):
     auto becomes the list it stands for, so that the log records the split that ran. Counting the
     flops runs the blocks, so it needs torch and waits until the program, not the launcher, parses."""
     if args.balance == "auto":
-        args.balance = auto_balance(args, stages * args.virtual_stages)
+        args.balance = auto_balance(args, stages * args.virtual_stages, v=args.schedule == "zbv")

@@ -13,8 +13,9 @@ def add_pipeline_flags(p):
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="interleaved only: model chunks per rank (default: 2; always 1 for the other schedules)")
     p.add_argument("--balance", default=None,
-                   help="blocks per stage (per chunk when interleaved), e.g. 2,1,1,1; auto: the split whose slowest "
-                        "stage has the fewest flops, counted per block (mp/pp/balance.py) (default: even)")
+                   help="blocks per stage (per chunk when interleaved or zbv), e.g. 2,1,1,1; auto: the split whose "
+                        "slowest stage (zbv: rank, its two chunks summed) has the fewest flops, counted per block "
+                        "(mp/pp/balance.py) (default: even)")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each microbatch's stage input between its forward and its backward, and "
                         "re-run the forward just before the backward (GPipe's re-materialisation)")
