@@ -173,8 +173,15 @@ WORLD_SIZE=$WORLD "$PYTHON" -c "import sys, $NAME as p; p.parse_args(sys.argv[1:
     "${COMMON[@]}" --backend "$BACKEND" "${PARALLEL[@]}" --log-file "$LOG"
 
 # ---- 5. the baseline: one process on this node (the job's first node, where sbatch runs this) --
-echo "== baseline${DELAY:+ with --delay 1, the 2bw reference}: one process on $(hostname)"
-"$PYTHON" single_baseline.py "${COMMON[@]}" "${DELAY[@]}" --log-file "$BASELINE_LOG"
+# A requeued job (SLURM_RESTART_COUNT > 0) whose baseline finished before the requeue keeps it: a log
+# takes its final name only once its run is complete (mp/log.py), and the job id in the name means
+# this job's settings, so running it again would write the same file.
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$BASELINE_LOG" ]; then
+    echo "== baseline: finished before the requeue, not run again ($BASELINE_LOG)"
+else
+    echo "== baseline${DELAY:+ with --delay 1, the 2bw reference}: one process on $(hostname)"
+    "$PYTHON" single_baseline.py "${COMMON[@]}" "${DELAY[@]}" --log-file "$BASELINE_LOG"
+fi
 
 # ---- 6. the parallel run: srun starts one torchrun agent per node ------------------------------
 # srun runs its command once per task: here one task on each of the job's nodes. Every agent is

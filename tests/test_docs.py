@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -203,14 +204,17 @@ def run_one(kind, details, tmp_path, log_lines):
 
 def test_every_command_the_readme_and_the_docs_show_runs(tmp_path, baseline):
     log_lines = "".join(json.dumps(r) + "\n" for r in baseline(FAST + ["--steps", "6"]).records)
-    failed, ran = [], 0
+    todo = []
     for doc, command in shown_commands():
         kind, details = plan(command)
-        todo = [plan(body) for body in details] if kind == "each" else [(kind, details)]
-        for kind, details in todo:
-            problem = run_one(kind, details, tmp_path, log_lines)
-            ran += kind != "not run"
-            if problem:
-                failed.append(f"{doc}: {command}\n    {problem}")
+        todo += [(doc, command, *plan(body)) for body in details] if kind == "each" else [(doc, command, kind, details)]
+    # each in a folder of its own, four at a time: most of each is a python starting up
+    folders = [tmp_path / f"command-{i}" for i in range(len(todo))]
+    for folder in folders:
+        folder.mkdir()
+    with ThreadPoolExecutor(4) as pool:
+        problems = list(pool.map(lambda job, folder: run_one(job[2], job[3], folder, log_lines), todo, folders))
+    failed = [f"{doc}: {command}\n    {problem}" for (doc, command, _, _), problem in zip(todo, problems) if problem]
+    ran = sum(kind != "not run" for _, _, kind, _ in todo)
     assert not failed, "\n".join(failed)
     assert ran >= 50, ran   # the README and the docs show some 60 commands that run

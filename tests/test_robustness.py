@@ -6,13 +6,14 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from helpers import FAST, ROOT, launch, read_log
 from mp.log import newest_log   # a running program's log is its partial file (mp/log.py)
 
-pytestmark = pytest.mark.slow   # each waits for a real torchrun through a fault: 7-15 s
+pytestmark = pytest.mark.slow   # each waits for a real torchrun through a fault: 8-20 s
 
 PIPELINE = FAST + ["--model", "mlp", "--hidden", "32", "--batch-size", "16", "--microbatches", "4"]
 
@@ -59,16 +60,26 @@ def ranks_of(marker):
     return found
 
 
-def start_and_wait_for_steps(tmp_path, extra, steps_seen=2, program="pipeline_microbatch.py", args=PIPELINE):
+def start(tmp_path, extra, program="pipeline_microbatch.py", args=PIPELINE):
+    """A real torchrun of 4 ranks training (almost) forever, in a session of its own; (process, log)."""
     log = str(tmp_path / "fault.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--",
            os.path.join(ROOT, program)] + args + ["--steps", "100000", "--log-file", log] + extra
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return proc, log
+
+
+def wait_for_steps(proc, log, steps_seen=2):
     deadline = time.time() + 120
     while sum(r["event"] == "train" for r in read_log(newest_log(log) or log)) < steps_seen:
         assert time.time() < deadline and proc.poll() is None, "the run did not start"
         time.sleep(0.2)
+
+
+def start_and_wait_for_steps(tmp_path, extra, steps_seen=2, program="pipeline_microbatch.py", args=PIPELINE):
+    proc, log = start(tmp_path, extra, program, args)
+    wait_for_steps(proc, log, steps_seen)
     return proc, log
 
 
@@ -93,48 +104,78 @@ DP_WAIT = r"error: stage \d of pipeline \d waited for the all-reduce with its da
 NORM_WAIT = r"error: rank \d waited for the gradient norm's sums of step \d+, "
 # a rank at a log read (every --log-every steps) waits in the logged values' sums (mp.loop.finish)
 LOG_WAIT = r"error: rank \d waited for the logged losses' and norms' sums, "
+JOINT = PIPELINE + ["--dp", "2", "--batch-size", "24", "--microbatches", "2"]
+
+# name: (program, its flags, the ranks stopped, the waits the error line may name)
+HUNG = {
+    "pipeline": ("pipeline_microbatch.py", PIPELINE, (2,), f"({P2P_WAIT}|{NORM_WAIT}|{LOG_WAIT})"),
+    "tensor-parallel": ("tensor_parallel.py", FAST + ["--model", "mlp", "--hidden", "32"], (2,),
+                        r"error: rank \d waited for the tensor-parallel collectives of step \d+, "),
+    "joint": ("pipeline_dp_joint.py", JOINT, (2,), f"({P2P_WAIT}|{DP_WAIT}|{NORM_WAIT}|{LOG_WAIT})"),
+    # pipeline 1 (ranks 2 and 3) stopped whole: pipeline 0 waits on the data-parallel group, the gradients'
+    # all-reduce or (when the stop lands at the end of a logged step; seen under load) the logged losses' average
+    "stopped pipeline": ("pipeline_dp_joint.py", JOINT, (2, 3), f"({DP_WAIT}|{LOG_WAIT})"),
+}
 
 
-@pytest.mark.parametrize("program,args,waited", [
-    ("pipeline_microbatch.py", PIPELINE, f"({P2P_WAIT}|{NORM_WAIT}|{LOG_WAIT})"),
-    ("tensor_parallel.py", FAST + ["--model", "mlp", "--hidden", "32"],
-     r"error: rank \d waited for the tensor-parallel collectives of step \d+, "),
-    ("pipeline_dp_joint.py", PIPELINE + ["--dp", "2", "--batch-size", "24", "--microbatches", "2"],
-     f"({P2P_WAIT}|{DP_WAIT}|{NORM_WAIT}|{LOG_WAIT})")],
-    ids=["pipeline", "tensor-parallel", "joint"])
-def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(tmp_path, program, args, waited):
-    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", str(GIVE_UP_S)], program=program, args=args)
-    stopped = ranks_of(log)[2]
-    os.kill(stopped, signal.SIGSTOP)
-    deadline = time.time() + 40
-    while set(ranks_of(log)) - {2} and time.time() < deadline:
-        time.sleep(0.2)
-    assert not set(ranks_of(log)) - {2}, "the other ranks must give up once --timeout-s has passed"
-    os.kill(stopped, signal.SIGKILL)  # torchrun's SIGTERM cannot wake a stopped process: it kills it 30 s later
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    assert re.search(waited + rf"and gave up \(timeout {GIVE_UP_S} s\)", err), err[-3000:]
-    assert err.count("Traceback (most recent call last)") <= 1, err[-3000:]   # torchrun's own, none of ours
-    assert ranks_of(log) == {}
-    assert read_log(newest_log(log))
-
-
-def test_a_stopped_pipeline_leaves_its_data_parallel_peers_waiting_no_longer_than_the_timeout(tmp_path):
-    """Pipeline 1 (ranks 2 and 3) stops whole: pipeline 0 then waits in the data-parallel all-reduce,
-    on groups made by new_group, whose own default timeout is 30 minutes. They take --timeout-s."""
-    args = PIPELINE + ["--dp", "2", "--batch-size", "24", "--microbatches", "2"]
-    proc, log = start_and_wait_for_steps(tmp_path, ["--timeout-s", str(GIVE_UP_S)], program="pipeline_dp_joint.py",
-                                         args=args)
-    stopped = [ranks_of(log)[r] for r in (2, 3)]
-    for pid in stopped:
+def stop_and_collect(proc, log, stopped):
+    """SIGSTOP the ranks `stopped`, wait (at most 40 s) until every other rank has given up, then SIGKILL
+    the stopped ones (torchrun's SIGTERM cannot wake a stopped process: it would kill it 30 s later) and
+    collect torchrun's end: (ranks other than the stopped still running at the deadline, torchrun's exit
+    status, its stderr, the ranks left after it, the partial log's records)."""
+    pids = [ranks_of(log)[r] for r in stopped]
+    for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     deadline = time.time() + 40
-    while set(ranks_of(log)) - {2, 3} and time.time() < deadline:
+    while set(ranks_of(log)) - set(stopped) and time.time() < deadline:
         time.sleep(0.2)
-    assert not set(ranks_of(log)) - {2, 3}, "pipeline 0 must give up once --timeout-s has passed"
-    for pid in stopped:
+    alive = set(ranks_of(log)) - set(stopped)
+    for pid in pids:
         os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
-    # both waits are on the data-parallel group: the gradients' all-reduce, or (when the stop lands at the
-    # end of a logged step; seen under load) the logged losses' average over the replicas
-    assert re.search(f"({DP_WAIT}|{LOG_WAIT})" + rf"and gave up \(timeout {GIVE_UP_S} s\)", err), err[-3000:]
+    return alive, proc.returncode, err, ranks_of(log), read_log(newest_log(log))
+
+
+@pytest.fixture(scope="module")
+def hung_runs(tmp_path_factory):
+    """The four hung-rank runs side by side, so that their waits (--timeout-s, torchrun's teardown)
+    overlap: 42 s here against 55 s one after another (their 16 ranks' start, each importing torch,
+    is most of it). Each test reads its own run's outcome; a run that went wrong raises in its own test."""
+    runs = {name: start(tmp_path_factory.mktemp(name.replace(" ", "-")), ["--timeout-s", str(GIVE_UP_S)],
+                        program, args) for name, (program, args, _, _) in HUNG.items()}
+
+    def one(name):
+        proc, log = runs[name]
+        wait_for_steps(proc, log)
+        return stop_and_collect(proc, log, HUNG[name][2])
+    with ThreadPoolExecutor(len(runs)) as pool:
+        outcomes = {name: pool.submit(one, name) for name in runs}
+        try:
+            for future in outcomes.values():
+                future.exception()            # every run over before any test reads its own
+        finally:
+            for proc, _ in runs.values():     # none left behind, whatever failed
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    yield outcomes
+
+
+def assert_gave_up_naming_the_wait(outcome, waited):
+    alive, status, err, left, records = outcome.result()
+    assert not alive, "the other ranks must give up once --timeout-s has passed"
+    assert status != 0
+    assert re.search(waited + rf"and gave up \(timeout {GIVE_UP_S} s\)", err), err[-3000:]
+    assert err.count("Traceback (most recent call last)") <= 1, err[-3000:]   # torchrun's own, none of ours
+    assert left == {}, "no worker may be left behind"
+    assert records                        # what was written stays, as valid JSON lines, in the partial log
+
+
+@pytest.mark.parametrize("name", ["pipeline", "tensor-parallel", "joint"])
+def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(hung_runs, name):
+    assert_gave_up_naming_the_wait(hung_runs[name], HUNG[name][3])
+
+
+def test_a_stopped_pipeline_leaves_its_data_parallel_peers_waiting_no_longer_than_the_timeout(hung_runs):
+    """Pipeline 1 (ranks 2 and 3) stops whole: pipeline 0 then waits in the data-parallel all-reduce,
+    on groups made by new_group, whose own default timeout is 30 minutes. They take --timeout-s."""
+    assert_gave_up_naming_the_wait(hung_runs["stopped pipeline"], HUNG["stopped pipeline"][3])

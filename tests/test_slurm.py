@@ -338,7 +338,7 @@ def test_a_requeued_job_resumes_and_finishes_with_the_uninterrupted_losses(slurm
     the parallel program resumes from its last checkpoint, and its losses are still the baseline's."""
     if not takes_checkpoints():
         pytest.skip("waits for checkpoints: pipeline_microbatch.py has no --checkpoint-dir yet")
-    steps = 500    # about 20 ms a step here: long enough to be requeued mid-run
+    steps = 300    # 15-20 ms a step here: requeued at step 60, with some 240 steps to spare
     env = dict(slurm_cluster.env, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic",
                EVAL_EVERY="0", OMP_NUM_THREADS="1", RDZV_PORT=str(free_port("127.0.0.1")), NPROC="2",
                PROGRAM="pipeline_microbatch.py", STEPS=str(steps), CHECKPOINT_DIR=str(tmp_path / "ckpt"),
@@ -367,6 +367,7 @@ def test_a_requeued_job_resumes_and_finishes_with_the_uninterrupted_losses(slurm
     output = (tmp_path / f"slurm-{job}.out").read_text(errors="replace")
     assert proc.returncode == 0, output[-3000:]
     assert output.count("== baseline") == 2, "the job did not run twice"
+    assert "== baseline: finished before the requeue, not run again" in output   # its complete log is kept
     final = logs / re.sub(r"\.partial-\d+(?=\.jsonl$)", "", log.name)    # log: the first attempt's partial file
     assert not list(logs.glob("*.partial-*")), "the resumed run's complete log leaves no partial one behind"
     records = read_log(final)
