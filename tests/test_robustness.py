@@ -60,10 +60,10 @@ def ranks_of(marker):
     return found
 
 
-def start(tmp_path, extra, program="pipeline_microbatch.py", args=PIPELINE):
-    """A real torchrun of 4 ranks training (almost) forever, in a session of its own; (process, log)."""
+def start(tmp_path, extra, program="pipeline_microbatch.py", args=PIPELINE, nproc=4):
+    """A real torchrun of nproc ranks training (almost) forever, in a session of its own; (process, log)."""
     log = str(tmp_path / "fault.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--",
            os.path.join(ROOT, program)] + args + ["--steps", "100000", "--log-file", log] + extra
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -106,15 +106,17 @@ NORM_WAIT = r"error: rank \d waited for the gradient norm's sums of step \d+, "
 LOG_WAIT = r"error: rank \d waited for the logged losses' and norms' sums, "
 JOINT = PIPELINE + ["--dp", "2", "--batch-size", "24", "--microbatches", "2"]
 
-# name: (program, its flags, the ranks stopped, the waits the error line may name)
+# name: (program, its flags, ranks, the ranks stopped, the waits the error line may name); 3 ranks where
+# 4 are not needed (a middle stage stopped, its neighbours on both sides waiting): each rank is a new
+# python importing torch, most of these tests' time
 HUNG = {
-    "pipeline": ("pipeline_microbatch.py", PIPELINE, (2,), f"({P2P_WAIT}|{NORM_WAIT}|{LOG_WAIT})"),
-    "tensor-parallel": ("tensor_parallel.py", FAST + ["--model", "mlp", "--hidden", "32"], (2,),
+    "pipeline": ("pipeline_microbatch.py", PIPELINE, 3, (1,), f"({P2P_WAIT}|{NORM_WAIT}|{LOG_WAIT})"),
+    "tensor-parallel": ("tensor_parallel.py", FAST + ["--model", "mlp", "--hidden", "32"], 2, (1,),
                         r"error: rank \d waited for the tensor-parallel collectives of step \d+, "),
-    "joint": ("pipeline_dp_joint.py", JOINT, (2,), f"({P2P_WAIT}|{DP_WAIT}|{NORM_WAIT}|{LOG_WAIT})"),
+    "joint": ("pipeline_dp_joint.py", JOINT, 4, (2,), f"({P2P_WAIT}|{DP_WAIT}|{NORM_WAIT}|{LOG_WAIT})"),
     # pipeline 1 (ranks 2 and 3) stopped whole: pipeline 0 waits on the data-parallel group, the gradients'
     # all-reduce or (when the stop lands at the end of a logged step; seen under load) the logged losses' average
-    "stopped pipeline": ("pipeline_dp_joint.py", JOINT, (2, 3), f"({DP_WAIT}|{LOG_WAIT})"),
+    "stopped pipeline": ("pipeline_dp_joint.py", JOINT, 4, (2, 3), f"({DP_WAIT}|{LOG_WAIT})"),
 }
 
 
@@ -139,15 +141,15 @@ def stop_and_collect(proc, log, stopped):
 @pytest.fixture(scope="module")
 def hung_runs(tmp_path_factory):
     """The four hung-rank runs side by side, so that their waits (--timeout-s, torchrun's teardown)
-    overlap: 42 s here against 55 s one after another (their 16 ranks' start, each importing torch,
+    overlap: 30-40 s here against 55 s one after another (their 13 ranks' start, each importing torch,
     is most of it). Each test reads its own run's outcome; a run that went wrong raises in its own test."""
     runs = {name: start(tmp_path_factory.mktemp(name.replace(" ", "-")), ["--timeout-s", str(GIVE_UP_S)],
-                        program, args) for name, (program, args, _, _) in HUNG.items()}
+                        program, args, nproc) for name, (program, args, nproc, _, _) in HUNG.items()}
 
     def one(name):
         proc, log = runs[name]
         wait_for_steps(proc, log)
-        return stop_and_collect(proc, log, HUNG[name][2])
+        return stop_and_collect(proc, log, HUNG[name][3])
     with ThreadPoolExecutor(len(runs)) as pool:
         outcomes = {name: pool.submit(one, name) for name in runs}
         try:
@@ -172,10 +174,10 @@ def assert_gave_up_naming_the_wait(outcome, waited):
 
 @pytest.mark.parametrize("name", ["pipeline", "tensor-parallel", "joint"])
 def test_a_hung_rank_makes_the_others_fail_after_the_timeout_naming_the_wait(hung_runs, name):
-    assert_gave_up_naming_the_wait(hung_runs[name], HUNG[name][3])
+    assert_gave_up_naming_the_wait(hung_runs[name], HUNG[name][4])
 
 
 def test_a_stopped_pipeline_leaves_its_data_parallel_peers_waiting_no_longer_than_the_timeout(hung_runs):
     """Pipeline 1 (ranks 2 and 3) stops whole: pipeline 0 then waits in the data-parallel all-reduce,
     on groups made by new_group, whose own default timeout is 30 minutes. They take --timeout-s."""
-    assert_gave_up_naming_the_wait(hung_runs["stopped pipeline"], HUNG["stopped pipeline"][3])
+    assert_gave_up_naming_the_wait(hung_runs["stopped pipeline"], HUNG["stopped pipeline"][4])
