@@ -105,7 +105,7 @@ def test_grids_and_models_equal_the_baseline(tmp_path, baseline, args, dp, pp, t
     (VIT, ["--sequence-parallel"], partial(bench_3d.vit_formula, 8, 2, 16, 2, sequence_parallel=True), "[32, 16]"),
     slow(VIT, [], partial(bench_3d.vit_formula, 8, 2, 16, 2), "[512]"),
     slow(VIT, ["--no-scatter-gather"], partial(bench_3d.vit_formula, 8, 2, 16, 2, scatter_gather=False), "[64, 16]"),
-    (MLP + ["--layers", "4"], [], partial(bench_3d.mlp_formula, 16, 2, 32), "[16]"),
+    slow(MLP + ["--layers", "4"], [], partial(bench_3d.mlp_formula, 16, 2, 32), "[16]"),
     slow(MLP + ["--layers", "4"], ["--no-scatter-gather"], partial(bench_3d.mlp_formula, 16, 2, 32, scatter_gather=False),
      "[32]"),
 ])
@@ -235,8 +235,8 @@ def test_zbv_carries_over_to_the_grid(tmp_path, baseline, args, extra):
     assert_replicas_identical(run, 1, 2)
 
 
-@pytest.mark.parametrize("args,extra", [(MLP + ["--layers", "4"], []), (VIT, ["--sequence-parallel"]),
-                                        (CNN, ["--no-scatter-gather"])])
+@pytest.mark.parametrize("args,extra", [(MLP + ["--layers", "4"], []), slow(VIT, ["--sequence-parallel"]),
+                                        slow(CNN, ["--no-scatter-gather"])])
 def test_zb_splits_the_sharded_layers_and_keeps_the_baseline(tmp_path, baseline, args, extra):
     """--schedule zb on a 1x2x2 grid: real W actions on the tensor-parallel shards (their time on
     the timeline, not the empty ones of an unsplit backward), and the baseline's losses."""

@@ -103,6 +103,7 @@ def test_auto_logs_the_baseline_losses(tmp_path, baseline, schedule, nproc, extr
     assert config["args"]["balance"] == "1,1,1,2"    # the log says which split ran
 
 
+@pytest.mark.slow
 def test_the_pipeline_launcher_takes_balance_as_a_knob_and_names_the_runs_by_it(tmp_path):
     import os
     import subprocess

@@ -202,6 +202,7 @@ def run_one(kind, details, tmp_path, log_lines):
     return None if ok else f"exit {run.returncode}: {(run.stderr or run.stdout).strip()[-600:]}"
 
 
+@pytest.mark.slow   # some 60 commands, 10-13 s: the quick subset keeps the docs' other checks
 def test_every_command_the_readme_and_the_docs_show_runs(tmp_path, baseline):
     log_lines = "".join(json.dumps(r) + "\n" for r in baseline(FAST + ["--steps", "6"]).records)
     todo = []

@@ -32,7 +32,7 @@ def counted(tmp_path, monkeypatch, program, nproc, flags):
     return ranks
 
 
-@pytest.mark.parametrize("name", ["baseline", "pipeline", "joint", "tp", slow("zb"), slow("3d")])
+@pytest.mark.parametrize("name", ["baseline", slow("pipeline"), "joint", slow("tp"), slow("zb"), slow("3d")])
 def test_a_step_reads_nothing_back_and_the_log_reads_once_every_k_steps(name, tmp_path, monkeypatch):
     program, nproc, flags = PROGRAMS[name]
     ranks = counted(tmp_path, monkeypatch, program, nproc, flags)
@@ -49,7 +49,7 @@ def test_clipping_sums_the_norm_in_the_step_without_reading_it(tmp_path, monkeyp
     assert all(r["step_reads"] == 0 for r in ranks) and all(r["step_all_reduce"] == 20 for r in ranks), ranks
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, slow(1)])
 def test_data_parallel_all_reduces_do_not_grow_with_the_microbatches(zero, tmp_path, monkeypatch):
     """The joint program's gradient collectives, at 2 and at 8 microbatches: one per bucket a step,
     started during the last backward; all-reduces, or with --zero 1 a reduce-scatter (the gradients)

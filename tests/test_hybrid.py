@@ -14,7 +14,7 @@ from torch.testing import assert_close
 import tensor_parallel as tp
 from mp.models import build_model
 from mp.optim import make_optimizer
-from helpers import FAST, ROOT, assert_same_losses, launch, run_ranks
+from helpers import FAST, ROOT, assert_same_losses, launch, run_ranks, slow
 from test_launchers import launcher
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -23,7 +23,7 @@ import tp_hybrid  # noqa: E402  (benchmarks/tp_hybrid.py: its collective counter
 ARGS = FAST + ["--batch-size", "16", "--steps", "8"]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, slow(4)])
 def test_hybrid_logs_the_baseline_losses(tmp_path, baseline, nproc):
     run = launch("tensor_parallel.py", ARGS + ["--hybrid"], tmp_path, nproc=nproc)
     worst = assert_same_losses(run, baseline(ARGS))
@@ -110,6 +110,7 @@ def test_bad_hybrid_input_is_one_error_line_and_exit_2(tmp_path, monkeypatch, ar
     assert run.stderr.count("\n") == 1
 
 
+@pytest.mark.slow   # run_tp.sh itself is in the quick subset (tests/test_launchers.py)
 def test_run_tp_draws_hybrid_beside_plain_tensor_parallelism(tmp_path):
     run = launcher("run_tp.sh", tmp_path, STEPS="3", NPROC="2", HYBRID="1", BATCH_SIZE="16",
                    PLOTS=str(tmp_path / "plots"))

@@ -7,7 +7,7 @@ MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "6", "--batch-size
 
 
 @pytest.mark.parametrize("dp,stages,microbatches,schedule", [
-    (2, 3, 3, "1f1b"), slow(3, 2, 2, "gpipe"), slow(2, 2, 4, "1f1b"), slow(2, 2, 2, "interleaved"), (2, 2, 3, "zb"),
+    (2, 3, 3, "1f1b"), slow(3, 2, 2, "gpipe"), slow(2, 2, 4, "1f1b"), slow(2, 2, 2, "interleaved"), slow(2, 2, 3, "zb"),
     (2, 2, 3, "zbv")])
 def test_per_step_loss_equals_the_baseline_and_replicas_stay_identical(tmp_path, baseline, dp, stages,
                                                                        microbatches, schedule):

@@ -31,7 +31,7 @@ def test_per_step_loss_equals_the_baseline(tmp_path, baseline, schedule, stages,
 
 @pytest.mark.parametrize("model,extra,schedule,ours", [
     ("cnn", [], "1f1b", []), slow("vit", ["--hidden", "16", "--layers", "6", "--heads", "2"], "interleaved", []),
-    ("cnn", [], "zb", ["--recompute"])])      # zb splits the convolutions' backward too
+    slow("cnn", [], "zb", ["--recompute"])])      # zb splits the convolutions' backward too
 def test_cnn_and_vit_with_eval_match_the_baseline(tmp_path, baseline, model, extra, schedule, ours):
     args = ["--data", "synthetic", "--model", model, "--steps", "12", "--batch-size", "16", "--eval-every", "6"] + extra
     run = launch("pipeline_microbatch.py", args + ["--microbatches", "4", "--schedule", schedule] + ours,
@@ -294,7 +294,7 @@ def _plain_gpipe_case(rank, world, group):
 # ----------------------------------------------------------------------------- zbv: zero bubble in a V
 
 
-@pytest.mark.parametrize("stages,microbatches,extra", [(3, 4, []), (2, 6, ["--recompute"]), slow(4, 2, [])])
+@pytest.mark.parametrize("stages,microbatches,extra", [(3, 4, []), slow(2, 6, ["--recompute"]), slow(4, 2, [])])
 def test_zbv_equals_the_baseline_with_dropout_and_clipping(tmp_path, baseline, stages, microbatches, extra):
     """Two chunks per rank in a V: rank 0 reads the inputs and the labels and logs the loss; rank p-1
     hands its chunk 0's output to its chunk 1 in place. Losses and gradient norms are the baseline's."""

@@ -265,8 +265,8 @@ SMALL = {"cnn": [], "mlp4": ["--model", "mlp", "--hidden", "64", "--layers", "4"
          "vit": ["--model", "vit", "--hidden", "32", "--layers", "2", "--heads", "4"]}
 
 
-@pytest.mark.parametrize("model,nproc", [("cnn", 2), slow("cnn", 4), slow("mlp4", 2), slow("mlp3", 4), slow("vit", 2),
-                                         ("vit", 4)])
+@pytest.mark.parametrize("model,nproc", [("cnn", 2), slow("cnn", 4), slow("mlp4", 2), slow("mlp3", 4), ("vit", 2),
+                                         slow("vit", 4)])
 def test_program_logs_the_baseline_losses(tmp_path, baseline, model, nproc):
     args = FAST + SMALL[model] + ["--steps", "12"]
     run = launch("tensor_parallel.py", args, tmp_path, nproc=nproc)
@@ -328,7 +328,7 @@ SEQUENCE = FAST + ["--model", "vit", "--hidden", "16", "--heads", "4", "--layers
                    "--steps", "6", "--dropout", "0.1", "--clip-grad-norm", "0.1"]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, slow(4)])
 def test_sequence_parallel_logs_the_baseline_losses_and_norms(tmp_path, baseline, nproc):
     run = launch("tensor_parallel.py", SEQUENCE + ["--sequence-parallel"], tmp_path, nproc=nproc)
     reference = baseline(SEQUENCE)

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import tp_ladder  # noqa: E402
 
 
+@pytest.mark.slow
 def test_each_rung_equals_the_full_layers_and_the_pair_needs_one_all_reduce():
     result = tp_ladder.ladder(tp_ladder.parse_args(["--steps", "5", "--batch-size", "16", "--hidden", "32"]))
     table = result["table"]

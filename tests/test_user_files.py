@@ -33,6 +33,7 @@ def snapshot(folder):
     return {p: open(p, "rb").read() for p in map(str, folder.rglob("*")) if os.path.isfile(p)}
 
 
+@pytest.mark.slow
 def test_two_launchers_at_once_share_the_baseline_log_and_both_plot(tmp_path):
     """run_tp.sh and run_joint.sh with the same model, data and batch write the same baseline log: each
     writes its own partial file and renames it, so both finish and both plot."""
@@ -49,6 +50,7 @@ def test_two_launchers_at_once_share_the_baseline_log_and_both_plot(tmp_path):
     assert not list((tmp_path / "logs").glob("*.partial-*")), "a partial log outlived its complete run"
 
 
+@pytest.mark.slow
 def test_a_run_with_other_settings_keeps_the_earlier_runs_files_and_a_rerun_replaces_only_its_own(tmp_path):
     code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="4"))
     assert code == 0, err[-2000:]

@@ -99,7 +99,7 @@ def test_zero2_as_plain_data_parallelism_with_sgd_matches_the_baseline(baseline,
     assert "replicas of every stage: not compared, the same bytes by construction" in run.stdout
 
 
-@pytest.mark.parametrize("zero", [["--zero", "1"], ["--zero", "3", "--zero3-gather", "microbatch"]], ids=["zero1", "zero3"])
+@pytest.mark.parametrize("zero", [slow(["--zero", "1"]), ["--zero", "3", "--zero3-gather", "microbatch"]], ids=["zero1", "zero3"])
 def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, unsharded, zero, tmp_path):
     """A --zero 1 (--zero 3) run saves after step 10 (each parameter's whole state, gathered; under
     --zero 3 the weights too); the run without --zero and single_baseline.py resume from it, and a run
@@ -124,7 +124,8 @@ def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, u
         assert max(abs(got[k] - want[k]) for k in got) <= 1e-4, name
 
 
-@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], slow(["--dp", "2", "--tp", "2", "--schedule", "zb"])])
+@pytest.mark.slow   # the quick subset keeps test_zero3_in_3d_trains_as_without_it's first layout
+@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], ["--dp", "2", "--tp", "2", "--schedule", "zb"]])
 def test_zero_in_3d_trains_as_without_it(layout, tmp_path):
     flags = layout + ["--microbatches", "2"]
     runs = [launch("parallel_3d.py", ADAMW + flags + ["--zero", z], tmp_path, nproc=4, log_name=f"z{z}.jsonl")
@@ -213,7 +214,7 @@ def ring_mb(mb, replicas, halves):
     return halves * (replicas - 1) / replicas * mb
 
 
-@pytest.mark.parametrize("gather", ["step", "microbatch"])
+@pytest.mark.parametrize("gather", ["step", slow("microbatch")])
 def test_zero3_trains_as_without_it_with_half_the_weights(unsharded, reference, gather, tmp_path):
     """Issue 44, items 2-4: pipeline_dp_joint.py --zero 3 (2 replicas x 2 stages, AdamW, dropout and
     clipping; the weights gathered once a step, or for every microbatch's forward and backward) logs the
@@ -246,6 +247,7 @@ def test_zero3_trains_as_without_it_with_half_the_weights(unsharded, reference, 
         assert zero["param_mb"][rank] < zero["peak_param_mb"][rank] <= zero["param_mb"][rank] + weights + 1e-3
 
 
+@pytest.mark.slow
 def test_zero3_as_plain_data_parallelism_on_4_replicas_holds_a_quarter(baseline, tmp_path):
     """--dp equal to the world size is plain data parallelism (one stage): --zero 3 on 4 replicas with
     SGD's momentum, dropout and clipping, the weights gathered for every microbatch, logs the baseline's
