@@ -77,8 +77,8 @@ echo "== baseline: one process"
 "$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 STEP="the 3-D run (parallel_3d.py on $NPROC ranks)"
-plural() { [ "$1" = 1 ] && echo "$1 $2" || echo "$1 $2s"; }   # "1 replica", "2 replicas"
-echo "== 3-D: $(plural "$DP" replica) x $(plural $((NPROC / (DP * TP))) stage) x $(plural "$TP" "tp rank"), $(plural "$MICROBATCHES" microbatch | sed 's/hs$/hes/') ($SCHEDULE$DOING)"
+count() { [ "$1" = 1 ] && echo "$1 $2" || echo "$1 ${3:-$2s}"; }   # count 1 replica: "1 replica"; count 2 ...: "2 replicas"
+echo "== 3-D: $(count "$DP" replica) x $(count $((NPROC / (DP * TP))) stage) x $(count "$TP" "tp rank"), $(count "$MICROBATCHES" microbatch microbatches) ($SCHEDULE$DOING)"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 checkpoint_flags "$GRID_LOG"
 "$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
