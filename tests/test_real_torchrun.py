@@ -47,7 +47,7 @@ seen = dict(rank=rank, local_rank=os.environ["LOCAL_RANK"], world=os.environ["WO
             own_session=os.getsid(0) == os.getpid(), sigint=signal.getsignal(signal.SIGINT) is signal.default_int_handler,
             sigterm=signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, unbuffered=type(sys.stdout.buffer).__name__,
             numpy_draw=int(numpy.random.randint(1 << 30)), had_torch=had_torch)
-print(json.dumps(seen), flush=True)
+os.write(1, (json.dumps(seen) + "\\n").encode())   # one write: print's two (text, then newline) can interleave
 if "--fail" in sys.argv and rank == "1":
     print("error: rank 1 refuses --fail", file=sys.stderr)
     sys.exit(2)
