@@ -98,7 +98,10 @@ def report_replicas(params, group, what, env, timeout_s, zero=0):
     gradient, same update. what: the claim rank 0 prints, answered yes or NO. Returns 0 if so, else 1.
     zero (--zero 1-3 on a data-parallel group): each replica's weights are all-gathered from the slices
     the replicas updated, the same bytes everywhere whatever the update did, so a yes could not be a
-    no: nothing is compared, and the line says so (the check is the baseline's losses, tests/test_zero.py)."""
+    no: nothing is compared, and the line says so (the check is the baseline's losses, tests/test_zero.py).
+    A group of one rank (--dp 1, --tp 1) holds its tensors alone: nothing to compare, and no line."""
+    if dist.get_world_size(group) == 1:
+        return 0
     if zero:
         if env.rank == 0:
             print(f"{what}: not compared, the same bytes by construction (--zero {zero} all-gathers every "
