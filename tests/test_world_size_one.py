@@ -37,8 +37,8 @@ def test_training_with_timeline_and_eval_matches_the_baseline(tmp_path, baseline
         trace = json.loads((tmp_path / "t.json").read_text())
         assert trace["otherData"]["stages"] == 1 and trace["otherData"]["bubble_theory"] == 0
         assert {e["name"] for e in trace["traceEvents"]} >= {"F0", "B3"}
-    if program != "pipeline_microbatch.py":   # the end-of-run replica check runs on its one rank too
-        assert "bit-identical" in run.stdout and ": yes" in run.stdout
+    if program != "pipeline_microbatch.py":   # a group of one rank has nothing to compare: no replica line
+        assert "bit-identical" not in run.stdout, run.stdout
 
 
 def test_interleaved_on_one_stage_is_refused(monkeypatch, capsys):
