@@ -21,7 +21,8 @@ isend/irecv, the executor that plays a schedule's actions (F, B and the exchange
 the training step, train_step (the batch, zero_grad, the schedule, clip, update; only the last stage
 sees labels). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a student
 may skip has one name each: zb's and zbv's split backward (mp.pp.zero_bubble), 2bw's two weight versions
-(mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check.
+(mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check, the
+waits' timeouts and gloo's receives posted ahead (mp.pp.p2p).
 
 No deadlock on gloo, whose send completes only once the peer posts the receive: a rank posts the
 send of what it just computed together with the receive its next action needs, as one batch
@@ -33,7 +34,6 @@ if __name__ == "__main__":
     stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
 
 import contextlib
-import datetime
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -49,12 +49,13 @@ from mp.clipping import clip_global
 from mp.data import StreamedInputs, agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, one_work_per_op, torchrun_env
 from mp.dropout import DropoutKeys
-from mp.errors import CommError, note_one_rank
+from mp.errors import note_one_rank
 from mp.loop import Job, Sums, train
 from mp.models import build_model, num_blocks
 from mp.optim import make_optimizer
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
+from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, wait_message
 from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
@@ -152,9 +153,10 @@ class Messenger:
     matches in posting order, and both sides post each direction's messages in the same order
     (tests/test_nccl_order.py). A gloo wait has a timeout that names what it awaited."""
 
-    def __init__(self, pos, shapes, device, timeout_s):
+    def __init__(self, pos, shapes, device, timeout_s, ahead=EXCHANGES_AHEAD):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
         self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
+        self.early = EarlyReceives(ahead if device.type == "cpu" else 0)   # gloo only (mp.pp.p2p)
 
     def send_forward(self, y, peer, msg):     # my output, to the next stage's input
         return dist.P2POp(dist.isend, y.contiguous(), peer, None, self.tag(msg))   # the backends send flat memory
@@ -176,17 +178,23 @@ class Messenger:
         what, mb, vstage = msg
         return (mb * self.pos.pp_size * self.pos.virtual + vstage) * 2 + (what == "grad")
 
-    def exchange(self, parts, outbox, mb_size, record=None):
+    def exchange(self, parts, outbox, mb_size, record=None, ahead=()):
         """Post every part (send or recv, peer, message) at once, then wait for the receives only: a
         gloo send completes once the peer posts its receive, and waiting for it here would hold my
         next compute in lock step with the next stage. The sends wait until just before the next
-        exchange that sends (as torch.distributed.pipelining's 1F1B): no deadlock, same order."""
+        exchange that sends (as torch.distributed.pipelining's 1F1B): no deadlock, same order.
+        ahead: the next exchanges' receives, which gloo posts now (mp.pp.p2p)."""
         start = time.perf_counter()           # the timeline's wait includes the posting
         if any(kind == "send" for kind, _, _ in parts):
             self.finish()                     # the previous exchange's sends
-        ops = [self.post(kind, peer, msg, outbox, mb_size) for kind, peer, msg in parts]
+        posted = self.early.take(parts)       # (op, work) of each receive posted ahead
+        fresh = [part for part in parts if part not in posted]
+        ops = [self.post(kind, peer, msg, outbox, mb_size) for kind, peer, msg in fresh]
         # one batch: on nccl a send and a receive that cross must share one group call, or both block
         works = one_work_per_op(dist.batch_isend_irecv(ops) if ops else [], ops)   # gloo and nccl differ here
+        posted.update(zip(fresh, zip(ops, works)))
+        self.early.post(ahead, lambda kind, peer, msg: self.post(kind, peer, msg, None, mb_size))
+        ops, works = [posted[part][0] for part in parts], [posted[part][1] for part in parts]
         waited = []
         for (kind, peer, msg), work in zip(parts, works):
             if kind == "recv" and work not in waited:   # a Work is waited once
@@ -212,24 +220,8 @@ class Messenger:
                 self.wait(work, [part])
         self.sending = []                     # the sent tensors may go now
 
-    def wait(self, work, parts):
-        """gloo: block the CPU, at most --timeout-s. nccl: order my stream after the message and
-        let the CPU queue on (no timeout: with one, nccl's wait spins the CPU); a hang is caught by
-        the loop's one bounded wait, its read of the logged steps (mp.loop), which names the step."""
-        if self.device.type == "cuda":
-            work.wait()
-            return
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            wanted = ", ".join(f"{k} the {'activation' if m[0] == 'act' else 'gradient'} of microbatch "
-                               f"{m[1]} {'from' if k == 'recv' else 'to'} rank {peer}" for k, peer, m in parts)
-            raise PipelineError(f"stage {self.pos.pp_rank} waited to {wanted} and gave up (timeout "
-                                f"{self.timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
-
-
-class PipelineError(CommError):              # mp.dist.distributed() prints it as one error: line
-    pass
+    def wait(self, work, parts):              # gloo: at most --timeout-s, then an error naming them (mp.pp.p2p)
+        wait_message(work, parts, self.device, self.timeout_s, self.pos.pp_rank)
 
 
 # ----------------------------------------------------------------------------- the executor
@@ -277,9 +269,10 @@ class StageRunner(TimelineRecorder):
         self.mb_size, self.first_sample, self.step = mb_size, first_sample, getattr(self.keys, "step", None)
         recording = self.record if self.events is not None else None
         last = {(a[0], a[2]): i for i, a in enumerate(actions) if a[0] in ("B", "W")} if grads else {}
+        ahead = self.messenger.early.plan(actions)   # gloo: what each exchange posts ahead (mp.pp.p2p)
         for i, action in enumerate(actions):
             if action[0] == "comm":
-                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording))
+                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording, ahead.get(i, ())))
                 continue
             kind, mb, chunk = action
             start = self.clock()
@@ -441,7 +434,7 @@ def main(argv=None):
         model, runner = setup_stage(args, env, pos)
         if args.check:   # one step against the full model in this process (mp.check)
             status = pipeline_check(env, args, model, runner, data, forward_backward)
-        else:            # a PipelineError ends the run in distributed(), which reports it
+        else:            # a PipelineError (mp.pp.p2p) ends the run in distributed(), which reports it
             status = train_pipeline(args, env, pos, model, runner, data)
     exit_now(status)
 

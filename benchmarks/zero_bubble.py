@@ -6,6 +6,7 @@ runs 4 stages of a 16-layer mlp (4 processes on 2 cores: oversubscribed, say so 
     python benchmarks/zero_bubble.py --out logs/bench/zero_bubble.json     # about 4 minutes on 2 cores
     python benchmarks/zero_bubble.py --paired 80 --out logs/bench/zero_bubble_paired.json   # about a minute
     python benchmarks/zero_bubble.py --paired-zbv 40 --out logs/bench/zero_bubble_zbv.json   # 1f1b, zb, zbv
+    python benchmarks/zero_bubble.py --paired-ahead 40 --out logs/bench/zero_bubble_ahead.json   # receives ahead?
 
 Each configuration runs `--rounds` times, the configurations of one microbatch count in turn
 (1f1b, zb, 1f1b --recompute, ...), so a drift of the machine's speed hits all alike; a run's step
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -119,6 +121,9 @@ ENGINES = ("1f1b", "zb", "zb-autograd-w")   # zb-autograd-w: zb with every W thr
 # zb (7.7 and 7.0 layers' worth a rank), 2,3,4,5 for zbv (mp.pp.balance.v_split, each rank's two chunks summed:
 # 7.7 and 7.0; the chunk-by-chunk 2,4,4,4 would give rank 1 blocks 2-9, 8 layers' worth, against rank 0's 6.7).
 ZBV_ENGINES, ZBV_EXTRA, ZBV_BALANCE = ("1f1b", "zb", "zbv"), ["--layers", "14", "--balance", "auto"], "auto"
+# --paired-ahead: the same, each schedule also with the executor's receives posted only in their own exchange
+# ("-late": Messenger(ahead=0), as before receives went out ahead on gloo), to measure that change in one run
+AHEAD_ENGINES = ("1f1b", "1f1b-late", "zbv", "zbv-late")
 
 
 def paired_worker(argv):
@@ -134,8 +139,8 @@ def paired_worker(argv):
                                            margs[name].virtual_stages, placement=placement_of(margs[name].schedule))
                      for name in names}
         pos = positions["1f1b"]
-        engines = {name: engine(margs[name], env, positions[name], autograd_w=name == "zb-autograd-w")
-                   for name in names}
+        engines = {name: engine(margs[name], env, positions[name], autograd_w=name == "zb-autograd-w",
+                                late=name.endswith("-late")) for name in names}
         data = SyntheticData(margs["1f1b"].seed)
         batches = [data.batch(s, margs["1f1b"].batch_size) for s in range(4)]
         first = margs["1f1b"]
@@ -153,8 +158,8 @@ def paired_worker(argv):
                                           "message_ms": message_ms, "rounds": rows}), flush=True)
 
 
-def engine(margs, env, pos, autograd_w=False):
-    model, runner = pm.setup_stage(margs, env, pos)
+def engine(margs, env, pos, autograd_w=False, late=False):
+    model, runner = pm.setup_stage(margs, env, pos, messenger=partial(pm.Messenger, ahead=0) if late else None)
     if autograd_w:              # a weight with a gradient hook takes its W through autograd (zero_bubble.py)
         for chunk in runner.chunks:
             for p in chunk.parameters():
@@ -272,6 +277,10 @@ def summarise_paired(result):
                      "loss_diff": max(abs(r[name]["loss"] - r["1f1b"]["loss"]) for r in rounds)}
     for name in names:
         out[name]["sim_over_1f1b"] = round(out[name]["sim_span_ms"] / out["1f1b"]["sim_span_ms"], 3)
+        if "1f1b-late" in names:       # --paired-ahead: the schedules as they ran before receives went ahead
+            out[name]["over_1f1b_late"] = statistics.median(r[name]["s"] / r["1f1b-late"]["s"] for r in rounds)
+    if "zb" not in names:
+        return out
     # the schedule alone: zb's order with a split that costs nothing (B + W = 1F1B's backward)
     fused, zb = out["1f1b"]["per_mb_ms"], out["zb"]["per_mb_ms"]
     free = {st: {"F": fused[st]["F"], "B": zb[st]["B"], "W": fused[st]["B"] - zb[st]["B"]} for st in zb}
@@ -371,17 +380,20 @@ def main():
                    help="instead: 1f1b, zb and zb with W through autograd stepped in turn in one pair of processes "
                         "(mlp 8x768, --balance 2,6, batch 256, m 8), ROUNDS rounds after 3 warm-up rounds")
     p.add_argument("--paired-zbv", type=int, default=0, metavar="ROUNDS",
-                   help="instead: --paired's run with 1f1b, zb and zbv on --layers 14 (1f1b and zb --balance 5,9; "
-                        "zbv --balance 1,4,4,5: 4 chunks of equal multiply-adds)")
+                   help="instead: --paired's run with 1f1b, zb and zbv on --layers 14, each on the split "
+                        "--balance auto gives it (1f1b and zb 6,8; zbv 2,3,4,5)")
+    p.add_argument("--paired-ahead", type=int, default=0, metavar="ROUNDS",
+                   help="instead: --paired-zbv's run with 1f1b and zbv, each also with receives posted only in "
+                        "their own exchange (1f1b-late, zbv-late: the executor before gloo posted them ahead)")
     p.add_argument("--pieces", action="store_true",
                    help="instead: one process, each stage's F, 1F1B backward, B and W of one microbatch, timed alone")
     args = p.parse_args()
     if args.pieces:
         print(json.dumps({"load": loadavg(), "pieces": pieces(), "load_after": loadavg()}, indent=1))
         return
-    if args.paired or args.paired_zbv:
-        summary = run_paired(args.paired or args.paired_zbv, 3, [] if args.paired else ZBV_EXTRA,
-                             ENGINES if args.paired else ZBV_ENGINES)
+    if args.paired or args.paired_zbv or args.paired_ahead:
+        summary = run_paired(args.paired or args.paired_zbv or args.paired_ahead, 3, [] if args.paired else ZBV_EXTRA,
+                             ENGINES if args.paired else ZBV_ENGINES if args.paired_zbv else AHEAD_ENGINES)
         print(json.dumps(summary, indent=1))
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from mp.dist import Env
 from mp.models import build_model
 from mp.data import SyntheticData
 from helpers import FAST, PYTHON, ROOT, run_ranks
+from mp.pp.p2p import PipelineError
 from mp.pp.schedules import SCHEDULES, placement_of, schedule_actions
 
 MLP = FAST + ["--model", "mlp", "--hidden", "16", "--layers", "4", "--batch-size", "8"]
@@ -58,7 +60,9 @@ def _one_work_case(rank, world, group):
         losses = []
         for batched in (GLOO_BATCH, as_on_nccl):
             pm.dist.batch_isend_irecv = batched
-            _, runner = pm.setup_stage(args, env, pos)
+            # nccl posts no receive ahead of its exchange (mp.pp.p2p: 0 exchanges ahead on cuda)
+            _, runner = pm.setup_stage(args, env, pos, messenger=None if batched is GLOO_BATCH else
+                                       partial(pm.Messenger, ahead=0))
             losses.append(pm.forward_backward(runner, schedule_actions(schedule, pos, 4), x, y, 4))
             assert runner.messenger.sending == []
         pm.dist.batch_isend_irecv = GLOO_BATCH
@@ -79,7 +83,7 @@ def _timeout_case(rank, world, group):
     pm.dist.batch_isend_irecv = as_on_nccl
     messenger = pm.Messenger(pos, [(16,), (16,)], torch.device("cpu"), timeout_s=1.0)
     start = time.perf_counter()
-    with pytest.raises(pm.PipelineError) as error:
+    with pytest.raises(PipelineError) as error:
         messenger.exchange([("recv", 0, ("act", 0, 1))], {}, 2)
     assert time.perf_counter() - start < 20
     assert str(error.value).startswith("stage 1 waited to recv the activation of microbatch 0 from rank 0 "
@@ -266,7 +270,10 @@ def test_nccl_waits_order_streams_and_the_watchdog_waits_longer(monkeypatch):
         def wait(self, *timeout):
             waited.append(timeout)
     pos = pm.PipelineRank(0, 2, [0, 1])
-    pm.Messenger(pos, [], torch.device("cuda:0"), 1.0).wait(Work(), [])
+    nccl = pm.Messenger(pos, [], torch.device("cuda:0"), 1.0)
+    nccl.wait(Work(), [])
     assert waited == [()]                     # no timeout: nccl only orders the stream
+    # no receive posted ahead on nccl, where it would hold back the sends its peer waits for (mp.pp.p2p)
+    assert nccl.early.k == 0 and pm.Messenger(pos, [], torch.device("cpu"), 1.0).early.k == pm.EXCHANGES_AHEAD > 0
     pm.Messenger(pos, [], torch.device("cpu"), 1.0).wait(Work(), [])
     assert waited[1][0].total_seconds() == 1.0

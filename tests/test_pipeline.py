@@ -90,7 +90,8 @@ def test_a_thousand_microbatches_recompute_and_1f1b_do_not_hold_them_all(tmp_pat
 
 
 def test_sends_in_flight_are_only_the_last_exchanges(tmp_path):
-    """The memory bound of Messenger.exchange, on 2 spawned ranks for every schedule."""
+    """The memory bounds of Messenger.exchange, on 2 spawned ranks for every schedule: sends in flight
+    only from the last exchange that sent, receives posted early only for the next exchanges."""
     run_ranks(_sends_in_flight_case, 2, tmp_path)
 
 
@@ -103,16 +104,20 @@ def _sends_in_flight_case(rank, world, group):
         _, runner = pm.setup_stage(args, env, pos)
         messenger, exchange, last_sends = runner.messenger, runner.messenger.exchange, []
 
-        def watched(parts, *rest):
-            inbox = exchange(parts, *rest)
+        def watched(parts, outbox, mb_size, record, ahead):
+            inbox = exchange(parts, outbox, mb_size, record, ahead)
             last_sends[:] = [part for part in parts if part[0] == "send"] or last_sends
             in_flight = [part for _, _, part in messenger.sending]
             assert all(part in last_sends for part in in_flight), (schedule, in_flight, last_sends)
+            # gloo's receives posted early: only those of the next exchanges (pm.AHEAD of them)
+            assert set(messenger.early.posted) <= {msg for _, _, msg in ahead}, (schedule, messenger.early.posted)
+            early.append(len(messenger.early.posted))
             return inbox
-        messenger.exchange = watched
+        messenger.exchange, early = watched, []
         pm.forward_backward(runner, schedule_actions(schedule, pos, 4), x, y, 4)
         assert messenger.sending == [], f"{schedule}: sends left in flight after the step"
         assert last_sends, f"{schedule}: no exchange sent anything"
+        assert max(early) > 0 and messenger.early.posted == {}, (schedule, early)   # each taken by its exchange
 
 
 def test_evaluation_covers_a_test_split_that_batches_do_not_divide(tmp_path):

@@ -5,6 +5,7 @@ import pipeline_microbatch as pm
 from mp.pp import schedules
 from mp.tools import schedule as schedule_tool
 from pipeline_microbatch import PipelineRank, partition
+from mp.pp.p2p import receives_ahead
 from mp.pp.schedules import compute_order, dry_run, eval_actions, schedule_actions
 
 
@@ -360,3 +361,18 @@ def test_zbv_messages_cost_the_clock_table_no_tick(p, m):
     one-tick actions spans the table's 6m+p-1 ticks, as zb's spans its 3m+p-1: the messages add no wait."""
     assert played_span(every_rank("zbv", p, m, 2)) == 6 * m + p - 1
     assert played_span(every_rank("zb", p, m)) == 3 * m + p - 1
+
+
+def test_receives_ahead_are_the_next_k_exchanges_receives_in_their_order():
+    """What gloo posts early at each exchange (mp.pp.p2p): the receives of the k exchanges
+    after it, in the order the schedule posts them, so that untagged matching (nccl's) would pair
+    them alike; 0 exchanges: nothing."""
+    for schedule, v in (("1f1b", 1), ("zbv", 2), ("interleaved", 2)):
+        for r, actions in enumerate(every_rank(schedule, 2, 8, v)):
+            exchanges = [i for i, a in enumerate(actions) if a[0] == "comm"]
+            receives = [[part for part in actions[i][1] if part[0] == "recv"] for i in exchanges]
+            ahead = receives_ahead(actions, 3)
+            assert list(ahead) == exchanges
+            for n, i in enumerate(exchanges):
+                assert ahead[i] == [part for later in receives[n + 1:n + 4] for part in later], (schedule, r, n)
+            assert all(parts == [] for parts in receives_ahead(actions, 0).values())

@@ -1,0 +1,77 @@
+"""The point-to-point plumbing of pipeline_microbatch.Messenger that a student may skip: waits that
+give up after --timeout-s with an error naming the message, and receives posted ahead on gloo.
+
+Receives posted ahead. A gloo send completes one of two ways. If its receive is already posted, the
+sender's own thread writes the data at once, inside isend. If not, the send waits for the receiver's
+notice, and gloo's I/O thread writes it when the notice comes: on busy cores, a thread that must first
+wait for one (single posts of up to 10 ms measured on 2 cores, docs/pipeline.md). So on gloo each
+exchange also posts the receives of the next EXCHANGES_AHEAD exchanges, and a message's receive is
+usually waiting before its send is posted. The schedule is unchanged: each receive is still waited for
+in its own exchange, and the receives go out in the schedule's order (what untagged matching pairs by).
+
+Never on nccl: there a posted receive holds back every later operation on nccl's stream, the sends
+that its sender is waiting for included, a deadlock. The Messenger gives nccl 0 exchanges ahead.
+
+Measured (benchmarks/zero_bubble.py --paired-ahead, docs/benchmarks.md): 1F1B's step on 2 stages and
+2 cores took 0.96-0.98 of its time with receives posted only in their own exchange; zbv's, the same.
+"""
+import datetime
+
+import torch.distributed as dist
+
+from mp.errors import CommError
+
+# covers a whole step of 1F1B or zbv at m = 8 on 2 stages, and bounds what a stage holds before its
+# time at 16 receive buffers (one microbatch's boundary tensor each), not one per microbatch of the step
+EXCHANGES_AHEAD = 16
+
+
+def receives_ahead(actions, k):
+    """{index of an exchange in actions: the receives of the k exchanges after it}, in their order."""
+    exchanges = [i for i, action in enumerate(actions) if action[0] == "comm"]
+    return {i: [part for j in exchanges[n + 1:n + 1 + k] for part in actions[j][1] if part[0] == "recv"]
+            for n, i in enumerate(exchanges)}
+
+
+class EarlyReceives:
+    """One rank's receives posted before their exchange: message -> (op, work)."""
+
+    def __init__(self, exchanges_ahead):
+        self.k, self.posted = exchanges_ahead, {}
+
+    def plan(self, actions):
+        """What each exchange of a step's actions posts ahead (nothing when k is 0: nccl)."""
+        return receives_ahead(actions, self.k) if self.k else {}
+
+    def take(self, parts):
+        """{part: (op, work)} for the parts of an exchange already posted ahead; they are its own now."""
+        return {part: self.posted.pop(part[2]) for part in parts if part[2] in self.posted}
+
+    def post(self, parts, make_op):
+        """Post these receives now, each alone (a receive crosses nothing), unless posted already.
+        make_op(kind, peer, message) -> the receive's P2POp, with its buffer and tag."""
+        for kind, peer, msg in parts:
+            if msg not in self.posted:
+                op = make_op(kind, peer, msg)
+                self.posted[msg] = (op, dist.irecv(op.tensor, op.peer, op.group, op.tag))
+
+
+class PipelineError(CommError):              # mp.dist.distributed() prints it as one error: line
+    pass
+
+
+def wait_message(work, parts, device, timeout_s, stage):
+    """gloo: block the CPU, at most timeout_s, then a PipelineError naming the messages (parts) that
+    stage waited for. nccl: order my stream after the message and let the CPU queue on (no timeout:
+    with one, nccl's wait spins the CPU); a hang is caught by the loop's one bounded wait, its read of
+    the logged steps (mp.loop), which names the step."""
+    if device.type == "cuda":
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        wanted = ", ".join(f"{k} the {'activation' if m[0] == 'act' else 'gradient'} of microbatch "
+                           f"{m[1]} {'from' if k == 'recv' else 'to'} rank {peer}" for k, peer, m in parts)
+        raise PipelineError(f"stage {stage} waited to {wanted} and gave up (timeout "
+                            f"{timeout_s:g} s): {str(e).splitlines()[0][:160]}") from None
