@@ -174,8 +174,8 @@ class CutMessenger(Messenger):
     goes back the same way: the next stage's input gradient is whole on every tp rank (its first
     layer's f all-reduced it), so each sends back its slice of it, and the sender all-gathers them."""
 
-    def __init__(self, pos, shapes, device, timeout_s, group, scattered):
-        super().__init__(pos, shapes, device, timeout_s)
+    def __init__(self, pos, shapes, device, timeout_s, group, scattered, **options):
+        super().__init__(pos, shapes, device, timeout_s, **options)
         self.group, self.scattered = group, set(scattered)   # filled by the build, which ran first
 
     def cut(self, msg):

@@ -55,7 +55,7 @@ from mp.models import build_model, num_blocks
 from mp.optim import make_optimizer
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
-from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, wait_message
+from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, sends_at_once, wait_message
 from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
@@ -153,9 +153,10 @@ class Messenger:
     matches in posting order, and both sides post each direction's messages in the same order
     (tests/test_nccl_order.py). A gloo wait has a timeout that names what it awaited."""
 
-    def __init__(self, pos, shapes, device, timeout_s, ahead=EXCHANGES_AHEAD):
+    def __init__(self, pos, shapes, device, timeout_s, ahead=EXCHANGES_AHEAD, eager=False):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
         self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
+        self.eager = eager                    # zbv on gloo: the step's sends waited at its end (mp.pp.p2p)
         self.early = EarlyReceives(ahead if device.type == "cpu" else 0)   # gloo only (mp.pp.p2p)
 
     def send_forward(self, y, peer, msg):     # my output, to the next stage's input
@@ -185,7 +186,7 @@ class Messenger:
         exchange that sends (as torch.distributed.pipelining's 1F1B): no deadlock, same order.
         ahead: the next exchanges' receives, which gloo posts now (mp.pp.p2p)."""
         start = time.perf_counter()           # the timeline's wait includes the posting
-        if any(kind == "send" for kind, _, _ in parts):
+        if not self.eager and any(kind == "send" for kind, _, _ in parts):
             self.finish()                     # the previous exchange's sends
         posted = self.early.take(parts)       # (op, work) of each receive posted ahead
         fresh = [part for part in parts if part not in posted]
@@ -400,7 +401,8 @@ def setup_stage(args, env, pos, shard=None, messenger=None):
     """This rank's blocks of the model (only those: build_stage_model; parallel_3d.py shards them, and
     brings its own Messenger) and the runner of its chunks; returns (model, runner)."""
     model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
-    messenger = (messenger or Messenger)(pos, shapes, env.device, args.timeout_s)
+    messenger = (messenger or Messenger)(pos, shapes, env.device, args.timeout_s,
+                                         eager=sends_at_once(args.schedule, env.device))
     versions = TwoVersions(chunks, pos, args.microbatches, args.steps, model) if args.schedule == "2bw" else None
     return model, StageRunner(chunks, pos, messenger, split=args.schedule in ("zb", "zbv"),
                               recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)
@@ -409,7 +411,8 @@ def setup_stage(args, env, pos, shard=None, messenger=None):
 def train_pipeline(args, env, pos, model, runner, data):
     """The optimizer, the action list, and the loop (mp.loop) running train_step; the last stage logs."""
     optimizer = make_optimizer(runner.parameters(), args)
-    actions = schedule_actions(args.schedule, pos, args.microbatches)   # my actions, the same every step
+    # my actions, the same every step (zbv on gloo: its sends right after their compute, mp.pp.p2p)
+    actions = schedule_actions(args.schedule, pos, args.microbatches, eager=runner.messenger.eager)
     timeline = Timeline(args, runner, pos, owner=pos.is_last_stage)
     layout = checkpoint.layout_of(PROGRAM, env, dp=1, pp=pos.pp_size, tp=1, schedule=args.schedule,
                                   virtual_stages=pos.virtual)

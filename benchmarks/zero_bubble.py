@@ -165,7 +165,9 @@ def engine(margs, env, pos, autograd_w=False, late=False):
             for p in chunk.parameters():
                 p.register_post_accumulate_grad_hook(lambda p: None)
     opt = make_optimizer([p for chunk in runner.chunks for p in chunk.parameters()], margs)
-    actions = schedule_actions(margs.schedule, pos, margs.microbatches)
+    if late:                    # as before this change: zbv's sends where rendezvous places them, waited as 1F1B's
+        runner.messenger.eager = False
+    actions = schedule_actions(margs.schedule, pos, margs.microbatches, eager=runner.messenger.eager)
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)

@@ -376,3 +376,30 @@ def test_receives_ahead_are_the_next_k_exchanges_receives_in_their_order():
             for n, i in enumerate(exchanges):
                 assert ahead[i] == [part for later in receives[n + 1:n + 4] for part in later], (schedule, r, n)
             assert all(parts == [] for parts in receives_ahead(actions, 0).values())
+
+
+def test_zbv_with_its_sends_at_once_finishes_only_when_sends_never_block():
+    """zbv's plan on gloo (schedule_actions(..., eager=True), mp.pp.p2p): every send in the exchange
+    right after its compute. With sends that never block (that executor waits for them at the step's
+    end) every rank finishes, p 2-8, m 1-16; with sends that block (nccl's stream) the same plan
+    deadlocks from m = 2 on, which is why nccl keeps rendezvous's placement. Every other plan finishes
+    both ways."""
+    for p in range(2, 9):
+        for m in range(1, 17):
+            eager = [schedule_actions("zbv", PipelineRank(r, p, list(range(p)), 2, placement="v"), m, eager=True)
+                     for r in range(p)]
+            assert dry_run(eager, blocking_sends=False) is None, (p, m)
+            assert (dry_run(eager) is None) == (m == 1), (p, m)
+            placed = every_rank("zbv", p, m, 2)
+            assert dry_run(placed) is None and dry_run(placed, blocking_sends=False) is None, (p, m)
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2)):
+        assert dry_run(every_rank(schedule, 4, 8, v), blocking_sends=False) is None, schedule
+
+
+def test_the_dry_run_without_blocking_sends_still_names_a_missing_send():
+    """blocking_sends=False can fail too: a receive whose send no rank posts is named."""
+    actions = every_rank("zbv", 2, 2, 2)
+    gone = ("send", 1, ("act", 0, 1))
+    actions[0] = [(a[0], [part for part in a[1] if part != gone]) if a[0] == "comm" else a for a in actions[0]]
+    actions[0] = [a for a in actions[0] if a[0] != "comm" or a[1]]
+    assert any("with rank 0" in line for line in dry_run(actions, blocking_sends=False))

@@ -104,6 +104,21 @@ def torch_check(schedule, p, m, v, all_actions):
     simulate(messages_as_torch(schedule, p, all_actions), stage_to_rank, stages)
 
 
+def test_zbv_with_its_sends_at_once_passes_torchs_schedule_checker():
+    """zbv's plan on gloo (schedule_actions(..., eager=True), mp.pp.p2p: each send right after its
+    compute): torch's simulator, whose sends never block as that executor's do not, plays it too."""
+    torch_private(*PRIVATE)
+    failures = []
+    for p, m, v in CASES["zbv"]:
+        plans = {r: schedule_actions("zbv", PipelineRank(r, p, list(range(p)), v, placement="v"), m, eager=True)
+                 for r in range(p)}
+        try:
+            torch_check("zbv", p, m, v, plans)
+        except (AssertionError, ValueError, RuntimeError) as e:
+            failures.append(f"p={p} m={m}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    assert not failures, f"{len(failures)} zbv plans rejected:\n" + "\n".join(failures[:20])
+
+
 @pytest.mark.parametrize("schedule", sorted(CASES))
 def test_every_schedule_passes_torchs_schedule_checker(schedule):
     torch_private(*PRIVATE)

@@ -12,8 +12,18 @@ in its own exchange, and the receives go out in the schedule's order (what untag
 Never on nccl: there a posted receive holds back every later operation on nccl's stream, the sends
 that its sender is waiting for included, a deadlock. The Messenger gives nccl 0 exchanges ahead.
 
-Measured (benchmarks/zero_bubble.py --paired-ahead, docs/benchmarks.md): 1F1B's step on 2 stages and
-2 cores took 0.96-0.98 of its time with receives posted only in their own exchange; zbv's, the same.
+zbv's sends at once, on gloo (sends_at_once). zbv's plan (mp.pp.schedules.rendezvous) holds a send
+back until the tick the clock table says its receiver reads it, which keeps it deadlock-free with
+sends that block, as on nccl's stream; but a receiver running ahead of the table then waits for it
+(1-1.5 ms an exchange, measured on 2 cores). On gloo nothing forces that: the executor there posts
+each zbv send in the exchange right after its compute (schedule_actions(..., eager=True)) and waits
+for its sends only at the step's end, so a send never blocks and no cycle can form (dry_run with
+blocking_sends=False plays every plan of p 2-8, m 1-16 to its end; with blocking sends the same plan
+deadlocks, tests/test_schedules.py). The cost: a zbv step keeps each sent tensor until its end, one
+microbatch's boundary tensor per message, where the other schedules free it an exchange later.
+
+Measured (benchmarks/zero_bubble.py --paired-ahead, docs/benchmarks.md): on 2 stages and 2 cores,
+1F1B's step took 0.97-0.99 of its time with receives posted only in their own exchange, and zbv's ...
 """
 import datetime
 
@@ -24,6 +34,12 @@ from mp.errors import CommError
 # covers a whole step of 1F1B or zbv at m = 8 on 2 stages, and bounds what a stage holds before its
 # time at 16 receive buffers (one microbatch's boundary tensor each), not one per microbatch of the step
 EXCHANGES_AHEAD = 16
+
+
+def sends_at_once(schedule, device):
+    """Does this run post zbv's sends right after their compute and wait for them at the step's end?
+    zbv on gloo (the CPU) only."""
+    return schedule == "zbv" and device.type == "cpu"
 
 
 def receives_ahead(actions, k):

@@ -332,13 +332,17 @@ def rendezvous(schedule, positions, m, me):
     return actions
 
 
-def schedule_actions(schedule, pos, m, fused=True, first=True, last=True):
+def schedule_actions(schedule, pos, m, fused=True, first=True, last=True, eager=False):
     """One step's actions of this rank, messages included. first/last: 2bw's first and last steps,
-    which warm up and drain; its other steps do neither."""
+    which warm up and drain; its other steps do neither. eager (zbv on gloo, mp.pp.p2p.sends_at_once):
+    zbv's sends too go out in the exchange right after their compute, as with_communication places
+    every other schedule's, for an executor that waits for its sends only at the step's end (no
+    send blocks, so none can close a cycle: dry_run(..., blocking_sends=False) plays it); without,
+    rendezvous's placement, which holds with sends that block (nccl's stream)."""
     assert pos.placement == placement_of(schedule), f"{schedule} runs on chunks placed {placement_of(schedule)!r}"
     if schedule == "2bw":
         return pipedream_actions(pos, m, first, last)
-    if schedule == "zbv":
+    if schedule == "zbv" and not eager:
         positions = [replace(pos, pp_rank=r) for r in range(pos.pp_size)]
         return rendezvous(schedule, positions, m, pos.pp_rank)
     units = compute_units(schedule, pos.pp_size, m, pos.pp_rank, pos.virtual)
@@ -354,10 +358,13 @@ def eval_actions(pos, n):
     return with_communication([[("F", mb, c)] for mb in range(n) for c in range(pos.virtual)], pos)
 
 
-def dry_run(all_actions):
+def dry_run(all_actions, blocking_sends=True):
     """Play every rank's actions with blocking sends (a send completes only once its receive is
-    posted, as on gloo). Returns None if all finish, else the first cycle of waiting ranks."""
+    posted, as on gloo), or with sends that never block (blocking_sends=False: an executor that waits
+    for them only at the step's end; a receive completes once its send is posted). Returns None if
+    all finish, else the first cycle of waiting ranks."""
     at, done = [0] * len(all_actions), [set() for _ in all_actions]
+    posted = set()                                       # (sender, message) of every send posted so far
     while True:
         moved = False
         for r, actions in enumerate(all_actions):
@@ -367,6 +374,11 @@ def dry_run(all_actions):
                 continue
             for part in actions[at[r]][1]:
                 kind, peer, msg = part
+                if not blocking_sends:                   # a send is done once posted, a receive once its send is
+                    if part not in done[r] and (kind == "send" or (peer, msg) in posted):
+                        done[r].add(part), posted.add((r, msg) if kind == "send" else None)
+                        moved = True
+                    continue
                 peer_parts = all_actions[peer][at[peer]][1] if at[peer] < len(all_actions[peer]) and \
                     all_actions[peer][at[peer]][0] == "comm" else []
                 twin = ("recv" if kind == "send" else "send", r, msg)
