@@ -156,7 +156,7 @@ class Messenger:
     def __init__(self, pos, shapes, device, timeout_s, ahead=EXCHANGES_AHEAD, eager=False):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
         self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
-        self.eager = eager                    # zbv on gloo: the step's sends waited at its end (mp.pp.p2p)
+        self.eager = eager                    # zbv on gloo: all the step's sends, waited at its end (mp.pp.p2p)
         self.early = EarlyReceives(ahead if device.type == "cpu" else 0)   # gloo only (mp.pp.p2p)
 
     def send_forward(self, y, peer, msg):     # my output, to the next stage's input
@@ -183,8 +183,8 @@ class Messenger:
         """Post every part (send or recv, peer, message) at once, then wait for the receives only: a
         gloo send completes once the peer posts its receive, and waiting for it here would hold my
         next compute in lock step with the next stage. The sends wait until just before the next
-        exchange that sends (as torch.distributed.pipelining's 1F1B): no deadlock, same order.
-        ahead: the next exchanges' receives, which gloo posts now (mp.pp.p2p)."""
+        exchange that sends (as torch.distributed.pipelining's 1F1B; zbv on gloo: the step's end), no
+        deadlock. ahead: the next exchanges' receives, which gloo posts now (mp.pp.p2p)."""
         start = time.perf_counter()           # the timeline's wait includes the posting
         if not self.eager and any(kind == "send" for kind, _, _ in parts):
             self.finish()                     # the previous exchange's sends
