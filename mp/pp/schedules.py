@@ -376,7 +376,9 @@ def dry_run(all_actions, blocking_sends=True):
                 kind, peer, msg = part
                 if not blocking_sends:                   # a send is done once posted, a receive once its send is
                     if part not in done[r] and (kind == "send" or (peer, msg) in posted):
-                        done[r].add(part), posted.add((r, msg) if kind == "send" else None)
+                        done[r].add(part)
+                        if kind == "send":
+                            posted.add((r, msg))
                         moved = True
                     continue
                 peer_parts = all_actions[peer][at[peer]][1] if at[peer] < len(all_actions[peer]) and \
