@@ -166,7 +166,8 @@ def train_job(args, env, grid, runner, model, data, grads, shards, program, step
     (--zero 1, 2, 3: mp.zero's, over my slices of the buckets), my layout, who logs."""
     optimizer = ZeroOptimizer(grads, args, shards) if args.zero else make_optimizer(runner.parameters(), args)
     # the same every step (zbv on gloo: its sends right after their compute, mp.pp.p2p)
-    actions = schedule_actions(args.schedule, runner.pos, args.microbatches, eager=runner.messenger.eager)
+    actions = schedule_actions(args.schedule, runner.pos, args.microbatches,
+                               sends_at_once=runner.messenger.sends_at_once)
     owner = runner.pos.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0   # logs the loss
     timeline = Timeline(args, runner, runner.pos, owner)
     tp = env.world_size // (grid.dp_size * grid.pp_size)   # parallel_3d.py's third axis, else 1

@@ -153,10 +153,10 @@ class Messenger:
     matches in posting order, and both sides post each direction's messages in the same order
     (tests/test_nccl_order.py). A gloo wait has a timeout that names what it awaited."""
 
-    def __init__(self, pos, shapes, device, timeout_s, ahead=EXCHANGES_AHEAD, eager=False):
+    def __init__(self, pos, shapes, device, timeout_s, ahead=EXCHANGES_AHEAD, sends_at_once=False):
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
         self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
-        self.eager = eager                    # zbv on gloo: all the step's sends, waited at its end (mp.pp.p2p)
+        self.sends_at_once = sends_at_once    # zbv on gloo: the step's sends are waited at its end (mp.pp.p2p)
         self.early = EarlyReceives(ahead if device.type == "cpu" else 0)   # gloo only (mp.pp.p2p)
 
     def send_forward(self, y, peer, msg):     # my output, to the next stage's input
@@ -186,7 +186,7 @@ class Messenger:
         exchange that sends (as torch.distributed.pipelining's 1F1B; zbv on gloo: the step's end), no
         deadlock. ahead: the next exchanges' receives, which gloo posts now (mp.pp.p2p)."""
         start = time.perf_counter()           # the timeline's wait includes the posting
-        if not self.eager and any(kind == "send" for kind, _, _ in parts):
+        if not self.sends_at_once and any(kind == "send" for kind, _, _ in parts):
             self.finish()                     # the previous exchange's sends
         posted = self.early.take(parts)       # (op, work) of each receive posted ahead
         fresh = [part for part in parts if part not in posted]
@@ -402,7 +402,7 @@ def setup_stage(args, env, pos, shard=None, messenger=None):
     brings its own Messenger) and the runner of its chunks; returns (model, runner)."""
     model, chunks, shapes = build_stage_model(args, pos, env.device, shard)
     messenger = (messenger or Messenger)(pos, shapes, env.device, args.timeout_s,
-                                         eager=sends_at_once(args.schedule, env.device))
+                                         sends_at_once=sends_at_once(args.schedule, env.device))
     versions = TwoVersions(chunks, pos, args.microbatches, args.steps, model) if args.schedule == "2bw" else None
     return model, StageRunner(chunks, pos, messenger, split=args.schedule in ("zb", "zbv"),
                               recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)
@@ -412,7 +412,7 @@ def train_pipeline(args, env, pos, model, runner, data):
     """The optimizer, the action list, and the loop (mp.loop) running train_step; the last stage logs."""
     optimizer = make_optimizer(runner.parameters(), args)
     # my actions, the same every step (zbv on gloo: its sends right after their compute, mp.pp.p2p)
-    actions = schedule_actions(args.schedule, pos, args.microbatches, eager=runner.messenger.eager)
+    actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)
     timeline = Timeline(args, runner, pos, owner=pos.is_last_stage)
     layout = checkpoint.layout_of(PROGRAM, env, dp=1, pp=pos.pp_size, tp=1, schedule=args.schedule,
                                   virtual_stages=pos.virtual)

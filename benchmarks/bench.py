@@ -182,7 +182,7 @@ def loss_diff(a, b):
 
 def ours_pipeline(margs, env, pos):
     model, runner = pm.setup_stage(margs, env, pos)
-    actions = schedule_actions(margs.schedule, pos, margs.microbatches, eager=runner.messenger.eager)
+    actions = schedule_actions(margs.schedule, pos, margs.microbatches, sends_at_once=runner.messenger.sends_at_once)
     params = [p for chunk in runner.chunks for p in chunk.parameters()]
     opt = make_optimizer(params, margs)
 

@@ -166,8 +166,8 @@ def engine(margs, env, pos, autograd_w=False, late=False):
                 p.register_post_accumulate_grad_hook(lambda p: None)
     opt = make_optimizer([p for chunk in runner.chunks for p in chunk.parameters()], margs)
     if late:                    # as before this change: zbv's sends where rendezvous places them, waited as 1F1B's
-        runner.messenger.eager = False
-    actions = schedule_actions(margs.schedule, pos, margs.microbatches, eager=runner.messenger.eager)
+        runner.messenger.sends_at_once = False
+    actions = schedule_actions(margs.schedule, pos, margs.microbatches, sends_at_once=runner.messenger.sends_at_once)
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)

@@ -108,17 +108,17 @@ def _sends_in_flight_case(rank, world, group):
         def watched(parts, outbox, mb_size, record, ahead):
             inbox = exchange(parts, outbox, mb_size, record, ahead)
             sent = [part for part in parts if part[0] == "send"]
-            last_sends[:] = (last_sends if messenger.eager else []) + sent if sent else last_sends
+            last_sends[:] = (last_sends if messenger.sends_at_once else []) + sent if sent else last_sends
             in_flight = [part for _, _, part in messenger.sending]
-            # zbv on gloo (eager): every send of the step so far, waited at its end (mp.pp.p2p)
+            # zbv on gloo (sends at once): every send of the step so far, waited at its end (mp.pp.p2p)
             assert all(part in last_sends for part in in_flight), (schedule, in_flight, last_sends)
-            assert messenger.eager == (schedule == "zbv")
-            # gloo's receives posted early: only those of the next exchanges (pm.AHEAD of them)
+            assert messenger.sends_at_once == (schedule == "zbv")
+            # gloo's receives posted early: only those of the next exchanges (pm.EXCHANGES_AHEAD of them)
             assert set(messenger.early.posted) <= {msg for _, _, msg in ahead}, (schedule, messenger.early.posted)
             early.append(len(messenger.early.posted))
             return inbox
         messenger.exchange, early = watched, []
-        pm.forward_backward(runner, schedule_actions(schedule, pos, 4, eager=messenger.eager), x, y, 4)
+        pm.forward_backward(runner, schedule_actions(schedule, pos, 4, sends_at_once=messenger.sends_at_once), x, y, 4)
         assert messenger.sending == [], f"{schedule}: sends left in flight after the step"
         assert last_sends, f"{schedule}: no exchange sent anything"
         assert max(early) > 0 and messenger.early.posted == {}, (schedule, early)   # each taken by its exchange

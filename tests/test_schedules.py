@@ -379,17 +379,17 @@ def test_receives_ahead_are_the_next_k_exchanges_receives_in_their_order():
 
 
 def test_zbv_with_its_sends_at_once_finishes_only_when_sends_never_block():
-    """zbv's plan on gloo (schedule_actions(..., eager=True), mp.pp.p2p): every send in the exchange
+    """zbv's plan on gloo (schedule_actions(..., sends_at_once=True), mp.pp.p2p): every send in the exchange
     right after its compute. With sends that never block (that executor waits for them at the step's
     end) every rank finishes, p 2-8, m 1-16; with sends that block (nccl's stream) the same plan
     deadlocks from m = 2 on, which is why nccl keeps rendezvous's placement. Every other plan finishes
     both ways."""
     for p in range(2, 9):
         for m in range(1, 17):
-            eager = [schedule_actions("zbv", PipelineRank(r, p, list(range(p)), 2, placement="v"), m, eager=True)
-                     for r in range(p)]
-            assert dry_run(eager, blocking_sends=False) is None, (p, m)
-            assert (dry_run(eager) is None) == (m == 1), (p, m)
+            at_once = [schedule_actions("zbv", PipelineRank(r, p, list(range(p)), 2, placement="v"), m,
+                                        sends_at_once=True) for r in range(p)]
+            assert dry_run(at_once, blocking_sends=False) is None, (p, m)
+            assert (dry_run(at_once) is None) == (m == 1), (p, m)
             placed = every_rank("zbv", p, m, 2)
             assert dry_run(placed) is None and dry_run(placed, blocking_sends=False) is None, (p, m)
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2)):

@@ -105,12 +105,12 @@ def torch_check(schedule, p, m, v, all_actions):
 
 
 def test_zbv_with_its_sends_at_once_passes_torchs_schedule_checker():
-    """zbv's plan on gloo (schedule_actions(..., eager=True), mp.pp.p2p: each send right after its
+    """zbv's plan on gloo (schedule_actions(..., sends_at_once=True), mp.pp.p2p: each send right after its
     compute): torch's simulator, whose sends never block as that executor's do not, plays it too."""
     torch_private(*PRIVATE)
     failures = []
     for p, m, v in CASES["zbv"]:
-        plans = {r: schedule_actions("zbv", PipelineRank(r, p, list(range(p)), v, placement="v"), m, eager=True)
+        plans = {r: schedule_actions("zbv", PipelineRank(r, p, list(range(p)), v, placement="v"), m, sends_at_once=True)
                  for r in range(p)}
         try:
             torch_check("zbv", p, m, v, plans)

@@ -16,7 +16,7 @@ zbv's sends at once, on gloo (sends_at_once). zbv's plan (mp.pp.schedules.rendez
 back until the tick the clock table says its receiver reads it, which keeps it deadlock-free with
 sends that block, as on nccl's stream; but a receiver running ahead of the table then waits for it
 (1-1.5 ms an exchange, measured on 2 cores). On gloo nothing forces that: the executor there posts
-each zbv send in the exchange right after its compute (schedule_actions(..., eager=True)) and waits
+each zbv send in the exchange right after its compute (schedule_actions(..., sends_at_once=True)) and waits
 for its sends only at the step's end, so a send never blocks and no cycle can form (dry_run with
 blocking_sends=False plays every plan of p 2-8, m 1-16 to its end; with blocking sends the same plan
 deadlocks, tests/test_schedules.py). The cost: a zbv step keeps each sent tensor until its end, one

@@ -332,17 +332,17 @@ def rendezvous(schedule, positions, m, me):
     return actions
 
 
-def schedule_actions(schedule, pos, m, fused=True, first=True, last=True, eager=False):
+def schedule_actions(schedule, pos, m, fused=True, first=True, last=True, sends_at_once=False):
     """One step's actions of this rank, messages included. first/last: 2bw's first and last steps,
-    which warm up and drain; its other steps do neither. eager (zbv on gloo, mp.pp.p2p.sends_at_once):
-    zbv's sends too go out in the exchange right after their compute, as with_communication places
-    every other schedule's, for an executor that waits for its sends only at the step's end (no
-    send blocks, so none can close a cycle: dry_run(..., blocking_sends=False) plays it); without,
-    rendezvous's placement, which holds with sends that block (nccl's stream)."""
+    which warm up and drain; its other steps do neither. sends_at_once (zbv on gloo,
+    mp.pp.p2p.sends_at_once): zbv's sends too go out in the exchange right after their compute, as
+    with_communication places every other schedule's, for an executor that waits for its sends only
+    at the step's end (no send blocks, so none can close a cycle: dry_run(..., blocking_sends=False)
+    plays it); without, rendezvous's placement, which holds with sends that block (nccl's stream)."""
     assert pos.placement == placement_of(schedule), f"{schedule} runs on chunks placed {placement_of(schedule)!r}"
     if schedule == "2bw":
         return pipedream_actions(pos, m, first, last)
-    if schedule == "zbv" and not eager:
+    if schedule == "zbv" and not sends_at_once:
         positions = [replace(pos, pp_rank=r) for r in range(pos.pp_size)]
         return rendezvous(schedule, positions, m, pos.pp_rank)
     units = compute_units(schedule, pos.pp_size, m, pos.pp_rank, pos.virtual)

@@ -43,7 +43,8 @@ def check_step(runner, actions, m, forward_backward, replica=(0, 1), grads=None,
 def pipeline_check(env, args, model, runner, data, forward_backward, replica=(0, 1), grads=None, sum_first=None):
     """--check for a pipeline program (mp.check): check_step on the first batch against the full model."""
     x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
-    actions = schedule_actions(args.schedule, runner.pos, args.microbatches, eager=runner.messenger.eager)
+    actions = schedule_actions(args.schedule, runner.pos, args.microbatches,
+                               sends_at_once=runner.messenger.sends_at_once)
     step = check_step(runner, actions, args.microbatches, forward_backward, replica, grads, sum_first)
     return check_and_exit(env, args, args.schedule, model, step, x, y, replica=replica,
                           norm=(runner.norm_groups, runner.counted))
