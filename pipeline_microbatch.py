@@ -55,7 +55,7 @@ from mp.models import build_model, num_blocks
 from mp.optim import make_optimizer
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
-from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, sends_at_once, wait_message
+from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, sends_at_once, sends_kept, wait_message
 from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
@@ -157,6 +157,7 @@ class Messenger:
         self.pos, self.shapes, self.device, self.timeout_s = pos, shapes, device, timeout_s
         self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
         self.sends_at_once = sends_at_once    # zbv on gloo: the step's sends are waited at its end (mp.pp.p2p)
+        self.kept = sends_kept(device)        # nccl: sends left in flight at the next sends (mp.pp.p2p)
         self.early = EarlyReceives(ahead if device.type == "cpu" else 0)   # gloo only (mp.pp.p2p)
 
     def send_forward(self, y, peer, msg):     # my output, to the next stage's input
@@ -183,11 +184,11 @@ class Messenger:
         """Post every part (send or recv, peer, message) at once, then wait for the receives only: a
         gloo send completes once the peer posts its receive, and waiting for it here would hold my
         next compute in lock step with the next stage. The sends wait until just before the next
-        exchange that sends (as torch.distributed.pipelining's 1F1B; zbv on gloo: the step's end), no
-        deadlock. ahead: the next exchanges' receives, which gloo posts now (mp.pp.p2p)."""
+        exchange that sends (as torch.distributed.pipelining's 1F1B; zbv on gloo: the step's end; nccl:
+        once 16 newer are out), no deadlock. ahead: the next exchanges' receives, which gloo posts now (mp.pp.p2p)."""
         start = time.perf_counter()           # the timeline's wait includes the posting
         if not self.sends_at_once and any(kind == "send" for kind, _, _ in parts):
-            self.finish()                     # the previous exchange's sends
+            self.finish(self.kept)            # the previous exchanges' sends
         posted = self.early.take(parts)       # (op, work) of each receive posted ahead
         fresh = [part for part in parts if part not in posted]
         ops = [self.post(kind, peer, msg, outbox, mb_size) for kind, peer, msg in fresh]
@@ -214,12 +215,13 @@ class Messenger:
             return (self.send_forward if msg[0] == "act" else self.send_backward)(outbox.pop(msg), peer, msg)
         return (self.recv_forward if msg[0] == "act" else self.recv_backward)(peer, msg, mb_size)
 
-    def finish(self):
-        """Wait for the sends still in flight (before the next sends, and at the end of a step)."""
-        for work, _, part in self.sending:
+    def finish(self, keep=0):
+        """Wait for the sends still in flight but the newest `keep` (before the next sends; all of them
+        at the end of a step)."""
+        done, self.sending = self.sending[:len(self.sending) - keep], self.sending[len(self.sending) - keep:]
+        for work, _, part in done:
             if work is not None:
-                self.wait(work, [part])
-        self.sending = []                     # the sent tensors may go now
+                self.wait(work, [part])       # then the sent tensors may go
 
     def wait(self, work, parts):              # gloo: at most --timeout-s, then an error naming them (mp.pp.p2p)
         wait_message(work, parts, self.device, self.timeout_s, self.pos.pp_rank)

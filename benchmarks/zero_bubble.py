@@ -6,6 +6,7 @@ runs 4 stages of a 16-layer mlp (4 processes on 2 cores: oversubscribed, say so 
     python benchmarks/zero_bubble.py --out logs/bench/zero_bubble.json     # about 4 minutes on 2 cores
     python benchmarks/zero_bubble.py --paired 80 --out logs/bench/zero_bubble_paired.json   # about a minute
     python benchmarks/zero_bubble.py --paired-zbv 40 --out logs/bench/zero_bubble_zbv.json   # 1f1b, zb, zbv
+    python benchmarks/zero_bubble.py --paired-zbv 30 --paired-stages 4    # the same on 4 stages, a core each
     python benchmarks/zero_bubble.py --paired-ahead 40 --out logs/bench/zero_bubble_ahead.json   # receives ahead?
 
 Each configuration runs `--rounds` times, the configurations of one microbatch count in turn
@@ -207,7 +208,7 @@ def per_microbatch_ms(trace):
 
 
 def one_way_ms(pos, mb_size, hidden, repeat=50):
-    """Half a ping-pong of one activation (mb_size x hidden floats) between the two stages: a message's
+    """Half a ping-pong of one activation (mb_size x hidden floats) between stages 0 and 1: a message's
     cost when its receiver is already waiting."""
     t, peer = torch.zeros(mb_size, hidden), 1 - pos.pp_rank
     times = []
@@ -216,7 +217,7 @@ def one_way_ms(pos, mb_size, hidden, repeat=50):
         start = time.perf_counter()
         if pos.pp_rank == 0:
             dist.send(t, peer), dist.recv(t, peer)
-        else:
+        elif pos.pp_rank == 1:                # more stages: ranks 0 and 1 stand for every neighbouring pair
             dist.recv(t, peer), dist.send(t, peer)
         times.append((time.perf_counter() - start) / 2 * 1e3)
     return statistics.median(times)
@@ -291,8 +292,15 @@ def summarise_paired(result):
     return out
 
 
-def run_paired(rounds, warmup, extra, engines=ENGINES):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--",
+def stages_args(p):
+    """--paired-zbv's model on p stages: 7 layers a rank, m = max(8, 2p), 32 samples a microbatch (p = 2:
+    the 14-layer model, m = 8, batch 256)."""
+    m = max(8, 2 * p)
+    return ["--layers", str(7 * p), "--microbatches", str(m), "--batch-size", str(32 * m)]
+
+
+def run_paired(rounds, warmup, extra, engines=ENGINES, stages=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={stages}", "--",
            os.path.abspath(__file__), "--paired-worker", str(rounds), str(warmup), ",".join(engines), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=1800)
@@ -387,6 +395,10 @@ def main():
     p.add_argument("--paired-ahead", type=int, default=0, metavar="ROUNDS",
                    help="instead: --paired-zbv's run with 1f1b and zbv, each also with receives posted only in "
                         "their own exchange (1f1b-late, zbv-late: the executor before gloo posted them ahead)")
+    p.add_argument("--paired-stages", type=int, default=2, metavar="P",
+                   help="with --paired-zbv or --paired-ahead: P stages, one process each (one core each wanted: "
+                        "a lent 16-core machine), on 7 x P layers, m = max(8, 2P), 32 samples a microbatch; "
+                        "2 is the model above")
     p.add_argument("--pieces", action="store_true",
                    help="instead: one process, each stage's F, 1F1B backward, B and W of one microbatch, timed alone")
     args = p.parse_args()
@@ -394,12 +406,16 @@ def main():
         print(json.dumps({"load": loadavg(), "pieces": pieces(), "load_after": loadavg()}, indent=1))
         return
     if args.paired or args.paired_zbv or args.paired_ahead:
-        summary = run_paired(args.paired or args.paired_zbv or args.paired_ahead, 3, [] if args.paired else ZBV_EXTRA,
-                             ENGINES if args.paired else ZBV_ENGINES if args.paired_zbv else AHEAD_ENGINES)
+        stages = args.paired_stages
+        if stages < 2 or (args.paired and stages != 2):
+            p.error(f"--paired-stages {stages}: 2 or more, and only with --paired-zbv or --paired-ahead")
+        extra = [] if args.paired else ZBV_EXTRA + stages_args(stages)
+        summary = run_paired(args.paired or args.paired_zbv or args.paired_ahead, 3, extra,
+                             ENGINES if args.paired else ZBV_ENGINES if args.paired_zbv else AHEAD_ENGINES, stages)
         print(json.dumps(summary, indent=1))
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "model": PAIRED + ([] if args.paired else ZBV_EXTRA), "paired": summary},
+            json.dump({"args": vars(args), "model": PAIRED + extra, "cpus": os.cpu_count(), "paired": summary},
                       f, indent=1)
         return
     rows = []

@@ -25,7 +25,7 @@ from mp.dist import Env
 from mp.models import build_model
 from mp.data import SyntheticData
 from helpers import FAST, PYTHON, ROOT, run_ranks
-from mp.pp.p2p import PipelineError
+from mp.pp.p2p import SENDS_KEPT, PipelineError
 from mp.pp.schedules import SCHEDULES, placement_of, schedule_actions
 
 MLP = FAST + ["--model", "mlp", "--hidden", "16", "--layers", "4", "--batch-size", "8"]
@@ -63,8 +63,13 @@ def _one_work_case(rank, world, group):
             # nccl posts no receive ahead of its exchange (mp.pp.p2p: 0 exchanges ahead on cuda)
             _, runner = pm.setup_stage(args, env, pos, messenger=None if batched is GLOO_BATCH else
                                        partial(pm.Messenger, ahead=0))
+            messenger, held = runner.messenger, []
+            if batched is as_on_nccl:         # and sends kept in flight, as on cuda (mp.pp.p2p.sends_kept)
+                messenger.kept, finish = SENDS_KEPT, messenger.finish
+                messenger.finish = lambda keep=0: (held.append(len(messenger.sending)), finish(keep))
             losses.append(pm.forward_backward(runner, schedule_actions(schedule, pos, 4), x, y, 4))
-            assert runner.messenger.sending == []
+            assert messenger.sending == []
+            assert batched is GLOO_BATCH or max(held) >= 2, (schedule, held)   # sends held past the next sends
         pm.dist.batch_isend_irecv = GLOO_BATCH
         assert losses[0] == losses[1], (schedule, losses)
 
@@ -277,3 +282,10 @@ def test_nccl_waits_order_streams_and_the_watchdog_waits_longer(monkeypatch):
     assert nccl.early.k == 0 and pm.Messenger(pos, [], torch.device("cpu"), 1.0).early.k == pm.EXCHANGES_AHEAD > 0
     pm.Messenger(pos, [], torch.device("cpu"), 1.0).wait(Work(), [])
     assert waited[1][0].total_seconds() == 1.0
+    # nccl: at its next sends a stage orders its stream after all but its newest SENDS_KEPT sends; gloo: all
+    assert nccl.kept == SENDS_KEPT > 0 and pm.Messenger(pos, [], torch.device("cpu"), 1.0).kept == 0
+    nccl.sending = [(Work(), None, ("send", 1, ("act", mb, 1))) for mb in range(SENDS_KEPT + 3)]
+    nccl.finish(nccl.kept)
+    assert len(waited) == 2 + 3 and [part[2][1] for _, _, part in nccl.sending] == list(range(3, SENDS_KEPT + 3))
+    nccl.finish()
+    assert len(waited) == 2 + 3 + SENDS_KEPT and nccl.sending == []

@@ -1,12 +1,13 @@
 """On one CUDA device with nccl (skipped where there is none, as in CI): every program at world size 1
 logs the losses of the baseline run on the same device, its --check passes, and the logs say what
-ran where. One GPU cannot host two nccl ranks, so these are the GPU tests one machine can run."""
+ran where. Where NCCL is 2.30 or later, two nccl ranks also share the one GPU (experimental in NCCL):
+every pipeline schedule, tensor and data parallelism at world size 2 against the same baseline."""
 import json
 
 import pytest
 import torch
 
-from helpers import FAST, assert_same_losses, launch
+from helpers import FAST, ROOT, assert_same_losses, launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GPU = FAST + ["--backend", "nccl", "--steps", "20"]
@@ -62,3 +63,22 @@ def test_no_step_makes_the_cpu_wait_for_the_gpu(tmp_path, monkeypatch):
         assert run.returncode == 0, (program, extra, run.stderr[-3000:])
         counts = json.loads((tmp_path / "rank-0.json").read_text())
         assert counts["steps"] == 20 and counts["step_reads"] == 0, (program, extra, counts)
+
+
+SHARED = [("pipeline_microbatch.py", ["--schedule", s]) for s in ("gpipe", "1f1b", "interleaved", "zb", "zbv")] + [
+    ("tensor_parallel.py", []), ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2"])]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.nccl.version() < (2, 30, 0),
+                    reason="two nccl ranks on one GPU need NCCL 2.30 or later")
+def test_two_nccl_ranks_on_one_gpu_log_the_baselines_losses(tmp_path, monkeypatch):
+    """The multi-rank nccl path itself (messages, collectives, buckets, the stream waits of
+    mp.pp.p2p), with both ranks on cuda:0 (tests/same_gpu.py): each run against the GPU baseline."""
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    base = launch("single_baseline.py", GPU, tmp_path, log_name="base.jsonl", real=True)
+    for i, (program, extra) in enumerate(SHARED):
+        run = launch("tests/same_gpu.py", [f"{ROOT}/{program}"] + GPU + extra, tmp_path, nproc=2,
+                     log_name=f"shared{i}.jsonl", timeout=120, real=True)
+        assert run.returncode == 0, (program, extra, run.stderr[-3000:])
+        assert run.events("config")[0]["backend"] == "nccl", program
+        assert_same_losses(run, base)

@@ -22,6 +22,14 @@ blocking_sends=False plays every plan of p 2-8, m 1-16 to its end; with blocking
 deadlocks, tests/test_schedules.py). The cost: a zbv step keeps each sent tensor until its end, one
 microbatch's boundary tensor per message, where the other schedules free it an exchange later.
 
+Sends kept in flight, on nccl (sends_kept). There waiting for a send does not block the CPU: it makes
+the compute stream wait until the peer has received it. Waited before the next exchange that sends, as
+on gloo, it would hold each stage's kernels in lock step with its neighbour's receives. So on cuda the
+Messenger leaves the newest SENDS_KEPT sends in flight at each exchange that sends and waits for the
+rest, and for all of them at the step's end. Waiting later only removes dependencies from the compute
+stream, so no deadlock can come of it; the cost is at most SENDS_KEPT sent tensors held a little longer.
+Reasoned, and run on one GPU only (docs/gpu.md).
+
 Measured on 2 stages and 2 cores, in one pair of processes (benchmarks/zero_bubble.py --paired-ahead,
 docs/pipeline.md "zbv against 1F1B and ZB-H1"): receives ahead took 1F1B's step to 0.98-0.99 of what it
 was; both changes took zbv's to 0.87-0.91 of the old 1F1B's, where the old zbv's was 0.96.
@@ -36,11 +44,21 @@ from mp.errors import CommError
 # time at 16 receive buffers (one microbatch's boundary tensor each), not one per microbatch of the step
 EXCHANGES_AHEAD = 16
 
+# nccl: sends a stage leaves in flight when it next sends (16 boundary tensors at most, as above)
+SENDS_KEPT = 16
+
 
 def sends_at_once(schedule, device):
     """Does this run post zbv's sends right after their compute and wait for them at the step's end?
     zbv on gloo (the CPU) only."""
     return schedule == "zbv" and device.type == "cpu"
+
+
+def sends_kept(device):
+    """How many of its newest sends the Messenger leaves in flight when it next sends: on nccl, where a
+    wait makes the compute stream wait for the peer, SENDS_KEPT; on gloo none (a send whose receive is
+    posted ahead is done already; zbv waits for its sends at the step's end)."""
+    return SENDS_KEPT if device.type == "cuda" else 0
 
 
 def receives_ahead(actions, k):
