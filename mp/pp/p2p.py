@@ -28,7 +28,7 @@ on gloo, it would hold each stage's kernels in lock step with its neighbour's re
 Messenger leaves the newest SENDS_KEPT sends in flight at each exchange that sends and waits for the
 rest, and for all of them at the step's end. Waiting later only removes dependencies from the compute
 stream, so no deadlock can come of it; the cost is at most SENDS_KEPT sent tensors held a little longer.
-Reasoned, and run on one GPU only (docs/gpu.md).
+Reasoned only: no two nccl ranks have run yet (docs/gpu.md).
 
 Measured on 2 stages and 2 cores, in one pair of processes (benchmarks/zero_bubble.py --paired-ahead,
 docs/pipeline.md "zbv against 1F1B and ZB-H1"): receives ahead took 1F1B's step to 0.98-0.99 of what it
