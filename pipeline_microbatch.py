@@ -20,7 +20,7 @@ In order: the stage (each rank keeps only its blocks), the four point-to-point c
 isend/irecv, the executor that plays a schedule's actions (F, B and the exchanges between them),
 the training step, train_step (the batch, zero_grad, the schedule, clip, update; only the last stage
 sees labels). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a student
-may skip has one name each: zb's and zbv's split backward (mp.pp.zero_bubble), 2bw's two weight versions
+may skip has one name each: the split backward (mp.pp.zero_bubble: zb's W), 2bw's two weight versions
 (mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check, the
 waits' timeouts and gloo's receives posted ahead (mp.pp.p2p).
 
@@ -60,7 +60,7 @@ from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
 from mp.pp.training import pipeline_check, stage_batch
-from mp.pp.zero_bubble import split_weight_grads
+from mp.pp.zero_bubble import split_for, split_weight_grads
 from mp.sizes import split_sizes
 
 PROGRAM = "pipeline_microbatch"
@@ -243,18 +243,20 @@ class StageRunner(TimelineRecorder):
     """Runs one rank's action list for one global batch. Saved activations live only between a
     microbatch's forward and its backward, and sent tensors only until their send completes.
 
-    split (zb): the chunks' Linear and Conv2d layers defer their weight gradients from B to W
-    (mp.pp.zero_bubble). recompute (GPipe's re-materialisation): F runs without autograd and keeps
+    split: the chunks' Linear and Conv2d layers take their weight gradients apart from B
+    (mp.pp.zero_bubble): "W" (zb, zbv) in the schedule's W actions; "B" (the others but 2bw) right
+    after each B, added in place (gradient-accumulation fusion). recompute (GPipe's re-materialisation): F runs without autograd and keeps
     only the chunk's input; B first re-runs the forward. versions (2bw): mp.pp.pipedream.TwoVersions
     says which weights a forward runs with, what the optimizer steps, what a step leaves in flight."""
 
     def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None, keys=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
         self.stashes, self.versions = [split_weight_grads(chunk) for chunk in chunks] if split else None, versions
+        self.w_in_b = split == "B"
         self.keys = keys or DropoutKeys(seed=0)   # the model's (setup_stage): its dropout layers read them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
         # whose gradients a chunk's last B of a step makes final, and its last W (zb's split weights)
-        deferred = {id(w) for stash in self.stashes or [] for w in stash.weights}
+        deferred = {id(w) for stash in self.stashes or [] for w in stash.weights} if split == "W" else ()
         self.final_after = {("B", c): [p for p in chunk.parameters() if id(p) not in deferred]
                             for c, chunk in enumerate(chunks)}
         self.final_after.update({("W", c): stash.weights for c, stash in enumerate(self.stashes or [])})
@@ -283,7 +285,7 @@ class StageRunner(TimelineRecorder):
                 self.forward(mb, chunk, inputs, head, saved, outbox, inbox)
             elif kind == "B":
                 start = self.backward(mb, chunk, saved.pop((mb, chunk)), outbox, inbox, start)
-            elif self.stashes:                # W (unsplit layers took their weight gradients in B)
+            if kind == "W" or kind == "B" and self.w_in_b:   # W: an action (zb, zbv), or right after its B
                 self.stashes[chunk].weight_grads(mb, grads)   # in place, no hook: W tells the buckets itself
             if last.get((kind, chunk)) == i:  # this chunk's last backward of the step: its gradients are final
                 grads.final(self.final_after[(kind, chunk)])
@@ -406,7 +408,7 @@ def setup_stage(args, env, pos, shard=None, messenger=None):
     messenger = (messenger or Messenger)(pos, shapes, env.device, args.timeout_s,
                                          sends_at_once=sends_at_once(args.schedule, env.device))
     versions = TwoVersions(chunks, pos, args.microbatches, args.steps, model) if args.schedule == "2bw" else None
-    return model, StageRunner(chunks, pos, messenger, split=args.schedule in ("zb", "zbv"),
+    return model, StageRunner(chunks, pos, messenger, split=split_for(args.schedule),
                               recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)
 
 

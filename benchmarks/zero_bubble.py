@@ -8,6 +8,7 @@ runs 4 stages of a 16-layer mlp (4 processes on 2 cores: oversubscribed, say so 
     python benchmarks/zero_bubble.py --paired-zbv 40 --out logs/bench/zero_bubble_zbv.json   # 1f1b, zb, zbv
     python benchmarks/zero_bubble.py --paired-zbv 30 --paired-stages 4    # the same on 4 stages, a core each
     python benchmarks/zero_bubble.py --paired-ahead 40 --out logs/bench/zero_bubble_ahead.json   # receives ahead?
+    python benchmarks/zero_bubble.py --paired-fused 40    # 1f1b and gpipe against themselves with autograd's weight gradients
 
 Each configuration runs `--rounds` times, the configurations of one microbatch count in turn
 (1f1b, zb, 1f1b --recompute, ...), so a drift of the machine's speed hits all alike; a run's step
@@ -48,7 +49,7 @@ from mp.pp.flags import add_pipeline_flags  # noqa: E402
 from mp.optim import make_optimizer  # noqa: E402
 from mp.pp.schedules import compute_order, placement_of, schedule_actions, stage_owner, virtual_stage  # noqa: E402
 from mp.pp.timeline import gather_timeline  # noqa: E402
-from mp.pp.zero_bubble import split_weight_grads  # noqa: E402
+from mp.pp.zero_bubble import WeightGradStash, split_weight_grads  # noqa: E402
 
 # --balance 3,5: the first Linear (3072 x 1024) has 3 times the multiply-adds of each other one
 MLP = ["--model", "mlp", "--layers", "8", "--hidden", "1024", "--balance", "3,5", "--batch-size", "192",
@@ -125,6 +126,9 @@ ZBV_ENGINES, ZBV_EXTRA, ZBV_BALANCE = ("1f1b", "zb", "zbv"), ["--layers", "14", 
 # --paired-ahead: the same, each schedule also with the executor's receives posted only in their own exchange
 # ("-late": Messenger(ahead=0), as before receives went out ahead on gloo), to measure that change in one run
 AHEAD_ENGINES = ("1f1b", "1f1b-late", "zbv", "zbv-late")
+# --paired-fused: 1f1b and gpipe, each also with every weight gradient through autograd ("-unsplit": as before each
+# B added its weights' gradients in place, pipeline_microbatch.StageRunner's split "B"), on --paired-zbv's model
+FUSED_ENGINES = ("1f1b", "1f1b-unsplit", "gpipe", "gpipe-unsplit")
 
 
 def paired_worker(argv):
@@ -141,7 +145,7 @@ def paired_worker(argv):
                      for name in names}
         pos = positions["1f1b"]
         engines = {name: engine(margs[name], env, positions[name], autograd_w=name == "zb-autograd-w",
-                                late=name.endswith("-late")) for name in names}
+                                late=name.endswith("-late"), unsplit=name.endswith("-unsplit")) for name in names}
         data = SyntheticData(margs["1f1b"].seed)
         batches = [data.batch(s, margs["1f1b"].batch_size) for s in range(4)]
         first = margs["1f1b"]
@@ -159,8 +163,13 @@ def paired_worker(argv):
                                           "message_ms": message_ms, "rounds": rows}), flush=True)
 
 
-def engine(margs, env, pos, autograd_w=False, late=False):
-    model, runner = pm.setup_stage(margs, env, pos, messenger=partial(pm.Messenger, ahead=0) if late else None)
+def engine(margs, env, pos, autograd_w=False, late=False, unsplit=False):
+    if unsplit:                 # no layer split: a stash with nothing in it, and autograd takes every gradient in B
+        pm.split_weight_grads = lambda chunk: WeightGradStash()
+    try:
+        model, runner = pm.setup_stage(margs, env, pos, messenger=partial(pm.Messenger, ahead=0) if late else None)
+    finally:
+        pm.split_weight_grads = split_weight_grads
     if autograd_w:              # a weight with a gradient hook takes its W through autograd (zero_bubble.py)
         for chunk in runner.chunks:
             for p in chunk.parameters():
@@ -282,6 +291,8 @@ def summarise_paired(result):
         out[name]["sim_over_1f1b"] = round(out[name]["sim_span_ms"] / out["1f1b"]["sim_span_ms"], 3)
         if "1f1b-late" in names:       # --paired-ahead: the schedules as they ran before receives went ahead
             out[name]["over_1f1b_late"] = statistics.median(r[name]["s"] / r["1f1b-late"]["s"] for r in rounds)
+        if name + "-unsplit" in names:  # --paired-fused: each schedule against itself with autograd's weight gradients
+            out[name]["over_unsplit"] = statistics.median(r[name]["s"] / r[name + "-unsplit"]["s"] for r in rounds)
     if "zb" not in names:
         return out
     # the schedule alone: zb's order with a split that costs nothing (B + W = 1F1B's backward)
@@ -395,8 +406,11 @@ def main():
     p.add_argument("--paired-ahead", type=int, default=0, metavar="ROUNDS",
                    help="instead: --paired-zbv's run with 1f1b and zbv, each also with receives posted only in "
                         "their own exchange (1f1b-late, zbv-late: the executor before gloo posted them ahead)")
+    p.add_argument("--paired-fused", type=int, default=0, metavar="ROUNDS",
+                   help="instead: --paired-zbv's run with 1f1b and gpipe, each also with every weight gradient "
+                        "through autograd (1f1b-unsplit, gpipe-unsplit: before each B added them in place)")
     p.add_argument("--paired-stages", type=int, default=2, metavar="P",
-                   help="with --paired-zbv or --paired-ahead: P stages, one process each (one core each wanted: "
+                   help="with --paired-zbv, --paired-ahead or --paired-fused: P stages, one process each (one core each wanted: "
                         "a lent 16-core machine), on 7 x P layers, m = max(8, 2P), 32 samples a microbatch; "
                         "2 is the model above")
     p.add_argument("--pieces", action="store_true",
@@ -405,13 +419,15 @@ def main():
     if args.pieces:
         print(json.dumps({"load": loadavg(), "pieces": pieces(), "load_after": loadavg()}, indent=1))
         return
-    if args.paired or args.paired_zbv or args.paired_ahead:
+    rounds = args.paired or args.paired_zbv or args.paired_ahead or args.paired_fused
+    if rounds:
         stages = args.paired_stages
         if stages < 2 or (args.paired and stages != 2):
-            p.error(f"--paired-stages {stages}: 2 or more, and only with --paired-zbv or --paired-ahead")
+            p.error(f"--paired-stages {stages}: 2 or more, and not with --paired")
         extra = [] if args.paired else ZBV_EXTRA + stages_args(stages)
-        summary = run_paired(args.paired or args.paired_zbv or args.paired_ahead, 3, extra,
-                             ENGINES if args.paired else ZBV_ENGINES if args.paired_zbv else AHEAD_ENGINES, stages)
+        engines = ENGINES if args.paired else ZBV_ENGINES if args.paired_zbv else \
+            AHEAD_ENGINES if args.paired_ahead else FUSED_ENGINES
+        summary = run_paired(rounds, 3, extra, engines, stages)
         print(json.dumps(summary, indent=1))
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:

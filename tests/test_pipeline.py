@@ -269,7 +269,8 @@ def plain_gpipe_step(chunk, pos, x_mb, head, m, in_shape):
 
 def test_plain_gpipe_equals_the_executors_gpipe(tmp_path):
     """GPipe written out as a plain loop and the executor playing mp.pp.schedules' gpipe: the same
-    loss and the same gradients, bit for bit, on 3 spawned ranks (the cnn: convolutions and linears)."""
+    loss, bit for bit, and the same gradients to float rounding (the executor's B adds each weight's
+    gradient in place, mp.pp.zero_bubble), on 3 spawned ranks (the cnn: convolutions and linears)."""
     run_ranks(_plain_gpipe_case, 3, tmp_path)
 
 
@@ -281,23 +282,24 @@ def _plain_gpipe_case(rank, world, group):
     pos = pm.PipelineRank(rank, world, list(range(world)))
     grads, losses = [], []
     for plain in (True, False):
-        model, runner = pm.setup_stage(args, env, pos)
-        if plain:
+        if plain:                             # the chunk as built: autograd takes every gradient
+            model, chunks, shapes = pm.build_stage_model(args, pos, env.device)
             mine = []
 
             def head(mb, logits):
                 mine.append(F.cross_entropy(logits, y.chunk(4)[mb]) / 4)
                 return mine[-1]
-            plain_gpipe_step(runner.chunks[0], pos, x.chunk(4), head, 4, (3, *runner.messenger.shapes[rank]))
+            plain_gpipe_step(chunks[0], pos, x.chunk(4), head, 4, (3, *shapes[rank]))
             losses.append(torch.stack(mine).sum().item() if mine else None)
-        else:
+        else:                                 # the executor's: each weight gradient added in place after its B
+            model, runner = pm.setup_stage(args, env, pos)
             loss = pm.forward_backward(runner, schedule_actions("gpipe", pos, 4), x, y, 4)
             losses.append(None if loss is None else loss.item())
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert losses[0] == losses[1], losses
     assert grads[0].keys() == grads[1].keys() and grads[0]
-    for name in grads[0]:
-        assert torch.equal(grads[0][name], grads[1][name]), name
+    for name in grads[0]:                     # to rounding: the split sums a bias and adds dy^T x its own way
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 # ----------------------------------------------------------------------------- zbv: zero bubble in a V
