@@ -244,15 +244,15 @@ class StageRunner(TimelineRecorder):
     microbatch's forward and its backward, and sent tensors only until their send completes.
 
     split: the chunks' Linear and Conv2d layers take their weight gradients apart from B
-    (mp.pp.zero_bubble): "W" (zb, zbv) in the schedule's W actions; "B" (the others but 2bw) right
-    after each B, added in place (gradient-accumulation fusion). recompute (GPipe's re-materialisation): F runs without autograd and keeps
+    (mp.pp.zero_bubble): "W" (zb, zbv) in the schedule's W actions; "B" (the others but 2bw: large
+    linear layers) right after each B, added in place (gradient-accumulation fusion). recompute (GPipe's re-materialisation): F runs without autograd and keeps
     only the chunk's input; B first re-runs the forward. versions (2bw): mp.pp.pipedream.TwoVersions
     says which weights a forward runs with, what the optimizer steps, what a step leaves in flight."""
 
     def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None, keys=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
-        self.stashes, self.versions = [split_weight_grads(chunk) for chunk in chunks] if split else None, versions
-        self.w_in_b = split == "B"
+        self.stashes = [split_weight_grads(chunk, fused=split == "B") for chunk in chunks] if split else None
+        self.w_in_b, self.versions = split == "B", versions
         self.keys = keys or DropoutKeys(seed=0)   # the model's (setup_stage): its dropout layers read them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
         # whose gradients a chunk's last B of a step makes final, and its last W (zb's split weights)

@@ -165,7 +165,7 @@ def paired_worker(argv):
 
 def engine(margs, env, pos, autograd_w=False, late=False, unsplit=False):
     if unsplit:                 # no layer split: a stash with nothing in it, and autograd takes every gradient in B
-        pm.split_weight_grads = lambda chunk: WeightGradStash()
+        pm.split_weight_grads = lambda chunk, **_: WeightGradStash()
     try:
         model, runner = pm.setup_stage(margs, env, pos, messenger=partial(pm.Messenger, ahead=0) if late else None)
     finally:

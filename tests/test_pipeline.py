@@ -14,6 +14,7 @@ from mp.models import build_model
 from mp.data import Cifar10Data, SyntheticData, load_data, next_batch
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks, slow
 from mp.check import check_one_step
+from mp.pp.zero_bubble import FUSED_MIN_WEIGHT
 from mp.pp.schedules import SCHEDULES, placement_of, schedule_actions
 
 MLP = FAST + ["--model", "mlp", "--hidden", "32", "--layers", "8", "--batch-size", "24"]
@@ -267,18 +268,33 @@ def plain_gpipe_step(chunk, pos, x_mb, head, m, in_shape):
             dist.send(x.grad, pos.prev_rank)
 
 
-def test_plain_gpipe_equals_the_executors_gpipe(tmp_path):
+# 320 x 320 weights and the 3072 x 320 first layer: gpipe, 1f1b and interleaved add their weight gradients
+# in place right after each B (split "B", mp.pp.zero_bubble.FUSED_MIN_WEIGHT), where the small test models don't
+FUSED = FAST + ["--model", "mlp", "--hidden", "320", "--layers", "4", "--batch-size", "24"]
+
+
+@pytest.mark.parametrize("model", ["cnn", "mlp"])
+def test_plain_gpipe_equals_the_executors_gpipe(tmp_path, model):
     """GPipe written out as a plain loop and the executor playing mp.pp.schedules' gpipe: the same
-    loss, bit for bit, and the same gradients to float rounding (the executor's B adds each weight's
-    gradient in place, mp.pp.zero_bubble), on 3 spawned ranks (the cnn: convolutions and linears)."""
-    run_ranks(_plain_gpipe_case, 3, tmp_path)
+    loss, bit for bit, and the same gradients to float rounding, on 3 spawned ranks. The cnn:
+    convolutions and small linears, all through autograd; the mlp of 320: every linear layer's W
+    added in place right after its B (mp.pp.zero_bubble), checked to be so."""
+    run_ranks(_plain_gpipe_cnn if model == "cnn" else _plain_gpipe_mlp, 3, tmp_path)
 
 
-def _plain_gpipe_case(rank, world, group):
+def _plain_gpipe_cnn(rank, world, group):
+    _plain_gpipe_case(rank, world, FAST + ["--model", "cnn", "--batch-size", "12"], fused=False)
+
+
+def _plain_gpipe_mlp(rank, world, group):
+    _plain_gpipe_case(rank, world, FUSED + ["--batch-size", "12", "--layers", "3"], fused=True)
+
+
+def _plain_gpipe_case(rank, world, model_args, fused):
     import torch.nn.functional as F
     env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
     x, y = SyntheticData(0).batch(0, 12)
-    args = pm.parse_args(FAST + ["--model", "cnn", "--batch-size", "12", "--schedule", "gpipe", "--microbatches", "4"])
+    args = pm.parse_args(model_args + ["--schedule", "gpipe", "--microbatches", "4"])
     pos = pm.PipelineRank(rank, world, list(range(world)))
     grads, losses = [], []
     for plain in (True, False):
@@ -293,6 +309,9 @@ def _plain_gpipe_case(rank, world, group):
             losses.append(torch.stack(mine).sum().item() if mine else None)
         else:                                 # the executor's: each weight gradient added in place after its B
             model, runner = pm.setup_stage(args, env, pos)
+            fused_weights = [w for stash in runner.stashes for w in stash.weights]   # W right after B on these
+            assert all(w.numel() >= FUSED_MIN_WEIGHT for w in fused_weights) and (fused or not fused_weights)
+            assert not fused or rank > 0 or fused_weights   # rank 0 holds the 3072 x 320 first layer
             loss = pm.forward_backward(runner, schedule_actions("gpipe", pos, 4), x, y, 4)
             losses.append(None if loss is None else loss.item())
         grads.append({n: p.grad for n, p in model.named_parameters()})
@@ -300,6 +319,18 @@ def _plain_gpipe_case(rank, world, group):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name in grads[0]:                     # to rounding: the split sums a bias and adds dy^T x its own way
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_fused_weight_gradients_keep_the_baseline(tmp_path, baseline):
+    """Split "B" under the schedules and programs that run it: 1f1b and interleaved on 2 stages, and
+    the joint program's 1f1b on 2 x 2, whose buckets start once a chunk's last B has added its weight
+    gradients in place; with dropout and clipping, every step's loss is the baseline's."""
+    args = FUSED + ["--steps", "6", "--dropout", "0.1", "--clip-grad-norm", "0.5"]
+    for i, (program, extra, n) in enumerate([("pipeline_microbatch.py", ["--schedule", "1f1b"], 2),
+                                             ("pipeline_microbatch.py", ["--schedule", "interleaved"], 2),
+                                             ("pipeline_dp_joint.py", ["--schedule", "1f1b", "--dp", "2"], 4)]):
+        run = launch(program, args + extra, tmp_path, nproc=n, log_name=f"fused{i}.jsonl")
+        assert_same_losses(run, baseline(args))
 
 
 # ----------------------------------------------------------------------------- zbv: zero bubble in a V

@@ -25,10 +25,11 @@ bias added after its all-reduce) take their gradients in B.
         torch.autograd.backward(y, dy)
     stash.weight_grads(mb)               # W: later, A.grad += dA for every split layer
 
-The other schedules split their layers too (split_for: "B"), and the executor runs each
-microbatch's W right after its B. The schedule does not change; what changes is the arithmetic:
-one GEMM into A.grad in place of autograd's product and then its add, what Megatron-LM's
-gradient-accumulation fusion does on a GPU. Measured on 2 stages and 2 cores
+The other schedules split their large linear layers too (split_for: "B"; FUSED_MIN_WEIGHT), and
+the executor runs each microbatch's W right after its B. The schedule does not change; what changes
+is the arithmetic: one GEMM into A.grad in place of autograd's product and then its add, what
+Megatron-LM's gradient-accumulation fusion does on a GPU. Small layers and convolutions keep
+autograd's backward, which costs them less. Measured on 2 stages and 2 cores
 (benchmarks/zero_bubble.py --paired-fused, docs/pipeline.md): B and W of a microbatch 8.0-8.7 ms
 against autograd's 10.2-10.3 ms, 1F1B's step 0.94 and GPipe's 0.92 of theirs with autograd's weight
 gradients. 2bw keeps autograd: its forwards run one of two weight versions in place of the layer's
@@ -183,25 +184,40 @@ SPLIT = {nn.Linear: SplitLinear, nn.Conv2d: SplitConv2d}
 def split_for(schedule):
     """Where a schedule's weight gradients are taken (pipeline_microbatch.StageRunner's split): "W", in
     W actions of their own (zb, zbv); None, by autograd in B (2bw, whose two weight versions share the
-    layers); "B", every other schedule: split too, each W run right after its B."""
+    layers); "B", every other schedule: its large linear layers split too (split_weight_grads's
+    fused), each W run right after its B."""
     return "W" if schedule in ("zb", "zbv") else None if schedule == "2bw" else "B"
 
 
-def split_weight_grads(chunk):
+def split_weight_grads(chunk, fused=False):
     """Split every plain nn.Linear and nn.Conv2d in chunk (replaced by its twin) and every
-    tensor-parallel shard (its op replaced); return their stash."""
+    tensor-parallel shard (its op replaced); return their stash. fused (split "B", W right after B):
+    only the linear ones of FUSED_MIN_WEIGHT elements or more, where the in-place GEMM gains."""
     stash = WeightGradStash()
     for parent in list(chunk.modules()):
         if hasattr(parent, "shards") and callable(getattr(parent, "op", None)):   # a tensor-parallel shard
-            parent.op = SplitShardOp(parent, stash)
-            stash.weights += [parent.weight] if parent.weight.requires_grad else []
+            if not fused or worth_fusing(parent, not isinstance(parent.op, partial)):   # partial: a conv2d
+                parent.op = SplitShardOp(parent, stash)
+                stash.weights += [parent.weight] if parent.weight.requires_grad else []
         for name, child in list(parent.named_children()):
-            if type(child) in SPLIT:              # exact types: tensor-parallel shards are not these
+            if type(child) in SPLIT and (not fused or worth_fusing(child, type(child) is nn.Linear)):   # not shards
                 twin = SPLIT[type(child)](child, stash)
                 keep_module_hooks(child, twin)
                 setattr(parent, name, twin)
                 stash.weights += [child.weight] if child.weight.requires_grad else []
     return stash
+
+
+# split "B" gains only on a linear layer this large (elements of its weight): forward and backward of 32 rows
+# through one layer, W in place against autograd's, on one core (2026-11-26): 84 x 120 1.27, 120 x 400 1.10,
+# 256 x 256 1.04, 512 x 256 0.91, 512 x 512 0.93, 768 x 768 0.87. The split's autograd Function and
+# stash cost some 20 us a layer in Python; the temporary it saves costs less than that below ~100k elements.
+# Convolutions are never fused: conv2d_input and conv2d_weight apart cost more than autograd's one call.
+FUSED_MIN_WEIGHT = 100_000
+
+
+def worth_fusing(layer, linear):
+    return linear and layer.weight.numel() >= FUSED_MIN_WEIGHT
 
 
 def keep_module_hooks(old, new):
