@@ -185,7 +185,7 @@ class Messenger:
         gloo send completes once the peer posts its receive, and waiting for it here would hold my
         next compute in lock step with the next stage. The sends wait until just before the next
         exchange that sends (as torch.distributed.pipelining's 1F1B; zbv on gloo: the step's end; nccl:
-        once 16 newer are out), no deadlock. ahead: the next exchanges' receives, which gloo posts now (mp.pp.p2p)."""
+        the newest 16 stay), no deadlock. ahead: the next exchanges' receives, posted now (gloo)."""
         start = time.perf_counter()           # the timeline's wait includes the posting
         if not self.sends_at_once and any(kind == "send" for kind, _, _ in parts):
             self.finish(self.kept)            # the previous exchanges' sends
@@ -243,11 +243,11 @@ class StageRunner(TimelineRecorder):
     """Runs one rank's action list for one global batch. Saved activations live only between a
     microbatch's forward and its backward, and sent tensors only until their send completes.
 
-    split: the chunks' Linear and Conv2d layers take their weight gradients apart from B
-    (mp.pp.zero_bubble): "W" (zb, zbv) in the schedule's W actions; "B" (the others but 2bw: large
-    linear layers) right after each B, added in place (gradient-accumulation fusion). recompute (GPipe's re-materialisation): F runs without autograd and keeps
-    only the chunk's input; B first re-runs the forward. versions (2bw): mp.pp.pipedream.TwoVersions
-    says which weights a forward runs with, what the optimizer steps, what a step leaves in flight."""
+    split (mp.pp.zero_bubble): "W" (zb, zbv), the Linear and Conv2d layers' weight gradients in W
+    actions of their own; "B" (the others but 2bw), the large Linear layers' added in place right
+    after each B (gradient-accumulation fusion). recompute (GPipe's re-materialisation): F runs
+    without autograd, keeping only the chunk's input; B re-runs the forward first. versions (2bw):
+    mp.pp.pipedream.TwoVersions, which weights a forward runs with, what is stepped and left in flight."""
 
     def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None, keys=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute

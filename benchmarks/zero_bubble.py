@@ -8,7 +8,7 @@ runs 4 stages of a 16-layer mlp (4 processes on 2 cores: oversubscribed, say so 
     python benchmarks/zero_bubble.py --paired-zbv 40 --out logs/bench/zero_bubble_zbv.json   # 1f1b, zb, zbv
     python benchmarks/zero_bubble.py --paired-zbv 30 --paired-stages 4    # the same on 4 stages, a core each
     python benchmarks/zero_bubble.py --paired-ahead 40 --out logs/bench/zero_bubble_ahead.json   # receives ahead?
-    python benchmarks/zero_bubble.py --paired-fused 40    # 1f1b and gpipe against themselves with autograd's weight gradients
+    python benchmarks/zero_bubble.py --paired-fused 40    # 1f1b, gpipe against themselves unsplit (autograd W)
 
 Each configuration runs `--rounds` times, the configurations of one microbatch count in turn
 (1f1b, zb, 1f1b --recompute, ...), so a drift of the machine's speed hits all alike; a run's step
