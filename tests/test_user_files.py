@@ -209,6 +209,23 @@ def test_a_launchers_help_is_its_own_usage_at_once(script, flag, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_ctrl_c_that_lands_as_a_step_ends_well_still_stops_the_launcher(tmp_path):
+    """The race CI once hit: SIGINT reaches the job while a step is ending with status 0, and bash,
+    seeing a child that exited normally, would take the signal as handled and run on. Here the step
+    ignores SIGINT and ends well; the launchers' INT trap (mp/tools/launch_checks.sh) still stops the
+    script, silently, with 130."""
+    script = tmp_path / "launcher.sh"
+    script.write_text(f'set -euo pipefail\ncd {ROOT}\nsource ./mp/tools/launch_checks.sh\n'
+                      f'{sys.executable} -c "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); '
+                      f'time.sleep(1.5)"\necho ran on\n')
+    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(0.8)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, out, err) == (130, "", ""), (proc.returncode, out, err)
+
+
 def test_ctrl_c_while_a_launcher_or_its_tools_start_says_at_most_one_line(tmp_path):
     """Issue 43, item 4, the launchers: SIGINT to the whole process group, as a terminal sends it, while
     the launcher checks its knobs and arguments, while the baseline imports torch, and while the tools a

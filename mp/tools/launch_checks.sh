@@ -12,13 +12,15 @@ launcher_error() {
 # ---- exits ---------------------------------------------------------------------------------------
 # A failed step stops the launcher with its name (STEP), before anything later is plotted. A step
 # that was interrupted (Ctrl-C reaches every process of the job; torchrun passes it to the ranks)
-# has said so in one line and exits 130: the launcher then leaves quietly with the same status. (No
-# INT trap: bash would run it after the step too, and print a second line.)
+# has said so in one line and exits 130: the launcher then leaves quietly with the same status. The
+# INT trap says nothing either: it is there for a Ctrl-C that lands just as a step ends well (exit 0),
+# which bash would otherwise take for a step that handled the signal, and run on to the end (seen in CI).
 launcher_stopped() {   # the ERR trap: RC
     if [ "$1" = 130 ]; then exit 130; fi
     echo "$(basename "$0"): stopped: $STEP failed with exit status $1; nothing after it ran" >&2
 }
 trap 'launcher_stopped $?' ERR
+trap 'exit 130' INT
 
 # ---- --help --------------------------------------------------------------------------------------
 # `bash run_X.sh --help` (or -h) prints the launcher's own usage at once and exits 0: its header
