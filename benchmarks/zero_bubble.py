@@ -410,9 +410,9 @@ def main():
                    help="instead: --paired-zbv's run with 1f1b and gpipe, each also with every weight gradient "
                         "through autograd (1f1b-unsplit, gpipe-unsplit: before each B added them in place)")
     p.add_argument("--paired-stages", type=int, default=2, metavar="P",
-                   help="with --paired-zbv, --paired-ahead or --paired-fused: P stages, one process each (one core each wanted: "
-                        "a lent 16-core machine), on 7 x P layers, m = max(8, 2P), 32 samples a microbatch; "
-                        "2 is the model above")
+                   help="with --paired-zbv, --paired-ahead or --paired-fused: P stages, one process each (one "
+                        "core each wanted: a lent 16-core machine), on 7 x P layers, m = max(8, 2P), 32 samples "
+                        "a microbatch; 2 is the model above")
     p.add_argument("--pieces", action="store_true",
                    help="instead: one process, each stage's F, 1F1B backward, B and W of one microbatch, timed alone")
     args = p.parse_args()
@@ -420,6 +420,8 @@ def main():
         print(json.dumps({"load": loadavg(), "pieces": pieces(), "load_after": loadavg()}, indent=1))
         return
     rounds = args.paired or args.paired_zbv or args.paired_ahead or args.paired_fused
+    if args.paired_stages != 2 and not rounds:
+        p.error(f"--paired-stages {args.paired_stages} goes with --paired-zbv, --paired-ahead or --paired-fused")
     if rounds:
         stages = args.paired_stages
         if stages < 2 or (args.paired and stages != 2):
