@@ -252,7 +252,7 @@ class StageRunner(TimelineRecorder):
     def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None, keys=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
         self.stashes = [split_weight_grads(chunk, fused=split == "B") for chunk in chunks] if split else None
-        self.w_in_b, self.versions = split == "B", versions
+        self.w_after_b, self.versions = split == "B", versions
         self.keys = keys or DropoutKeys(seed=0)   # the model's (setup_stage): its dropout layers read them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
         # whose gradients a chunk's last B of a step makes final, and its last W (zb's split weights)
@@ -285,7 +285,7 @@ class StageRunner(TimelineRecorder):
                 self.forward(mb, chunk, inputs, head, saved, outbox, inbox)
             elif kind == "B":
                 start = self.backward(mb, chunk, saved.pop((mb, chunk)), outbox, inbox, start)
-            if kind == "W" or kind == "B" and self.w_in_b:   # W: an action (zb, zbv), or right after its B
+            if kind == "W" or kind == "B" and self.w_after_b:   # W: an action (zb, zbv), or right after its B
                 self.stashes[chunk].weight_grads(mb, grads)   # in place, no hook: W tells the buckets itself
             if last.get((kind, chunk)) == i:  # this chunk's last backward of the step: its gradients are final
                 grads.final(self.final_after[(kind, chunk)])

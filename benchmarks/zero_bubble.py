@@ -419,6 +419,11 @@ def main():
     if args.pieces:
         print(json.dumps({"load": loadavg(), "pieces": pieces(), "load_after": loadavg()}, indent=1))
         return
+    modes = {"--paired": args.paired, "--paired-zbv": args.paired_zbv, "--paired-ahead": args.paired_ahead,
+             "--paired-fused": args.paired_fused}
+    for flag, n in modes.items():
+        if n < 0:
+            p.error(f"{flag} {n}: the rounds to run, 1 or more (0: not this mode)")
     rounds = args.paired or args.paired_zbv or args.paired_ahead or args.paired_fused
     if args.paired_stages != 2 and not rounds:
         p.error(f"--paired-stages {args.paired_stages} goes with --paired-zbv, --paired-ahead or --paired-fused")
