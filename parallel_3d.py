@@ -206,8 +206,8 @@ class CutMessenger(Messenger):
             return super().buffer(msg, mb_size)
         return torch.empty((mb_size, self.sizes(cut)[tp_rank(self.group)]), device=self.device)
 
-    def exchange(self, parts, outbox, mb_size, record=None, ahead=()):
-        received = super().exchange(parts, outbox, mb_size, record, ahead)
+    def exchange(self, parts, outbox, mb_size, record=None, ahead=(), meanwhile=None):
+        received = super().exchange(parts, outbox, mb_size, record, ahead, meanwhile)
         for msg, part in received.items():        # the t slices all-gathered into the whole, in my tp group
             cut = self.cut(msg)
             if cut is not None:

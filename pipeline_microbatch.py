@@ -55,12 +55,12 @@ from mp.models import build_model, num_blocks
 from mp.optim import make_optimizer
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
-from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, sends_at_once, sends_kept, wait_message
+from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, sends_at_once, sends_kept, wait_message, wait_sends
 from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
 from mp.pp.training import pipeline_check, stage_batch
-from mp.pp.zero_bubble import split_for, split_weight_grads
+from mp.pp.zero_bubble import final_after, run_weight_grads, split_for, split_weight_grads
 from mp.sizes import split_sizes
 
 PROGRAM = "pipeline_microbatch"
@@ -180,12 +180,13 @@ class Messenger:
         what, mb, vstage = msg
         return (mb * self.pos.pp_size * self.pos.virtual + vstage) * 2 + (what == "grad")
 
-    def exchange(self, parts, outbox, mb_size, record=None, ahead=()):
+    def exchange(self, parts, outbox, mb_size, record=None, ahead=(), meanwhile=None):
         """Post every part (send or recv, peer, message) at once, then wait for the receives only: a
         gloo send completes once the peer posts its receive, and waiting for it here would hold my
         next compute in lock step with the next stage. The sends wait until just before the next
         exchange that sends (as torch.distributed.pipelining's 1F1B; zbv on gloo: the step's end; nccl:
-        the newest 16 stay), no deadlock. ahead: the next exchanges' receives, posted now (gloo)."""
+        the newest 16 stay), no deadlock. ahead: the next exchanges' receives, posted now (gloo).
+        meanwhile(): work that needs no message (the last Bs' Ws), run once the sends are out; True if any."""
         start = time.perf_counter()           # the timeline's wait includes the posting
         if not self.sends_at_once and any(kind == "send" for kind, _, _ in parts):
             self.finish(self.kept)            # the previous exchanges' sends
@@ -196,6 +197,8 @@ class Messenger:
         works = one_work_per_op(dist.batch_isend_irecv(ops) if ops else [], ops)   # gloo and nccl differ here
         posted.update(zip(fresh, zip(ops, works)))
         self.early.post(ahead, lambda kind, peer, msg: self.post(kind, peer, msg, None, mb_size))
+        if meanwhile and meanwhile():         # work done while the messages travel: the wait starts after it
+            start = time.perf_counter()
         ops, works = [posted[part][0] for part in parts], [posted[part][1] for part in parts]
         waited = []
         for (kind, peer, msg), work in zip(parts, works):
@@ -215,13 +218,8 @@ class Messenger:
             return (self.send_forward if msg[0] == "act" else self.send_backward)(outbox.pop(msg), peer, msg)
         return (self.recv_forward if msg[0] == "act" else self.recv_backward)(peer, msg, mb_size)
 
-    def finish(self, keep=0):
-        """Wait for the sends still in flight but the newest `keep` (before the next sends; all of them
-        at the end of a step)."""
-        done, self.sending = self.sending[:len(self.sending) - keep], self.sending[len(self.sending) - keep:]
-        for work, _, part in done:
-            if work is not None:
-                self.wait(work, [part])       # then the sent tensors may go
+    def finish(self, keep=0):                 # before the next sends, and all at the step's end (mp.pp.p2p)
+        self.sending = wait_sends(self.sending, keep, self.wait)
 
     def wait(self, work, parts):              # gloo: at most --timeout-s, then an error naming them (mp.pp.p2p)
         wait_message(work, parts, self.device, self.timeout_s, self.pos.pp_rank)
@@ -244,22 +242,19 @@ class StageRunner(TimelineRecorder):
     microbatch's forward and its backward, and sent tensors only until their send completes.
 
     split (mp.pp.zero_bubble): "W" (zb, zbv), the Linear and Conv2d layers' weight gradients in W
-    actions of their own; "B" (the others but 2bw), the large Linear layers' added in place right
-    after each B (gradient-accumulation fusion). recompute (GPipe's re-materialisation): F runs
+    actions of their own; "B" (the others but 2bw), the large Linear layers' added in place after
+    each B, once the next exchange has sent B's gradient upstream (gradient-accumulation fusion:
+    the stage before waits for dx, not for W). recompute (GPipe's re-materialisation): F runs
     without autograd, keeping only the chunk's input; B re-runs the forward first. versions (2bw):
     mp.pp.pipedream.TwoVersions, which weights a forward runs with, what is stepped and left in flight."""
 
     def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None, keys=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
         self.stashes = [split_weight_grads(chunk, fused=split == "B") for chunk in chunks] if split else None
-        self.w_after_b, self.versions = split == "B", versions
+        self.fused, self.versions = split == "B", versions
         self.keys = keys or DropoutKeys(seed=0)   # the model's (setup_stage): its dropout layers read them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
-        # whose gradients a chunk's last B of a step makes final, and its last W (zb's split weights)
-        deferred = {id(w) for stash in self.stashes or [] for w in stash.weights} if split == "W" else ()
-        self.final_after = {("B", c): [p for p in chunk.parameters() if id(p) not in deferred]
-                            for c, chunk in enumerate(chunks)}
-        self.final_after.update({("W", c): stash.weights for c, stash in enumerate(self.stashes or [])})
+        self.final_after = final_after(chunks, self.stashes, split)   # whose gradients a last B (W) makes final
 
     def run(self, actions, inputs, head, mb_size, first_sample=0, grads=None):
         """inputs: microbatches for virtual stage 0 (first stage only), indexed by microbatch and
@@ -275,9 +270,11 @@ class StageRunner(TimelineRecorder):
         recording = self.record if self.events is not None else None
         last = {(a[0], a[2]): i for i, a in enumerate(actions) if a[0] in ("B", "W")} if grads else {}
         ahead = self.messenger.early.plan(actions)   # gloo: what each exchange posts ahead (mp.pp.p2p)
+        finals = []                           # the gradients a chunk's last B (W) made final, told after the Ws
+        ws = partial(run_weight_grads, self, grads, finals)   # split "B": the Bs' Ws so far (mp.pp.zero_bubble)
         for i, action in enumerate(actions):
-            if action[0] == "comm":
-                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording, ahead.get(i, ())))
+            if action[0] == "comm":           # the Bs' Ws run here, once their input gradients are sent
+                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording, ahead.get(i, ()), ws))
                 continue
             kind, mb, chunk = action
             start = self.clock()
@@ -285,11 +282,14 @@ class StageRunner(TimelineRecorder):
                 self.forward(mb, chunk, inputs, head, saved, outbox, inbox)
             elif kind == "B":
                 start = self.backward(mb, chunk, saved.pop((mb, chunk)), outbox, inbox, start)
-            if kind == "W" or kind == "B" and self.w_after_b:   # W: an action (zb, zbv), or right after its B
+            elif kind == "W":                 # zb, zbv: an action of its own
                 self.stashes[chunk].weight_grads(mb, grads)   # in place, no hook: W tells the buckets itself
-            if last.get((kind, chunk)) == i:  # this chunk's last backward of the step: its gradients are final
-                grads.final(self.final_after[(kind, chunk)])
             self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
+            if last.get((kind, chunk)) == i:  # this chunk's last backward of the step: its gradients are final
+                finals.append(self.final_after[(kind, chunk)])
+                if not self.fused:            # now; split "B": in the next exchange, once its last Ws ran
+                    ws()
+        ws()                                  # the Ws of Bs with no exchange after them
         self.messenger.finish()
         if self.versions:                     # 2bw: the next batch's first forwards stay in flight
             self.versions.carry_out(saved, inbox, training)

@@ -8,7 +8,7 @@ runs 4 stages of a 16-layer mlp (4 processes on 2 cores: oversubscribed, say so 
     python benchmarks/zero_bubble.py --paired-zbv 40 --out logs/bench/zero_bubble_zbv.json   # 1f1b, zb, zbv
     python benchmarks/zero_bubble.py --paired-zbv 30 --paired-stages 4    # the same on 4 stages, a core each
     python benchmarks/zero_bubble.py --paired-ahead 40 --out logs/bench/zero_bubble_ahead.json   # receives ahead?
-    python benchmarks/zero_bubble.py --paired-fused 40    # 1f1b, gpipe against themselves unsplit (autograd W)
+    python benchmarks/zero_bubble.py --paired-fused 40    # 1f1b, gpipe against their W in B and unsplit (autograd W)
 
 Each configuration runs `--rounds` times, the configurations of one microbatch count in turn
 (1f1b, zb, 1f1b --recompute, ...), so a drift of the machine's speed hits all alike; a run's step
@@ -126,9 +126,10 @@ ZBV_ENGINES, ZBV_EXTRA, ZBV_BALANCE = ("1f1b", "zb", "zbv"), ["--layers", "14", 
 # --paired-ahead: the same, each schedule also with the executor's receives posted only in their own exchange
 # ("-late": Messenger(ahead=0), as before receives went out ahead on gloo), to measure that change in one run
 AHEAD_ENGINES = ("1f1b", "1f1b-late", "zbv", "zbv-late")
-# --paired-fused: 1f1b and gpipe, each also with every weight gradient through autograd ("-unsplit": as before each
+# --paired-fused: 1f1b and gpipe, each also with its Ws inside their B ("-in-b": as before the next exchange ran them,
+# once B's gradient was sent) and with every weight gradient through autograd ("-unsplit": as before each
 # B added its weights' gradients in place, pipeline_microbatch.StageRunner's split "B"), on --paired-zbv's model
-FUSED_ENGINES = ("1f1b", "1f1b-unsplit", "gpipe", "gpipe-unsplit")
+FUSED_ENGINES = ("1f1b", "1f1b-in-b", "1f1b-unsplit", "gpipe", "gpipe-in-b", "gpipe-unsplit")
 
 
 def paired_worker(argv):
@@ -145,7 +146,8 @@ def paired_worker(argv):
                      for name in names}
         pos = positions["1f1b"]
         engines = {name: engine(margs[name], env, positions[name], autograd_w=name == "zb-autograd-w",
-                                late=name.endswith("-late"), unsplit=name.endswith("-unsplit")) for name in names}
+                                late=name.endswith("-late"), unsplit=name.endswith("-unsplit"),
+                                in_b=name.endswith("-in-b")) for name in names}
         data = SyntheticData(margs["1f1b"].seed)
         batches = [data.batch(s, margs["1f1b"].batch_size) for s in range(4)]
         first = margs["1f1b"]
@@ -163,7 +165,7 @@ def paired_worker(argv):
                                           "message_ms": message_ms, "rounds": rows}), flush=True)
 
 
-def engine(margs, env, pos, autograd_w=False, late=False, unsplit=False):
+def engine(margs, env, pos, autograd_w=False, late=False, unsplit=False, in_b=False):
     if unsplit:                 # no layer split: a stash with nothing in it, and autograd takes every gradient in B
         pm.split_weight_grads = lambda chunk, **_: WeightGradStash()
     try:
@@ -175,6 +177,14 @@ def engine(margs, env, pos, autograd_w=False, late=False, unsplit=False):
             for p in chunk.parameters():
                 p.register_post_accumulate_grad_hook(lambda p: None)
     opt = make_optimizer([p for chunk in runner.chunks for p in chunk.parameters()], margs)
+    if in_b:                    # each W inside its B, before B's gradient is sent (as before the exchange ran it)
+        backward = runner.backward
+
+        def backward_then_w(mb, chunk, *rest):
+            start = backward(mb, chunk, *rest)
+            runner.stashes[chunk].weight_grads(mb)
+            return start
+        runner.backward = backward_then_w
     if late:                    # as before this change: zbv's sends where rendezvous places them, waited as 1F1B's
         runner.messenger.sends_at_once = False
     actions = schedule_actions(margs.schedule, pos, margs.microbatches, sends_at_once=runner.messenger.sends_at_once)
@@ -238,12 +248,15 @@ def loadavg():
 
 
 def simulate(schedule, ms, message_ms, p, m):
-    """The arithmetic: the span of one step of `schedule` (its compute order from mp.pp.schedules)
-    when every action lasts the measured median ms[stage][F, B or W] (zbv's chunk b: Fb, Bb, Wb) and
-    every message between ranks message_ms; an action starts once its rank is free and its input is
-    in. Returns (span ms, bubble)."""
+    """The arithmetic: the span of one step of `schedule` (its compute order from mp.pp.schedules; a
+    fused W, timed apart, right after its B) when every action lasts the measured median ms[stage][F,
+    B or W] (zbv's chunk b: Fb, Bb, Wb) and every message between ranks message_ms; an action starts
+    once its rank is free and its input is in. Returns (span ms, bubble)."""
     placement, v = placement_of(schedule), 2 if schedule == "zbv" else 1
     orders = [compute_order(schedule, p, m, r, v) for r in range(p)]
+    if schedule not in ("zb", "zbv") and "W" in ms["0"]:   # a fused W: right after its B, once B's gradient is sent
+        orders = [[a for action in order for a in ([action, ("W", *action[1:])] if action[0] == "B" else [action])]
+                  for order in orders]
     done, free, at = {}, [0.0] * p, [0] * p
 
     def cost(r, kind, chunk):
@@ -291,13 +304,16 @@ def summarise_paired(result):
         out[name]["sim_over_1f1b"] = round(out[name]["sim_span_ms"] / out["1f1b"]["sim_span_ms"], 3)
         if "1f1b-late" in names:       # --paired-ahead: the schedules as they ran before receives went ahead
             out[name]["over_1f1b_late"] = statistics.median(r[name]["s"] / r["1f1b-late"]["s"] for r in rounds)
-        if name + "-unsplit" in names:  # --paired-fused: each schedule against itself with autograd's weight gradients
-            out[name]["over_unsplit"] = statistics.median(r[name]["s"] / r[name + "-unsplit"]["s"] for r in rounds)
+        for other in ("in-b", "unsplit"):   # --paired-fused: each schedule against its W in B, its autograd W
+            if f"{name}-{other}" in names:
+                out[name][f"over_{other.replace('-', '_')}"] = statistics.median(
+                    r[name]["s"] / r[f"{name}-{other}"]["s"] for r in rounds)
     if "zb" not in names:
         return out
     # the schedule alone: zb's order with a split that costs nothing (B + W = 1F1B's backward)
     fused, zb = out["1f1b"]["per_mb_ms"], out["zb"]["per_mb_ms"]
-    free = {st: {"F": fused[st]["F"], "B": zb[st]["B"], "W": fused[st]["B"] - zb[st]["B"]} for st in zb}
+    free = {st: {"F": fused[st]["F"], "B": zb[st]["B"], "W": fused[st]["B"] + fused[st].get("W", 0) - zb[st]["B"]}
+            for st in zb}
     span, _ = simulate("zb", free, result["message_ms"], len(free), result["microbatches"])
     out["zb"]["sim_free_split_over_1f1b"] = round(span / out["1f1b"]["sim_span_ms"], 3)
     return out
@@ -407,8 +423,9 @@ def main():
                    help="instead: --paired-zbv's run with 1f1b and zbv, each also with receives posted only in "
                         "their own exchange (1f1b-late, zbv-late: the executor before gloo posted them ahead)")
     p.add_argument("--paired-fused", type=int, default=0, metavar="ROUNDS",
-                   help="instead: --paired-zbv's run with 1f1b and gpipe, each also with every weight gradient "
-                        "through autograd (1f1b-unsplit, gpipe-unsplit: before each B added them in place)")
+                   help="instead: --paired-zbv's run with 1f1b and gpipe, each also with its Ws right after "
+                        "their B (1f1b-in-b, gpipe-in-b: before the next exchange ran them) and with every weight "
+                        "gradient through autograd (1f1b-unsplit, gpipe-unsplit: before each B added them in place)")
     p.add_argument("--paired-stages", type=int, default=2, metavar="P",
                    help="with --paired-zbv, --paired-ahead or --paired-fused: P stages, one process each (one "
                         "core each wanted: a lent 16-core machine), on 7 x P layers, m = max(8, 2P), 32 samples "

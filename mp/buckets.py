@@ -5,9 +5,9 @@ Each parameter's .grad is a view into one flat bucket (a bucket holds consecutiv
 order backward finishes them: the last layers first), so a bucket goes to the collective as it is:
 no copy in, no copy out. When a gradient is final is said, never inferred: the code that runs the
 backward calls final(params) once it has run the last backward that touches them (the pipeline's
-executor after a chunk's last B of the step, or its last W under zero-bubble). When every parameter
-of a bucket is final, the bucket's collective starts (async_op=True) and the backward goes on; wait()
-waits for all of them just before the optimizer step.
+executor after a chunk's last B of the step and that B's Ws, or its last W under zero-bubble). When
+every parameter of a bucket is final, the bucket's collective starts (async_op=True) and the backward
+goes on; wait() waits for all of them just before the optimizer step.
 
     backward of the last microbatch:   [ layer 8 | layer 7 | layer 6 | ... | layer 1 ]
     bucket 0 (layers 8-6):                       all-reduce ------>

@@ -69,23 +69,32 @@ def test_data_parallel_all_reduces_do_not_grow_with_the_microbatches(zero, tmp_p
 
 def test_the_timeline_shows_the_bucket_all_reduces_overlapping_the_last_backward(tmp_path):
     """Item 4's overlap, seen where a student would look: the joint program's --timeline (replica 0, the
-    last step, after the first has counted the accumulations). An mlp of 1024-wide layers gives each
-    weight a bucket of its own (mp.buckets cuts them at 4 MB), so a stage's first buckets are final,
-    and their all-reduces start, while the step's last backward still runs on the layers before them."""
+    last step, after the first has counted the accumulations). A chunk's buckets start once its last B
+    and that B's Ws have run (mp.buckets: said final, never inferred), in the exchange that sends the
+    B's gradient on. Interleaved, 2 stages of an mlp of 1024-wide layers, a bucket per weight (cut at
+    4 MB): stage 0's later chunk (layer 3) ends its backward first, so its two buckets' all-reduces
+    start while stage 0 still waits for and runs its first chunk's last backward (layer 1, the step's
+    last). Every bucket starts after its chunk's last W: none before the step's first W."""
     trace = tmp_path / "t.json"
     run = launch("pipeline_dp_joint.py", FAST + ["--dp", "2", "--model", "mlp", "--layers", "4", "--hidden", "1024",
                                                   "--steps", "3", "--batch-size", "16", "--microbatches", "2",
-                                                  "--timeline", str(trace)], tmp_path, nproc=4)
+                                                  "--schedule", "interleaved", "--timeline", str(trace)],
+                 tmp_path, nproc=4)
     assert run.returncode == 0, run.stderr[-3000:]
     events = json.loads(trace.read_text())["traceEvents"]
     for stage in (0, 1):
         mine = [e for e in events if e.get("pid") == stage]
-        buckets = [e for e in mine if e["cat"] == "collective"]
-        last_backward_end = max(e["ts"] + e["dur"] for e in mine if e["cat"] == "backward")
-        # at most 4 MB a bucket, last layer first: stage 0 [b2] [W2] [b1] [W1], stage 1 [b4 W4 b3] [W3]
+        buckets = sorted((e for e in mine if e["cat"] == "collective"), key=lambda e: e["ts"])
+        # at most 4 MB a bucket, last layer first: stage 0 [b3] [W3] [b1] [W1], stage 1 [b4 W4 b2] [W2]
         assert len(buckets) == {0: 4, 1: 2}[stage], buckets
         assert all(e["tid"] == 1 and e["name"].startswith("all-reduce") for e in buckets), buckets
-        assert min(e["ts"] for e in buckets) < last_backward_end, (stage, buckets, last_backward_end)
+        first_w = min(e["ts"] for e in mine if e["cat"] == "weight")
+        assert buckets[0]["ts"] > first_w, (stage, buckets, first_w)
+    stage0 = [e for e in events if e.get("pid") == 0]
+    last_backward = max((e for e in stage0 if e["cat"] == "backward"), key=lambda e: e["ts"])
+    assert last_backward["args"]["chunk"] == 0, last_backward          # layer 1's, the step's last
+    started = [e["ts"] for e in stage0 if e["cat"] == "collective"]
+    assert sum(ts < last_backward["ts"] for ts in started) == 2, (started, last_backward)   # [b3] and [W3]
 
 
 def test_a_run_with_many_buckets_gives_the_baselines_losses(tmp_path, baseline):

@@ -106,8 +106,8 @@ def _sends_in_flight_case(rank, world, group):
         _, runner = pm.setup_stage(args, env, pos)
         messenger, exchange, last_sends = runner.messenger, runner.messenger.exchange, []
 
-        def watched(parts, outbox, mb_size, record, ahead):
-            inbox = exchange(parts, outbox, mb_size, record, ahead)
+        def watched(parts, outbox, mb_size, record, ahead, meanwhile=None):
+            inbox = exchange(parts, outbox, mb_size, record, ahead, meanwhile)
             sent = [part for part in parts if part[0] == "send"]
             last_sends[:] = (last_sends if messenger.sends_at_once else []) + sent if sent else last_sends
             in_flight = [part for _, _, part in messenger.sending]
@@ -331,6 +331,48 @@ def test_fused_weight_gradients_keep_the_baseline(tmp_path, baseline):
                                              ("pipeline_dp_joint.py", ["--schedule", "1f1b", "--dp", "2"], 4)]):
         run = launch(program, args + extra, tmp_path, nproc=n, log_name=f"fused{i}.jsonl")
         assert_same_losses(run, baseline(args))
+
+
+def test_a_fused_w_runs_once_its_b_has_sent_its_gradient(tmp_path):
+    """Split "B" (gpipe, 1f1b, interleaved on 2 spawned ranks, linears of 320): each microbatch's W runs
+    once per chunk, after its B, and on a chunk that sends its input's gradient upstream only once
+    that send is posted: the stage before waits for dx, not for W (StageRunner.run, the exchange's
+    meanwhile). Running W inside its B, as before, fails it."""
+    run_ranks(_fused_w_case, 2, tmp_path)
+
+
+def _fused_w_case(rank, world, group):
+    env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
+    x, y = SyntheticData(0).batch(0, 24)
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        args = pm.parse_args(FUSED + ["--schedule", schedule, "--microbatches", "4"])
+        pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages, placement=placement_of(schedule))
+        _, runner = pm.setup_stage(args, env, pos)
+        exchange, posted, ran, backs = runner.messenger.exchange, set(), [], set()
+
+        def watched(parts, *rest):
+            posted.update(msg for kind, _, msg in parts if kind == "send")   # posted before meanwhile runs
+            return exchange(parts, *rest)
+        runner.messenger.exchange = watched
+        split = [chunk for chunk, stash in enumerate(runner.stashes) if stash.weights]   # (not the classifier alone)
+        assert split, (schedule, rank)
+        for chunk, stash in enumerate(runner.stashes):
+
+            def logged(mb, grads=None, chunk=chunk, w=stash.weight_grads):
+                vstage = runner.vstage(chunk)
+                assert (mb, chunk) in backs and (vstage == 0 or ("grad", mb, vstage - 1) in posted), \
+                    (schedule, rank, f"W of microbatch {mb} on virtual stage {vstage} before its gradient was sent")
+                ran.append((mb, chunk))
+                return w(mb, grads)
+            stash.weight_grads = logged
+        backward = runner.backward
+
+        def noted(mb, chunk, *rest):
+            backs.add((mb, chunk))
+            return backward(mb, chunk, *rest)
+        runner.backward = noted
+        pm.forward_backward(runner, schedule_actions(schedule, pos, 4), x, y, 4)
+        assert sorted(ran) == sorted((mb, c) for mb in range(4) for c in split), (schedule, ran)
 
 
 # ----------------------------------------------------------------------------- zbv: zero bubble in a V

@@ -61,6 +61,16 @@ def sends_kept(device):
     return SENDS_KEPT if device.type == "cuda" else 0
 
 
+def wait_sends(sending, keep, wait):
+    """Wait for the sends in flight, (work, tensor, part) oldest first, but the newest `keep`; returns
+    those. wait(work, parts) waits for one; then its tensor may go (a work of None is done already)."""
+    done, kept = sending[:len(sending) - keep], sending[len(sending) - keep:]
+    for work, _, part in done:
+        if work is not None:
+            wait(work, [part])
+    return kept
+
+
 def receives_ahead(actions, k):
     """{index of an exchange in actions: the receives of the k exchanges after it}, in their order."""
     exchanges = [i for i, action in enumerate(actions) if action[0] == "comm"]

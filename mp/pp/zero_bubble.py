@@ -25,14 +25,16 @@ bias added after its all-reduce) take their gradients in B.
         torch.autograd.backward(y, dy)
     stash.weight_grads(mb)               # W: later, A.grad += dA for every split layer
 
-The other schedules split their large linear layers too (split_for: "B"; FUSED_MIN_WEIGHT), and
-the executor runs each microbatch's W right after its B. The schedule does not change; what changes
-is the arithmetic: one GEMM into A.grad in place of autograd's product and then its add, what
-Megatron-LM's gradient-accumulation fusion does on a GPU. Small layers and convolutions keep
-autograd's backward, which costs them less. Measured on 2 stages and 2 cores
-(benchmarks/zero_bubble.py --paired-fused, docs/pipeline.md): B and W of a microbatch 8.0-8.7 ms
-against autograd's 10.2-10.3 ms, 1F1B's step 0.94 and GPipe's 0.92 of theirs with autograd's weight
-gradients. 2bw keeps autograd: its forwards run one of two weight versions in place of the layer's
+The other schedules split their large linear layers too (split_for: "B"; FUSED_MIN_WEIGHT). The
+schedule does not change; two things do. The arithmetic: one GEMM into A.grad in place of autograd's
+product and then its add, what Megatron-LM's gradient-accumulation fusion does on a GPU. And the
+wait: the stage before needs B's dx, not W, so the executor runs a B's W in the next exchange, once
+dx is sent and before it waits for its own next message (run_weight_grads, the exchange's
+meanwhile); a chunk's last B runs its pending Ws at once, before the buckets take its gradients.
+Small layers and convolutions keep autograd's backward, which costs them less. Measured on 2 stages
+and 2 cores (benchmarks/zero_bubble.py --paired-fused, docs/pipeline.md): B and W of a microbatch
+8.0-8.7 ms against autograd's 10.2-10.3 ms, 1F1B's step 0.94 and GPipe's 0.92 of theirs with
+autograd's weight gradients; W after the send, 1F1B's step FUSED_LATER_1F1B of W inside its B. 2bw keeps autograd: its forwards run one of two weight versions in place of the layer's
 parameters (torch.func.functional_call), and a W would write into the layer's own.
 """
 from contextlib import contextmanager
@@ -185,13 +187,13 @@ def split_for(schedule):
     """Where a schedule's weight gradients are taken (pipeline_microbatch.StageRunner's split): "W", in
     W actions of their own (zb, zbv); None, by autograd in B (2bw, whose two weight versions share the
     layers); "B", every other schedule: its large linear layers split too (split_weight_grads's
-    fused), each W run right after its B."""
+    fused), each W run in the exchange after its B (run_weight_grads)."""
     return "W" if schedule in ("zb", "zbv") else None if schedule == "2bw" else "B"
 
 
 def split_weight_grads(chunk, fused=False):
     """Split every plain nn.Linear and nn.Conv2d in chunk (replaced by its twin) and every
-    tensor-parallel shard (its op replaced); return their stash. fused (split "B", W right after B):
+    tensor-parallel shard (its op replaced); return their stash. fused (split "B", W after B's send):
     only the linear ones of FUSED_MIN_WEIGHT elements or more, where the in-place GEMM gains."""
     stash = WeightGradStash()
     for parent in list(chunk.modules()):
@@ -274,6 +276,34 @@ class WeightGradStash:
                 buckets.arrived(weight)
         if hooked:
             torch.autograd.backward(hooked)
+
+
+def run_weight_grads(runner, grads=None, finals=()):
+    """split "B" (runner.fused): every W whose B has run and whose W has not, oldest first, each on
+    runner's timeline; the next exchange runs them once their Bs' input gradients are sent (the stage
+    before waits for those, not for W). Then grads (data parallelism's buckets) is told the
+    parameters in finals (lists, emptied) are final. True if a W ran. Under split "W" (zb, zbv) no
+    W runs here: theirs wait for W actions of their own."""
+    ran = False
+    for chunk, stash in enumerate(runner.stashes if runner.fused else ()):
+        for mb in list(stash.pending):
+            start = runner.clock()
+            stash.weight_grads(mb, grads)
+            runner.record("weight", f"W{mb}", mb, start, chunk)
+            ran = True
+    for params in finals:
+        grads.final(params)
+    finals.clear()
+    return ran
+
+
+def final_after(chunks, stashes, split):
+    """{(kind, chunk): the parameters whose gradients are final once the chunk's last action of that
+    kind in a step has run}: its last B, but under split "W" the split weights wait for its last W."""
+    deferred = {id(w) for stash in stashes or [] for w in stash.weights} if split == "W" else ()
+    final = {("B", c): [p for p in chunk.parameters() if id(p) not in deferred] for c, chunk in enumerate(chunks)}
+    final.update({("W", c): stash.weights for c, stash in enumerate(stashes or [])})
+    return final
 
 
 def has_grad_hooks(weight):
