@@ -6,12 +6,19 @@ allocation) and Python (time spent in Python functions themselves), with the Pyt
 
 The engines run one after another (not interleaved: cProfile would count the other's time), so read
 the split, not the totals, across engines.
+
+Before the profiled steps, as many unprofiled ones give each rank's CPU time a step: the process's
+(every thread: gloo's I/O threads too; getrusage) and its main thread's (time.thread_time), beside
+the wall time. With more ranks than cores a step can take no less than all ranks' CPU time over the
+cores, so "cpu" is the figure to compare across engines there (docs/benchmarks.md, Overheads).
 """
 import cProfile
 import json
 import os
 import pstats
+import resource
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -37,9 +44,20 @@ def split(profile):
     return {"comm_s": comm, "native_s": native, "python_s": python, "python_calls": calls}
 
 
+def cpu_seconds():
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime, time.thread_time(), time.perf_counter()
+
+
 def profile_engine(step, batches, warmup, repeat):
     for k in range(warmup):
         step(*batches[k % len(batches)])
+    dist.barrier()
+    before = cpu_seconds()
+    for k in range(repeat):                  # unprofiled: CPU and wall time a step
+        step(*batches[k % len(batches)])
+    after = cpu_seconds()
+    cpu = {key: (b - a) / repeat for key, a, b in zip(("cpu_s", "main_thread_cpu_s", "wall_s"), before, after)}
     dist.barrier()
     profile = cProfile.Profile()
     profile.enable()
@@ -47,7 +65,7 @@ def profile_engine(step, batches, warmup, repeat):
         step(*batches[k % len(batches)])
     profile.disable()
     dist.barrier()
-    return {key: value / repeat for key, value in split(profile).items()}     # per step
+    return {**cpu, **{key: value / repeat for key, value in split(profile).items()}}     # per step
 
 
 def main():
@@ -71,6 +89,10 @@ def main():
                         f"r{r}: comm {1e3 * e['comm_s']:6.1f} native {1e3 * e['native_s']:6.1f} "
                         f"py {1e3 * e['python_s']:5.1f} ms {e['python_calls']:6.0f} calls" for r, e in enumerate(every)),
                         flush=True)
+                    print(f"{'':20s} {'unprofiled':13s} wall {1e3 * every[0]['wall_s']:6.1f} ms, cpu all ranks "
+                          f"{1e3 * sum(e['cpu_s'] for e in every):6.1f} ms  " + "  ".join(
+                              f"r{r}: cpu {1e3 * e['cpu_s']:6.1f} (main thread {1e3 * e['main_thread_cpu_s']:6.1f}) ms"
+                              for r, e in enumerate(every)), flush=True)
         if env.rank == 0:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
