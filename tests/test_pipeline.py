@@ -273,7 +273,7 @@ def plain_gpipe_step(chunk, pos, x_mb, head, m, in_shape):
 FUSED = FAST + ["--model", "mlp", "--hidden", "320", "--layers", "4", "--batch-size", "24"]
 
 
-@pytest.mark.parametrize("model", ["cnn", "mlp"])
+@pytest.mark.parametrize("model", [slow("cnn"), "mlp"])
 def test_plain_gpipe_equals_the_executors_gpipe(tmp_path, model):
     """GPipe written out as a plain loop and the executor playing mp.pp.schedules' gpipe: the same
     loss, bit for bit, and the same gradients to float rounding, on 3 spawned ranks. The cnn:
@@ -321,6 +321,7 @@ def _plain_gpipe_case(rank, world, model_args, fused):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow   # a dropout-and-clipping run (the plain-gpipe mlp case checks the fused gradients quickly)
 def test_fused_weight_gradients_keep_the_baseline(tmp_path, baseline):
     """Split "B" under the schedules and programs that run it: 1f1b and interleaved on 2 stages, and
     the joint program's 1f1b on 2 x 2, whose buckets start once a chunk's last B has added its weight
