@@ -30,12 +30,13 @@ schedule does not change; two things do. The arithmetic: one GEMM into A.grad in
 product and then its add, what Megatron-LM's gradient-accumulation fusion does on a GPU. And the
 wait: the stage before needs B's dx, not W, so the executor runs a B's W in the next exchange, once
 dx is sent and before it waits for its own next message (run_weight_grads, the exchange's
-meanwhile); a chunk's last B runs its pending Ws at once, before the buckets take its gradients.
+meanwhile); the buckets hear that a chunk's gradients are final there too, after its last Ws.
 Small layers and convolutions keep autograd's backward, which costs them less. Measured on 2 stages
 and 2 cores (benchmarks/zero_bubble.py --paired-fused, docs/pipeline.md): B and W of a microbatch
 8.0-8.7 ms against autograd's 10.2-10.3 ms, 1F1B's step 0.94 and GPipe's 0.92 of theirs with
-autograd's weight gradients; W after the send, 1F1B's step FUSED_LATER_1F1B of W inside its B. 2bw keeps autograd: its forwards run one of two weight versions in place of the layer's
-parameters (torch.func.functional_call), and a W would write into the layer's own.
+autograd's weight gradients; with W after the send, 1F1B's step 0.956-0.972 of its W inside its B
+(GPipe's 0.99-1.01). 2bw keeps autograd: its forwards run one of two weight versions in place of the
+layer's parameters (torch.func.functional_call), and a W would write into the layer's own.
 """
 from contextlib import contextmanager
 from functools import partial
