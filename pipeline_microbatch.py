@@ -262,7 +262,7 @@ class StageRunner(TimelineRecorder):
         when not training), on the last virtual stage. first_sample: the global batch index of
         microbatch 0's first sample (a data-parallel replica's offset), for the dropout masks.
         grads: data parallelism's buckets (mp.buckets), told which gradients are final as soon as a
-        chunk has run its last backward of the step (its last B, and its last W under zb)."""
+        chunk has run its last backward of the step (its last B and that B's Ws; under zb its last W)."""
         training, outbox = torch.is_grad_enabled(), {}
         # (activations kept for a backward, messages received): a flushed pipeline starts empty
         saved, inbox = self.versions.carry_in(training) if self.versions else ({}, {})
@@ -271,10 +271,10 @@ class StageRunner(TimelineRecorder):
         last = {(a[0], a[2]): i for i, a in enumerate(actions) if a[0] in ("B", "W")} if grads else {}
         ahead = self.messenger.early.plan(actions)   # gloo: what each exchange posts ahead (mp.pp.p2p)
         finals = []                           # the gradients a chunk's last B (W) made final, told after the Ws
-        ws = partial(run_weight_grads, self, grads, finals)   # split "B": the Bs' Ws so far (mp.pp.zero_bubble)
+        run_ws = partial(run_weight_grads, self, grads, finals)   # split "B": the Bs' Ws so far (mp.pp.zero_bubble)
         for i, action in enumerate(actions):
             if action[0] == "comm":           # the Bs' Ws run here, once their input gradients are sent
-                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording, ahead.get(i, ()), ws))
+                inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording, ahead.get(i, ()), run_ws))
                 continue
             kind, mb, chunk = action
             start = self.clock()
@@ -288,8 +288,8 @@ class StageRunner(TimelineRecorder):
             if last.get((kind, chunk)) == i:  # this chunk's last backward of the step: its gradients are final
                 finals.append(self.final_after[(kind, chunk)])
                 if not self.fused:            # now; split "B": in the next exchange, once its last Ws ran
-                    ws()
-        ws()                                  # the Ws of Bs with no exchange after them
+                    run_ws()
+        run_ws()                              # the Ws of Bs with no exchange after them
         self.messenger.finish()
         if self.versions:                     # 2bw: the next batch's first forwards stay in flight
             self.versions.carry_out(saved, inbox, training)
