@@ -423,7 +423,7 @@ def main():
                    help="instead: --paired-zbv's run with 1f1b and zbv, each also with receives posted only in "
                         "their own exchange (1f1b-late, zbv-late: the executor before gloo posted them ahead)")
     p.add_argument("--paired-fused", type=int, default=0, metavar="ROUNDS",
-                   help="instead: --paired-zbv's run with 1f1b and gpipe, each also with its Ws right after "
+                   help="instead: --paired-zbv's run with 1f1b and gpipe, each also with its Ws inside "
                         "their B (1f1b-in-b, gpipe-in-b: before the next exchange ran them) and with every weight "
                         "gradient through autograd (1f1b-unsplit, gpipe-unsplit: before each B added them in place)")
     p.add_argument("--paired-stages", type=int, default=2, metavar="P",

@@ -74,7 +74,7 @@ def test_the_timeline_shows_the_bucket_all_reduces_overlapping_the_last_backward
     B's gradient on. Interleaved, 2 stages of an mlp of 1024-wide layers, a bucket per weight (cut at
     4 MB): stage 0's later chunk (layer 3) ends its backward first, so its two buckets' all-reduces
     start while stage 0 still waits for and runs its first chunk's last backward (layer 1, the step's
-    last). Every bucket starts after its chunk's last W: none before the step's first W."""
+    last). No bucket starts before the step's first W: a chunk is final only once its Ws have run."""
     trace = tmp_path / "t.json"
     run = launch("pipeline_dp_joint.py", FAST + ["--dp", "2", "--model", "mlp", "--layers", "4", "--hidden", "1024",
                                                   "--steps", "3", "--batch-size", "16", "--microbatches", "2",
