@@ -7,6 +7,7 @@ runs 4 stages of a 16-layer mlp (4 processes on 2 cores: oversubscribed, say so 
     python benchmarks/zero_bubble.py --paired 80 --out logs/bench/zero_bubble_paired.json   # about a minute
     python benchmarks/zero_bubble.py --paired-zbv 40 --out logs/bench/zero_bubble_zbv.json   # 1f1b, zb, zbv
     python benchmarks/zero_bubble.py --paired-zbv 30 --paired-stages 4    # the same on 4 stages, a core each
+    python benchmarks/zero_bubble.py --paired-zbv 40 --even-split   # the same on a model that splits evenly
     python benchmarks/zero_bubble.py --paired-ahead 40 --out logs/bench/zero_bubble_ahead.json   # receives ahead?
     python benchmarks/zero_bubble.py --paired-fused 40    # 1f1b, gpipe against their W in B and unsplit (autograd W)
 
@@ -122,7 +123,9 @@ ENGINES = ("1f1b", "zb", "zb-autograd-w")   # zb-autograd-w: zb with every W thr
 # their multiply-adds, no input gradient). Each schedule runs the split --balance auto gives it: 6,8 for 1f1b and
 # zb (7.7 and 7.0 layers' worth a rank), 2,3,4,5 for zbv (mp.pp.balance.v_split, each rank's two chunks summed:
 # 7.7 and 7.0; the chunk-by-chunk 2,4,4,4 would give rank 1 blocks 2-9, 8 layers' worth, against rank 0's 6.7).
-ZBV_ENGINES, ZBV_EXTRA, ZBV_BALANCE = ("1f1b", "zb", "zbv"), ["--layers", "14", "--balance", "auto"], "auto"
+# 1f1b-in-b: 1F1B with each W inside its B, the textbook 1F1B (our 1F1B runs W after B's send, zero bubble's idea)
+ZBV_ENGINES = ("1f1b", "zb", "zbv", "1f1b-in-b")
+ZBV_EXTRA, ZBV_BALANCE = ["--layers", "14", "--balance", "auto"], "auto"
 # --paired-ahead: the same, each schedule also with the executor's receives posted only in their own exchange
 # ("-late": Messenger(ahead=0), as before receives went out ahead on gloo), to measure that change in one run
 AHEAD_ENGINES = ("1f1b", "1f1b-late", "zbv", "zbv-late")
@@ -203,17 +206,19 @@ def timed_step(engine, batch, pos, margs):
     step, runner = engine
     dist.barrier()
     runner.events, runner.origin = [], time.perf_counter()
+    cpu = time.thread_time()
     loss = step(*batch)
+    cpu = time.thread_time() - cpu       # this rank's main thread: its compute, the executor, the optimizer
     dist.barrier()
     seconds = time.perf_counter() - runner.origin
     trace = gather_timeline(runner, pos, margs)
     runner.events = None
     losses = [None] * pos.pp_size
-    dist.all_gather_object(losses, loss)
+    dist.all_gather_object(losses, (loss, cpu))
     split = split_ms(trace, kinds={"forward": "F", "backward": "B", "weight": "W", "wait": "wait"})
-    loss = next(x for x in losses if x is not None)   # the last stage's (zbv: rank 0's, at the V's end)
+    loss = next(x for x, _ in losses if x is not None)   # the last stage's (zbv: rank 0's, at the V's end)
     return {"s": seconds, "loss": loss, "bubble": trace["otherData"]["bubble_measured"], "split_ms": split,
-            "per_mb_ms": per_microbatch_ms(trace)}
+            "per_mb_ms": per_microbatch_ms(trace), "busy": [c / seconds for _, c in losses]}
 
 
 def per_microbatch_ms(trace):
@@ -296,6 +301,9 @@ def summarise_paired(result):
                      "ratios": [round(r[name]["s"] / r["1f1b"]["s"], 3) for r in rounds],
                      "step_ms": statistics.median(r["s"] for r in runs) * 1e3,
                      "bubble": statistics.median(r["bubble"] for r in runs),
+                     # each rank's main-thread CPU over the step's wall time: 1 - busy is what it really idled
+                     "busy": [round(statistics.median(r["busy"][k] for r in runs), 3)
+                              for k in range(len(runs[0]["busy"]))],
                      "split_ms": runs[len(runs) // 2]["split_ms"],
                      "per_mb_ms": {st: {k: round(v, 2) for k, v in d.items()} for st, d in ms.items()},
                      "sim_span_ms": round(span, 1), "sim_bubble": round(bubble, 3),
@@ -304,6 +312,8 @@ def summarise_paired(result):
         out[name]["sim_over_1f1b"] = round(out[name]["sim_span_ms"] / out["1f1b"]["sim_span_ms"], 3)
         if "1f1b-late" in names:       # --paired-ahead: the schedules as they ran before receives went ahead
             out[name]["over_1f1b_late"] = statistics.median(r[name]["s"] / r["1f1b-late"]["s"] for r in rounds)
+        if "1f1b-in-b" in names:       # --paired-zbv, --paired-fused: against the textbook 1F1B too
+            out[name]["over_1f1b_in_b"] = statistics.median(r[name]["s"] / r["1f1b-in-b"]["s"] for r in rounds)
         for other in ("in-b", "unsplit"):   # --paired-fused: each schedule against its W in B, its autograd W
             if f"{name}-{other}" in names:
                 out[name][f"over_{other.replace('-', '_')}"] = statistics.median(
@@ -319,11 +329,20 @@ def summarise_paired(result):
     return out
 
 
-def stages_args(p):
+def stages_args(p, even=False):
     """--paired-zbv's model on p stages: 7 layers a rank, m = max(8, 2p), 32 samples a microbatch (p = 2:
-    the 14-layer model, m = 8, batch 256)."""
+    the 14-layer model, m = 8, batch 256). even (--even-split): 6 layers of 1024 a rank instead, a model
+    whose blocks split evenly both ways (EVEN_SPLIT)."""
     m = max(8, 2 * p)
-    return ["--layers", str(7 * p), "--microbatches", str(m), "--batch-size", str(32 * m)]
+    size = ["--layers", str(6 * p), "--hidden", "1024"] if even else ["--layers", str(7 * p)]
+    return size + ["--microbatches", str(m), "--batch-size", str(32 * m)]
+
+
+# --even-split. At hidden 768 the first block (3072 inputs) counts 2.67 hidden blocks, so no split of the
+# 7p-layer mlp is even: on 2 stages 1F1B's stage 0 and zbv's rank 0 both count 7.67 against 7, and the
+# lighter rank's idle, not the schedule's, sets the bubble. At hidden 1024 it counts 2, and 6p layers
+# split into p stages (1F1B: 5,7 on 2 stages) or p ranks of a V (zbv: 2,3,3,4) of 6 counted blocks each.
+EVEN_SPLIT = "the mlp of 6 layers of 1024 a rank, whose --balance auto splits are even (6 counted blocks a rank)"
 
 
 def run_paired(rounds, warmup, extra, engines=ENGINES, stages=2):
@@ -418,7 +437,8 @@ def main():
                         "(mlp 8x768, --balance 2,6, batch 256, m 8), ROUNDS rounds after 3 warm-up rounds")
     p.add_argument("--paired-zbv", type=int, default=0, metavar="ROUNDS",
                    help="instead: --paired's run with 1f1b, zb and zbv on --layers 14, each on the split "
-                        "--balance auto gives it (1f1b and zb 6,8; zbv 2,3,4,5)")
+                        "--balance auto gives it (1f1b and zb 6,8; zbv 2,3,4,5), and 1f1b-in-b (the textbook "
+                        "1F1B: each W inside its B)")
     p.add_argument("--paired-ahead", type=int, default=0, metavar="ROUNDS",
                    help="instead: --paired-zbv's run with 1f1b and zbv, each also with receives posted only in "
                         "their own exchange (1f1b-late, zbv-late: the executor before gloo posted them ahead)")
@@ -430,6 +450,9 @@ def main():
                    help="with --paired-zbv, --paired-ahead or --paired-fused: P stages, one process each (one "
                         "core each wanted: a lent 16-core machine), on 7 x P layers, m = max(8, 2P), 32 samples "
                         "a microbatch; 2 is the model above")
+    p.add_argument("--even-split", action="store_true",
+                   help=f"with --paired-zbv, --paired-ahead or --paired-fused: {EVEN_SPLIT}, instead of 7 layers "
+                        "of 768 a rank (whose first stage counts 7.67 blocks against 7 on 2 stages)")
     p.add_argument("--pieces", action="store_true",
                    help="instead: one process, each stage's F, 1F1B backward, B and W of one microbatch, timed alone")
     args = p.parse_args()
@@ -444,11 +467,13 @@ def main():
     rounds = args.paired or args.paired_zbv or args.paired_ahead or args.paired_fused
     if args.paired_stages != 2 and not rounds:
         p.error(f"--paired-stages {args.paired_stages} goes with --paired-zbv, --paired-ahead or --paired-fused")
+    if args.even_split and not (rounds and not args.paired):
+        p.error("--even-split goes with --paired-zbv, --paired-ahead or --paired-fused")
     if rounds:
         stages = args.paired_stages
         if stages < 2 or (args.paired and stages != 2):
             p.error(f"--paired-stages {stages}: 2 or more, and not with --paired")
-        extra = [] if args.paired else ZBV_EXTRA + stages_args(stages)
+        extra = [] if args.paired else ZBV_EXTRA + stages_args(stages, args.even_split)
         engines = ENGINES if args.paired else ZBV_ENGINES if args.paired_zbv else \
             AHEAD_ENGINES if args.paired_ahead else FUSED_ENGINES
         summary = run_paired(rounds, 3, extra, engines, stages)

@@ -39,6 +39,22 @@ def test_our_zbv_steps_like_torch_zbv_zero_bubble(tmp_path):
     assert row["max_loss_diff_vs_torch"] < 1e-6 and row["max_loss_diff_vs_baseline"] < 1e-4, row
 
 
+def test_torchs_zbv_opens_no_link_to_its_own_rank():
+    """bench.no_link_to_self: torch 2.11's ScheduleZBVZeroBubble opened the V's tip link with a dummy send
+    to its own rank, which gloo cannot pair; the race test above runs it only on such a torch."""
+    import importlib.util
+    import os
+    from types import SimpleNamespace
+    from helpers import ROOT
+    spec = importlib.util.spec_from_file_location("bench", os.path.join(ROOT, "benchmarks", "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ops = [SimpleNamespace(group_peer=peer, peer=peer) for peer in (0, 1, 1, 2)]   # recv, send to both sides
+    stage = SimpleNamespace(group_rank=1, _get_init_p2p_neighbors_ops=lambda: ops)
+    bench.no_link_to_self(stage)
+    assert [op.group_peer for op in stage._get_init_p2p_neighbors_ops()] == [0, 2]
+
+
 def test_our_tensor_parallel_mlp_steps_like_torch_tensor_parallel(tmp_path):
     result = bench(tmp_path, "tp", 2)
     assert (result["backend"], result["device"]) == ("gloo", "cpu")   # the report says where it ran
