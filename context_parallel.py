@@ -13,8 +13,8 @@ alone; attention needs every token's keys and values, and gets them one of two w
 
 The ring's schedule on 4 ranks: the key/value block each rank holds at each tick (rank r starts with
 its own, r, and receives r-1's while it computes on r's). The backward sends the blocks the other
-way (to r-1), each carrying the dK, dV summed so far, so that after N ticks every block's gradient
-is home.
+way (to r-1), each block's dK, dV summed so far following it one tick behind (so that it travels
+while the next block is computed); after N ticks and one more hop every block's gradient is home.
 
     tick      0    1    2    3              backward:  0    1    2    3   then the dK,dV hop home
     rank 0    kv0  kv3  kv2  kv1                       kv0  kv1  kv2  kv3
@@ -88,19 +88,21 @@ def ring_neighbours(group):
     return ranks[(me - 1) % len(ranks)], ranks[(me + 1) % len(ranks)]
 
 
-def send_recv(block, to, frm, group, tag):
-    """Post the receive of the next block from `frm` and the send of `block` to `to`; returns the buffer
-    the next block lands in and the two requests. Posted before the compute on `block`, so the transfer
-    overlaps it: the receive first, so that the peer's send always finds its match waiting."""
-    incoming = torch.empty_like(block)
-    requests = [dist.irecv(incoming, src=frm, group=group, tag=tag),
-                dist.isend(block, dst=to, group=group, tag=tag)]
-    return incoming, requests
+def ring_exchange(sends, frm, to, group):
+    """Send each tensor of `sends` to `to` and receive one of the same shape from `frm` for each, all in
+    one dist.batch_isend_irecv; returns the tensors that will land and the batch's works. One batch, in
+    the same order on every rank (each send, then its receive): on nccl a send and a receive that cross
+    between two ranks must share one group call, or both block (at 2 ranks `to` and `frm` are the same
+    peer). Posted before the compute it should overlap; wait_all before reading what lands."""
+    incoming = [torch.empty_like(block) for block in sends]
+    ops = [op for block, got in zip(sends, incoming)
+           for op in (dist.P2POp(dist.isend, block, to, group), dist.P2POp(dist.irecv, got, frm, group))]
+    return incoming, dist.batch_isend_irecv(ops) if ops else []
 
 
-def wait_all(requests):
-    for request in requests:
-        request.wait()
+def wait_all(works):
+    for work in works:   # gloo: one work an operation; nccl: one for the whole batch
+        work.wait()
 
 
 # ----------------------------------------------------------------------------- ring attention
@@ -123,7 +125,7 @@ class RingAttention(torch.autograd.Function):
         row_sum = torch.zeros_like(row_max)                         # the running sum of exp(s - m)
         for tick in range(n):
             if tick < n - 1:   # the next block (r - tick - 1's) is on its way while this one is computed
-                next_kv, requests = send_recv(kv, next_rank, prev_rank, group, tag=0)
+                (next_kv,), works = ring_exchange([kv], prev_rank, next_rank, group)
             scores = q @ kv[0].transpose(-2, -1) / scale           # [B, h, T/N, T/N]: this block only
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             correction = torch.exp(row_max - new_max)              # rescale what was summed under the old max
@@ -132,7 +134,7 @@ class RingAttention(torch.autograd.Function):
             out = out * correction.unsqueeze(-1) + probs @ kv[1]
             row_max = new_max
             if tick < n - 1:
-                wait_all(requests)
+                wait_all(works)
                 kv = next_kv
         out = out / row_sum.unsqueeze(-1)
         lse = row_max + torch.log(row_sum)                         # log of each query's softmax denominator
@@ -149,20 +151,25 @@ class RingAttention(torch.autograd.Function):
         delta = (grad_out * out).sum(dim=-1, keepdim=True)
         grad_q = torch.zeros_like(q)
         kv = torch.stack([k, v])
-        grad_kv = torch.zeros_like(kv)        # the dK, dV of the block I hold, summed over the ranks it has visited
+        done = None   # the dK, dV of the block I held last tick, summed over every rank it has visited, mine too
         for tick in range(n):
-            if tick < n - 1:   # the other way round: blocks go to the previous rank, come from the next
-                next_kv, kv_requests = send_recv(kv, prev_rank, next_rank, group, tag=1)
+            # one batch a tick, the other way round (to the previous rank, from the next): the block I hold
+            # goes on and the next comes; the last tick's block's gradient (done) follows its block one
+            # tick behind, and the gradient summed so far of the block I hold now comes from the rank that
+            # held it last tick: both transfers overlap this tick's compute
+            sends = ([kv] if tick < n - 1 else []) + ([done] if tick > 0 else [])
+            incoming, works = ring_exchange(sends, next_rank, prev_rank, group)
             probs = torch.exp(q @ kv[0].transpose(-2, -1) / scale - lse.unsqueeze(-1))   # recomputed, exact
             grad_scores = probs * (grad_out @ kv[1].transpose(-2, -1) - delta) / scale
             grad_q += grad_scores @ kv[0]
-            grad_kv[0] += grad_scores.transpose(-2, -1) @ q
-            grad_kv[1] += probs.transpose(-2, -1) @ grad_out
-            if n > 1:   # the block's gradient goes on with it; after the last tick it hops home
-                next_grad_kv, grad_requests = send_recv(grad_kv, prev_rank, next_rank, group, tag=2)
-                wait_all(grad_requests + (kv_requests if tick < n - 1 else []))
-                grad_kv = next_grad_kv
-                kv = next_kv if tick < n - 1 else kv
+            mine = torch.stack([grad_scores.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ grad_out])
+            wait_all(works)   # the transfers overlapped the compute above
+            if tick < n - 1:
+                kv, incoming = incoming[0], incoming[1:]
+            done = mine if tick == 0 else incoming[0] + mine
+        # the last hop: each block's gradient, complete, goes home (the previous rank held it last)
+        (grad_kv,), works = ring_exchange([done], next_rank, prev_rank, group) if n > 1 else ((done,), [])
+        wait_all(works)
         return grad_q, grad_kv[0], grad_kv[1], None
 
 

@@ -158,7 +158,7 @@ class Messenger:
         self.sending = []                     # (work, tensor, part) of the last exchange's sends, not yet waited
         self.sends_at_once = sends_at_once    # zbv on gloo: the step's sends are waited at its end (mp.pp.p2p)
         self.kept = sends_kept(device)        # nccl: sends left in flight at the next sends (mp.pp.p2p)
-        self.early = EarlyReceives(ahead if device.type == "cpu" else 0)   # gloo only (mp.pp.p2p)
+        self.early = EarlyReceives(ahead, device)   # gloo only: none on nccl (mp.pp.p2p)
 
     def send_forward(self, y, peer, msg):     # my output, to the next stage's input
         return dist.P2POp(dist.isend, y.contiguous(), peer, None, self.tag(msg))   # the backends send flat memory

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pipeline_microbatch as pm
-from helpers import FAST, run_ranks, slow
+from helpers import FAST, assert_same_losses, launch, run_ranks, slow
 from mp.data import SyntheticData
 from mp.dist import Env
 from mp.optim import make_optimizer
@@ -186,3 +186,41 @@ def same(got, want, what):
                 assert a is b, f"{what}: {kind} of parameter {i}: one is None"
                 continue
             assert torch.equal(a, b), f"{what}: {kind} of parameter {i} differ by {(a - b).abs().max():.3g}"
+
+
+# --- by running: each program on its nccl paths, every send and receive inside a batch -----------
+
+SMALL = FAST + ["--steps", "3", "--timeout-s", "20"]
+PIPE = SMALL + ["--model", "mlp", "--hidden", "32", "--layers", "6", "--batch-size", "24"]
+VIT = SMALL + ["--model", "vit", "--layers", "3", "--hidden", "32", "--batch-size", "8", "--dropout", "0.1"]
+SENDERS = [  # (program, its flags, the baseline's flags beyond the shared ones, ranks)
+    ("pipeline_microbatch.py", ["--schedule", "1f1b", "--microbatches", "4", "--eval-every", "2"], [], 2),
+    ("pipeline_microbatch.py", ["--schedule", "zbv", "--microbatches", "4"], [], 2),
+    ("context_parallel.py", ["--attention", "ring", "--eval-every", "2"], [], 2),
+    slow("pipeline_microbatch.py", ["--schedule", "gpipe", "--microbatches", "4"], [], 3),
+    slow("pipeline_microbatch.py", ["--schedule", "interleaved", "--microbatches", "4"], [], 2),
+    slow("pipeline_microbatch.py", ["--schedule", "zb", "--microbatches", "4", "--recompute"], [], 3),
+    slow("pipeline_microbatch.py", ["--schedule", "2bw", "--microbatches", "4"], ["--delay", "1"], 2),
+    slow("pipeline_dp_joint.py", ["--dp", "2", "--microbatches", "2", "--schedule", "1f1b"], [], 4),
+    slow("parallel_3d.py", ["--dp", "1", "--tp", "2", "--microbatches", "2"], [], 4),
+    slow("context_parallel.py", ["--attention", "ring"], [], 4),
+]
+
+
+@pytest.mark.parametrize("program,extra,reference,nproc", SENDERS)
+def test_every_program_that_sends_messages_batches_them_as_nccl_requires(tmp_path, monkeypatch, baseline,
+                                                                        program, extra, reference, nproc):
+    """tests/nccl_rule.py runs the program on the paths it takes on nccl (mp.pp.p2p.nccl_rules) with
+    dist.isend and dist.irecv refused outside dist.batch_isend_irecv, and one Work a batch, as nccl
+    returns: it must send through batches, and log the baseline's losses that way. Before issue 57 the
+    context-parallel ring posted an irecv, then an isend, each alone, and hung on nccl; here it stops
+    with the rule's error."""
+    args = (VIT if program == "context_parallel.py" else PIPE) + extra
+    monkeypatch.setenv("NCCL_RULE_PROGRAM", program)
+    monkeypatch.setenv("NCCL_RULE_DIR", str(tmp_path))
+    run = launch("tests/nccl_rule.py", args, tmp_path, nproc=nproc, log_name="run.jsonl", timeout=120)
+    assert "nccl rule" not in run.stderr and run.returncode == 0, run.stderr[-3000:]
+    assert_same_losses(run, baseline((VIT if program == "context_parallel.py" else PIPE) + reference))
+    for rank in range(nproc):
+        seen = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert seen["batches"] > 0 and seen["batched_ops"] >= seen["batches"], (rank, seen)

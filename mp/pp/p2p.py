@@ -48,17 +48,24 @@ EXCHANGES_AHEAD = 16
 SENDS_KEPT = 16
 
 
+def nccl_rules(device):
+    """Do this rank's messages take nccl's paths (below: no receive posted ahead, sends kept in flight,
+    zbv's sends held back to their tick)? On a GPU. tests/nccl_rule.py makes it true on the CPU, to run
+    those paths on gloo with every send and receive checked to be inside a batch."""
+    return device.type == "cuda"
+
+
 def sends_at_once(schedule, device):
     """Does this run post zbv's sends right after their compute and wait for them at the step's end?
     zbv on gloo (the CPU) only."""
-    return schedule == "zbv" and device.type == "cpu"
+    return schedule == "zbv" and not nccl_rules(device)
 
 
 def sends_kept(device):
     """How many of its newest sends the Messenger leaves in flight when it next sends: on nccl, where a
     wait makes the compute stream wait for the peer, SENDS_KEPT; on gloo none (a send whose receive is
     posted ahead is done already; zbv waits for its sends at the step's end)."""
-    return SENDS_KEPT if device.type == "cuda" else 0
+    return SENDS_KEPT if nccl_rules(device) else 0
 
 
 def wait_sends(sending, keep, wait):
@@ -79,10 +86,11 @@ def receives_ahead(actions, k):
 
 
 class EarlyReceives:
-    """One rank's receives posted before their exchange: message -> (op, work)."""
+    """One rank's receives posted before their exchange: message -> (op, work). On gloo only: nccl
+    posts none (a receive posted alone there holds back the sends behind it on the stream)."""
 
-    def __init__(self, exchanges_ahead):
-        self.k, self.posted = exchanges_ahead, {}
+    def __init__(self, exchanges_ahead, device):
+        self.k, self.posted = 0 if nccl_rules(device) else exchanges_ahead, {}
 
     def plan(self, actions):
         """What each exchange of a step's actions posts ahead (nothing when k is 0: nccl)."""
