@@ -108,7 +108,7 @@ def report_replicas(params, group, what, env, timeout_s, zero=0):
                   f"replica's updated slice)", flush=True)
         return 0
     with awaiting(f"rank {env.rank} waited to compare the replicas ({what})", timeout_s):
-        same = replicas_identical(params, group, env.device)
+        same = replicas_identical(params, group, env.device, timeout_s)
     if env.rank == 0:
         print(f"{what}: {'yes' if same else 'NO'}", flush=True)
     return 0 if same else 1

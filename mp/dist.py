@@ -1,5 +1,6 @@
 """The torchrun environment, the process group and its teardown, and the bounded waits: a
 communication failure becomes one `error:` line naming what was awaited, never a hang."""
+import ctypes
 import datetime
 import os
 import sys
@@ -23,6 +24,7 @@ class Env:
     local_world_size: int
     backend: str
     device: torch.device
+    timeout_s: float = None     # --timeout-s: how long a read after collectives may wait (settle)
 
 
 def torchrun_env(backend="auto"):
@@ -31,16 +33,58 @@ def torchrun_env(backend="auto"):
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":  # nccl needs one GPU per local rank; otherwise share the CPU over gloo
-        backend = "nccl" if gpus >= local_world else "gloo"
-    if backend == "nccl" and gpus < local_world:
-        fail(f"--backend nccl needs one GPU per local rank: {local_world} local ranks, {gpus} GPUs; "
-             f"use --backend gloo or fewer processes per node")
+    shared = 0 < gpus < local_world and gpus_can_be_shared()   # several local ranks a GPU (NCCL 2.30+)
+    if backend == "auto":  # nccl when each local rank has a GPU, its own or a shared one; else gloo on the CPU
+        backend = "nccl" if gpus >= local_world or shared else "gloo"
+    if backend == "nccl" and gpus < local_world and not shared:
+        fail(f"--backend nccl needs one GPU per local rank: {local_world} local ranks, {gpus} GPUs (ranks share a "
+             f"GPU only with NCCL 2.30 or later and {SHARE_SWITCH}=1: {sharing_state()}); use --backend gloo, "
+             f"fewer processes per node, or that NCCL and switch")
     if backend == "nccl" and world > 1 and "LOCAL_RANK" not in os.environ:
         fail(f"--backend nccl at world size {world} needs LOCAL_RANK (which GPU is mine), which this "
              f"launcher did not set: every rank would use cuda:0; launch with torchrun, or set LOCAL_RANK")
-    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl" and shared and local_rank == 0:
+        print(f"note: {local_world} local ranks share {gpus} GPU{'s' if gpus > 1 else ''} (rank r on cuda:r % "
+              f"{gpus}; {sharing_state()}): right for checking results, not for timing them, since the ranks "
+              f"share the GPU's cores", flush=True)
+    device = torch.device(f"cuda:{local_rank % gpus}") if backend == "nccl" else torch.device("cpu")
     return Env(rank, world, local_rank, local_world, backend, device)
+
+
+SHARE_SWITCH = "NCCL_MULTI_RANK_GPU_ENABLE"   # NCCL's own switch (experimental in 2.30) for ranks sharing a GPU
+
+
+def gpus_can_be_shared():
+    """May several nccl ranks share one GPU here? NCCL allows it from 2.30 on, when asked by its switch.
+    The version is the loaded library's (loaded_nccl_version), not the one torch was built with."""
+    version = loaded_nccl_version()
+    return os.environ.get(SHARE_SWITCH) == "1" and version is not None and version >= (2, 30, 0)
+
+
+def sharing_state():
+    """What decides sharing, as found: `NCCL 2.30.7 loaded, NCCL_MULTI_RANK_GPU_ENABLE=1`."""
+    version = loaded_nccl_version()
+    found = "no NCCL library loaded" if version is None else f"NCCL {'.'.join(map(str, version))} loaded"
+    switch = os.environ.get(SHARE_SWITCH)
+    return f"{found}, {SHARE_SWITCH}" + (f"={switch}" if switch is not None else " unset")
+
+
+def loaded_nccl_version():
+    """(major, minor, patch) of the NCCL library this process has loaded, from its ncclGetVersion; None
+    where none is. Not torch.cuda.nccl.version(): that is the version torch was BUILT with, a constant,
+    and a wheel's nvidia-nccl package (or LD_LIBRARY_PATH) may bring another. torch loads libnccl.so.2
+    with its CUDA library, or links NCCL in (older builds: the symbol is then torch's own)."""
+    for name in ("libnccl.so.2", None):
+        try:
+            library = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY) if name else ctypes.CDLL(None)
+            get_version = library.ncclGetVersion
+        except (OSError, AttributeError):
+            continue
+        code = ctypes.c_int()
+        if get_version(ctypes.byref(code)) == 0:
+            major = 10000 if code.value >= 10000 else 1000   # 2.9 on: 22809 is 2.28.9; before: 2804 is 2.8.4
+            return code.value // major, code.value % major // 100, code.value % 100
+    return None
 
 
 def agree_on_backend(env, requested, timeout_s, store=None):
@@ -96,6 +140,7 @@ def distributed(args):
     --check, --timeline and the summary runs unchanged."""
     torch.set_num_threads(args.threads)
     env = torchrun_env(args.backend)
+    env.timeout_s = args.timeout_s
     agree_on_backend(env, args.backend, args.timeout_s)
     if env.device.type == "cuda":
         # no TORCH_NCCL_BLOCKING_WAIT: it would turn every wait into a CPU spin, so the host could
@@ -150,7 +195,7 @@ def exit_now(status):
     os._exit(status)
 
 
-def replicas_identical(params, group, device="cpu"):
+def replicas_identical(params, group, device="cpu", timeout_s=None):
     """Are these parameters bit-identical on every rank of `group`? (Replicas must be: same start,
     same gradients, same update.) Each rank sends a checksum of its tensors' bits, not the tensors: a
     few numbers each in one small all-gather, then a world all-reduce so that every rank of the world,
@@ -159,8 +204,10 @@ def replicas_identical(params, group, device="cpu"):
     mine = checksum(params, device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
+    settle(mine.device, timeout_s, lambda: "the replicas' checksums (all-gather)")   # torch.equal reads them
     same = torch.tensor([int(all(torch.equal(mine, other) for other in every))], device=mine.device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    settle(mine.device, timeout_s, lambda: "the replicas' verdict (all-reduce)")
     return bool(same.item())
 
 
@@ -190,6 +237,15 @@ def clock(device, timeout_s=None, awaited=lambda: "the step's queued work"):
         done.record()
         bounded_wait(done.query, timeout_s, awaited)
     return time.perf_counter()
+
+
+def settle(device, timeout_s, awaited):
+    """Before reading back what collectives made (a log line's sums, the summary's numbers, the replicas'
+    checksums): on a GPU, wait for the work queued so far, at most timeout_s, so that a peer lost in
+    those collectives gives a CommError naming awaited(), not a read blocked until nccl's watchdog
+    aborts the process without a word. On the CPU gloo's own timeout bounds each collective."""
+    if device.type == "cuda":
+        clock(device, timeout_s, awaited)
 
 
 def bounded_wait(finished, timeout_s, awaited):

@@ -76,7 +76,7 @@ def base_parser(description):
                    help="test loss/accuracy every K steps and after the last (0: never)")
     p.add_argument("--log-file", default=None, help="metrics log, JSON lines (default: logs/<program>.jsonl)")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                   help="auto: nccl with one GPU per local rank, else gloo")
+                   help="auto: nccl with a GPU per local rank (or shared, where NCCL allows: docs/gpu.md), else gloo")
     p.add_argument("--timeout-s", type=float, default=180.0, help="collective/p2p timeout in seconds")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     p.add_argument("--dropout", type=float, default=0.0,

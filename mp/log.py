@@ -10,6 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from mp.dist import settle
 from mp.errors import fail, say_when_interrupted
 from mp.models import param_mb
 
@@ -149,6 +150,7 @@ def gather_per_rank(env, value, digits=1):
         return {0: round(mine.item(), digits)}
     every = [torch.zeros_like(mine) for _ in range(env.world_size)]
     dist.all_gather(every, mine)
+    settle(env.device, env.timeout_s, lambda: f"rank {env.rank}'s all-gather of the summary's numbers")
     return {r: round(t.item(), digits) for r, t in enumerate(every)}
 
 

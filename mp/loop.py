@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mp import checkpoint
 from mp.clipping import finish_norms
 from mp.data import test_batches
-from mp.dist import awaiting, bounded_wait
+from mp.dist import awaiting, settle
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
 from mp.optim import grad_mb, optimizer_state_mb
 
@@ -53,7 +53,7 @@ class StepScalars:
     """The steps' loss, grad norm and time, kept as they come (tensors on the device, CUDA events on a
     GPU) and read in one batch every --log-every steps: a read (.item(), .tolist()) waits for the device to
     finish all the work queued before it, so one in every step would stall a GPU's queue each time, and
-    a wait inside the step could not be bounded by our timeouts (mp.dist.bounded_wait bounds this one)."""
+    a wait inside the step could not be bounded by our timeouts (mp.dist.settle bounds this one)."""
 
     def __init__(self, device, timeout_s):
         self.device, self.timeout_s, self.pending = device, timeout_s, []
@@ -81,13 +81,12 @@ class StepScalars:
         losses = torch.stack(losses).double() if losses[0] is not None else None
         norms = torch.stack([p[4] for p in pending]).double()
         losses, norms = finish(losses, norms, job.sums, args, rank)
+        # the one CPU wait on the device's queue (a GPU), bounded, on every rank: up to after finish()'s
+        # collectives, so that a peer lost in the steps or in those (nccl) ends here with a named error
+        settle(self.device, self.timeout_s, lambda: f"step {pending[-1][0]}'s queued work and the logged values' sums")
         if not job.owner:
             return []
-        if self.device.type == "cuda":   # the one CPU wait on the device's queue, bounded: up to an event
-            # after finish()'s collectives, so that a peer lost in those (nccl) is caught here too
-            summed = self._mark()
-            bounded_wait(summed.query, self.timeout_s,
-                         lambda: f"step {pending[-1][0]}'s queued work and the logged values' sums")
+        if self.device.type == "cuda":
             times = [a.elapsed_time(b) / 1e3 for _, a, b, _, _ in pending]
         else:
             times = [b - a for _, a, b, _, _ in pending]

@@ -1,5 +1,4 @@
 """The reference program: it trains, follows the log contract, and refuses bad input clearly."""
-import importlib.util
 import os
 
 import pytest
@@ -50,10 +49,16 @@ def test_bad_input_gives_one_error_line_and_exit_2(tmp_path, argv, message):
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
-                    reason="torchvision is installed: the test would try to download CIFAR-10")
-def test_cifar10_without_torchvision_or_network_is_a_clear_error(tmp_path):
-    run = launch("single_baseline.py", ["--data", "cifar10", "--data-dir", str(tmp_path / "none")], tmp_path)
+@pytest.mark.slow   # a real python (about 6 s)
+def test_cifar10_without_torchvision_or_network_is_a_clear_error(tmp_path, monkeypatch):
+    """torchvision hidden by one that fails to import (a fresh python: the tests' zygote has imported
+    the real one), so this runs whether or not torchvision is installed, and never downloads."""
+    broken = tmp_path / "hide" / "torchvision"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(broken.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    run = launch("single_baseline.py", ["--data", "cifar10", "--data-dir", str(tmp_path / "none")], tmp_path,
+                 real=True)
     assert run.returncode == 2
     assert run.stderr.startswith("error: CIFAR-10 is not in --data-dir"), run.stderr
     assert "torchvision failed to import" in run.stderr

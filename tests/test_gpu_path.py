@@ -2,6 +2,7 @@
 GPU here: docs/gpu.md says what was only reasoned). The one-Work-per-batch branch of the pipeline's
 exchange, the waits with --timeout-s, the backend agreement, LOCAL_RANK, the teardown after an
 exception, the timeline's device clock, and the averaging of tensor-parallel replicated gradients."""
+import argparse
 import os
 import subprocess
 import sys
@@ -51,7 +52,11 @@ def as_on_nccl(ops):
 
 
 def _one_work_case(rank, world, group):
-    """Training steps of every schedule through the nccl branch give the same loss as the gloo branch."""
+    """Training steps of every schedule through the nccl branch give the same loss as the gloo branch.
+    What it shows: the Messenger's handling of one Work a batch and of sends kept in flight. What it
+    cannot: gloo under the shim never blocks a stream, so an order of posts that deadlocks nccl passes
+    here; tests/test_nccl_order.py (every program on its nccl paths, sends and receives only in batches)
+    and the plans' dry run with blocking sends (tests/test_schedules.py) carry that claim."""
     env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
     x, y = SyntheticData(0).batch(0, 8)
     for schedule in SCHEDULES:
@@ -289,3 +294,114 @@ def test_nccl_waits_order_streams_and_the_watchdog_waits_longer(monkeypatch):
     assert len(waited) == 2 + 3 and [part[2][1] for _, _, part in nccl.sending] == list(range(3, SENDS_KEPT + 3))
     nccl.finish()
     assert len(waited) == 2 + 3 + SENDS_KEPT and nccl.sending == []
+
+
+NCCL_2_30, NCCL_2_28 = (2, 30, 7), (2, 28, 9)
+
+
+@pytest.mark.parametrize("backend,version,switch,local_world,gpus,local_rank,want", [
+    ("nccl", NCCL_2_30, "1", 2, 1, 1, "cuda:0"),     # two ranks on the one GPU
+    ("auto", NCCL_2_30, "1", 2, 1, 0, "cuda:0"),     # the user asked for sharing: auto takes nccl
+    ("nccl", NCCL_2_30, "1", 3, 2, 2, "cuda:0"),     # round-robin: rank 2 of 3 on 2 GPUs
+    ("nccl", NCCL_2_30, "1", 3, 2, 1, "cuda:1"),
+    ("nccl", NCCL_2_30, None, 2, 2, 1, "cuda:1"),    # a GPU each: no sharing, no switch needed
+    ("auto", NCCL_2_30, None, 2, 1, 0, "cpu"),       # no switch: gloo, as before
+    ("auto", NCCL_2_28, "1", 2, 1, 0, "cpu"),        # too old a library: gloo
+    ("nccl", NCCL_2_28, "1", 2, 1, 0, "error: --backend nccl needs one GPU per local rank: 2 local ranks, 1 GPUs "
+                                      "(ranks share a GPU only with NCCL 2.30 or later and "
+                                      "NCCL_MULTI_RANK_GPU_ENABLE=1: NCCL 2.28.9 loaded, NCCL_MULTI_RANK_GPU_ENABLE=1)"),
+    ("nccl", NCCL_2_30, None, 2, 1, 0, "NCCL 2.30.7 loaded, NCCL_MULTI_RANK_GPU_ENABLE unset)"),
+    ("nccl", NCCL_2_30, "0", 2, 1, 0, "NCCL 2.30.7 loaded, NCCL_MULTI_RANK_GPU_ENABLE=0)"),
+    ("nccl", None, "1", 2, 1, 0, "no NCCL library loaded, NCCL_MULTI_RANK_GPU_ENABLE=1)")])
+def test_local_ranks_share_a_gpu_only_where_the_loaded_nccl_allows_it(monkeypatch, capsys, backend, version, switch,
+                                                                      local_world, gpus, local_rank, want):
+    """A fake GPU count and a fake loaded NCCL version: sharing needs both the switch and NCCL 2.30+;
+    otherwise nccl is refused with the switch and the version found, and auto takes gloo."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(mp_dist, "loaded_nccl_version", lambda: version)
+    # the version torch was built with says the opposite: it must not decide
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: NCCL_2_28 if version == NCCL_2_30 else NCCL_2_30)
+    for name, value in (("RANK", local_rank), ("WORLD_SIZE", local_world), ("LOCAL_RANK", local_rank),
+                        ("LOCAL_WORLD_SIZE", local_world), (mp_dist.SHARE_SWITCH, switch)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+    if want.startswith("cuda") or want == "cpu":
+        env = mp_dist.torchrun_env(backend)
+        assert env.device == torch.device(want) and env.backend == ("gloo" if want == "cpu" else "nccl")
+        out = capsys.readouterr().out
+        shared = want != "cpu" and gpus < local_world
+        assert out.count("note:") == (shared and local_rank == 0), out     # one line, from local rank 0
+        if shared and local_rank == 0:
+            assert out.startswith(f"note: {local_world} local ranks share {gpus} GPU"), out
+        return
+    with pytest.raises(SystemExit) as exit_:
+        mp_dist.torchrun_env(backend)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and want in err, err
+
+
+def test_the_nccl_version_is_read_from_the_library_loaded():
+    """Here the CUDA build of torch loads its wheel's libnccl.so.2 (the nvidia-nccl package) on import:
+    the version read through ncclGetVersion is that package's. Where no NCCL is loaded, None."""
+    from importlib import metadata
+    loaded = any("libnccl" in line for line in open("/proc/self/maps"))
+    packages = [d.version for d in metadata.distributions() if (d.metadata["Name"] or "").startswith("nvidia-nccl")]
+    version = mp_dist.loaded_nccl_version()
+    if not loaded:
+        assert version is None
+        pytest.skip("no NCCL library loaded in this process (a CPU build of torch)")
+    assert version is not None and len(version) == 3, version
+    if packages:
+        assert ".".join(map(str, version)) == packages[0], (version, packages)
+
+
+class EventNeverDone:
+    """A CUDA event whose work never finishes: a peer lost in a collective, as a GPU would see it."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def record(self):
+        pass
+
+    def query(self):
+        return False
+
+
+def test_every_rank_reads_the_logged_values_after_a_bounded_wait(monkeypatch):
+    """On a GPU the log's sums (nccl collectives) are waited for on every rank, not only on the owner,
+    and at most --timeout-s: a lost peer there gives the error naming the step, not nccl's watchdog
+    (which aborts without a line, at twice the timeout)."""
+    from mp import loop as mp_loop
+    monkeypatch.setattr(torch.cuda, "Event", EventNeverDone)
+    for owner in (False, True):
+        scalars = mp_loop.StepScalars(torch.device("cuda"), 0.2)
+        scalars.stop(3, scalars.start(), None, torch.tensor(1.0))
+        job = mp_loop.Job(step=None, model=None, optimizer=None, layout={}, owner=owner)
+        args = argparse.Namespace(timeout_s=0.2, clip_grad_norm=None)
+        with pytest.raises(errors.CommError, match=r"^waited 0.2 s for step 3's queued work and the logged values"):
+            scalars.read(job, args, rank=1)
+
+
+def _summary_gather_case(rank, world, group):
+    """The summary's all-gather is read only after settle(), with the run's --timeout-s."""
+    settled = []
+    real = mp_log.settle
+    mp_log.settle = lambda device, timeout_s, awaited: settled.append((device, timeout_s, awaited()))
+    try:
+        env = Env(rank, world, rank, world, "gloo", torch.device("cpu"), timeout_s=7.0)
+        assert mp_log.gather_per_rank(env, float(rank)) == {0: 0.0, 1: 1.0}
+    finally:
+        mp_log.settle = real
+    assert settled == [(torch.device("cpu"), 7.0, f"rank {rank}'s all-gather of the summary's numbers")], settled
+
+
+def test_the_summarys_gather_is_read_after_a_bounded_wait(tmp_path, monkeypatch):
+    run_ranks(_summary_gather_case, 2, tmp_path)
+    monkeypatch.setattr(torch.cuda, "Event", EventNeverDone)
+    with pytest.raises(errors.CommError, match=r"^waited 0.1 s for the replicas' checksums"):
+        mp_dist.settle(torch.device("cuda"), 0.1, lambda: "the replicas' checksums")
+    mp_dist.settle(torch.device("cpu"), 0.1, lambda: "nothing")   # the CPU: gloo bounds its collectives

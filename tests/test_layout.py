@@ -143,10 +143,10 @@ def test_each_program_holds_its_own_mechanism():
     assert {"Grid", "train_step", "data_parallel_buckets"} <= defined("pipeline_dp_joint.py")
     assert {"dist.new_group", "GradBuckets", "grads.wait", "grads.zero_grad"} <= calls("pipeline_dp_joint.py")
     assert "dist.new_group" in calls("parallel_3d.py")
-    # the ring written out with isend/irecv, its backward, and Ulysses' all-to-all pair
-    assert {"RingAttention", "send_recv", "_TokensToHeads", "_HeadsToTokens", "_ReduceFromCP",
+    # the ring written out with batched isend/irecv, its backward, and Ulysses' all-to-all pair
+    assert {"RingAttention", "ring_exchange", "_TokensToHeads", "_HeadsToTokens", "_ReduceFromCP",
             "train_step"} <= defined("context_parallel.py")
-    assert {"dist.isend", "dist.irecv", "dist.all_to_all_single"} <= calls("context_parallel.py")
+    assert {"dist.batch_isend_irecv", "dist.P2POp", "dist.all_to_all_single"} <= calls("context_parallel.py")
     assert {"train_step", "F.cross_entropy"} <= defined("single_baseline.py") | calls("single_baseline.py")
 
 

@@ -194,8 +194,8 @@ SMALL = FAST + ["--steps", "3", "--timeout-s", "20"]
 PIPE = SMALL + ["--model", "mlp", "--hidden", "32", "--layers", "6", "--batch-size", "24"]
 VIT = SMALL + ["--model", "vit", "--layers", "3", "--hidden", "32", "--batch-size", "8", "--dropout", "0.1"]
 SENDERS = [  # (program, its flags, the baseline's flags beyond the shared ones, ranks)
-    ("pipeline_microbatch.py", ["--schedule", "1f1b", "--microbatches", "4", "--eval-every", "2"], [], 2),
-    ("pipeline_microbatch.py", ["--schedule", "zbv", "--microbatches", "4"], [], 2),
+    slow("pipeline_microbatch.py", ["--schedule", "1f1b", "--microbatches", "4", "--eval-every", "2"], [], 2),
+    slow("pipeline_microbatch.py", ["--schedule", "zbv", "--microbatches", "4"], [], 2),
     ("context_parallel.py", ["--attention", "ring", "--eval-every", "2"], [], 2),
     slow("pipeline_microbatch.py", ["--schedule", "gpipe", "--microbatches", "4"], [], 3),
     slow("pipeline_microbatch.py", ["--schedule", "interleaved", "--microbatches", "4"], [], 2),

@@ -1,13 +1,15 @@
 """On one CUDA device with nccl (skipped where there is none, as in CI): every program at world size 1
 logs the losses of the baseline run on the same device, its --check passes, and the logs say what
-ran where. Where NCCL is 2.30 or later, two nccl ranks also share the one GPU (experimental in NCCL):
-every pipeline schedule, tensor and data parallelism at world size 2 against the same baseline."""
+ran where. Where the NCCL loaded is 2.30 or later and NCCL_MULTI_RANK_GPU_ENABLE=1, two nccl ranks also
+share the one GPU (experimental in NCCL): every pipeline schedule, tensor, data (ZeRO 1 and 3), 3-D and
+context parallelism at world size 2 against the same baseline."""
 import json
 
 import pytest
 import torch
 
-from helpers import FAST, ROOT, assert_same_losses, launch
+from helpers import FAST, assert_same_losses, launch
+from mp.dist import SHARE_SWITCH, loaded_nccl_version
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GPU = FAST + ["--backend", "nccl", "--steps", "20"]
@@ -66,19 +68,34 @@ def test_no_step_makes_the_cpu_wait_for_the_gpu(tmp_path, monkeypatch):
 
 
 SHARED = [("pipeline_microbatch.py", ["--schedule", s]) for s in ("gpipe", "1f1b", "interleaved", "zb", "zbv")] + [
-    ("tensor_parallel.py", []), ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2"])]
+    ("tensor_parallel.py", []),
+    ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2"]),
+    ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2", "--zero", "1",
+                              "--optimizer", "adamw"]),
+    ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2", "--zero", "3"]),
+    ("parallel_3d.py", ["--dp", "1", "--tp", "2", "--batch-size", "64", "--microbatches", "2"])]
+VIT = GPU + ["--model", "vit", "--layers", "4", "--hidden", "64"]
+SHARED_VIT = [("context_parallel.py", ["--attention", "ring"]), ("context_parallel.py", ["--attention", "ulysses"]),
+              ("tensor_parallel.py", ["--sequence-parallel"])]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.nccl.version() < (2, 30, 0),
-                    reason="two nccl ranks on one GPU need NCCL 2.30 or later")
+NCCL = loaded_nccl_version()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or NCCL is None or NCCL < (2, 30, 0),
+                    reason=f"two nccl ranks on one GPU need NCCL 2.30 or later, loaded: found {NCCL}")
 def test_two_nccl_ranks_on_one_gpu_log_the_baselines_losses(tmp_path, monkeypatch):
-    """The multi-rank nccl path itself (messages, collectives, buckets, the stream waits of
-    mp.pp.p2p), with both ranks on cuda:0 (tests/same_gpu.py): each run against the GPU baseline."""
-    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-    base = launch("single_baseline.py", GPU, tmp_path, log_name="base.jsonl", real=True)
-    for i, (program, extra) in enumerate(SHARED):
-        run = launch("tests/same_gpu.py", [f"{ROOT}/{program}"] + GPU + extra, tmp_path, nproc=2,
-                     log_name=f"shared{i}.jsonl", timeout=120, real=True)
-        assert run.returncode == 0, (program, extra, run.stderr[-3000:])
-        assert run.events("config")[0]["backend"] == "nccl", program
-        assert_same_losses(run, base)
+    """The multi-rank nccl path itself (messages, collectives, buckets, the ring's batches, the stream
+    waits of mp.pp.p2p), both ranks on cuda:0 (mp.dist shares the GPU round-robin): each run against
+    the GPU baseline. Gated on the NCCL library loaded (mp.dist.loaded_nccl_version), not on the
+    version torch was built with (torch.cuda.nccl.version(), a constant of the build)."""
+    monkeypatch.setenv(SHARE_SWITCH, "1")
+    for model, args, cases in (("cnn", GPU, SHARED), ("vit", VIT, SHARED_VIT)):
+        base = launch("single_baseline.py", args, tmp_path, log_name=f"base-{model}.jsonl", real=True)
+        for i, (program, extra) in enumerate(cases):
+            run = launch(program, args + extra, tmp_path, nproc=2, log_name=f"shared-{model}{i}.jsonl",
+                         timeout=120, real=True)
+            assert run.returncode == 0, (program, extra, run.stderr[-3000:])
+            assert run.events("config")[0]["backend"] == "nccl", program
+            assert "local ranks share 1 GPU" in run.stdout, run.stdout[-2000:]
+            print(program, extra, f"largest |loss difference| {assert_same_losses(run, base):.2g}")
