@@ -117,7 +117,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group):
-        n, scale = cp_size(group), math.sqrt(q.shape[-1])
+        n, sqrt_d = cp_size(group), math.sqrt(q.shape[-1])   # scores: q.k / sqrt(head_dim)
         prev_rank, next_rank = ring_neighbours(group) if n > 1 else (None, None)
         kv = torch.stack([k, v])                                    # one message a tick, not two
         out = torch.zeros_like(q)                                   # the running sum of exp(s - m) v
@@ -126,7 +126,7 @@ class RingAttention(torch.autograd.Function):
         for tick in range(n):
             if tick < n - 1:   # the next block (r - tick - 1's) is on its way while this one is computed
                 (next_kv,), works = ring_exchange([kv], prev_rank, next_rank, group)
-            scores = q @ kv[0].transpose(-2, -1) / scale           # [B, h, T/N, T/N]: this block only
+            scores = q @ kv[0].transpose(-2, -1) / sqrt_d            # [B, h, T/N, T/N]: this block only
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             correction = torch.exp(row_max - new_max)              # rescale what was summed under the old max
             probs = torch.exp(scores - new_max.unsqueeze(-1))
@@ -145,7 +145,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, n, scale = ctx.group, cp_size(ctx.group), math.sqrt(q.shape[-1])
+        group, n, sqrt_d = ctx.group, cp_size(ctx.group), math.sqrt(q.shape[-1])
         prev_rank, next_rank = ring_neighbours(group) if n > 1 else (None, None)
         # dL/ds = P * (dL/dP - sum_j P_j dL/dP_j), and sum_j P_j dL/dP_j = sum_j P_j (dO . v_j) = dO . O
         delta = (grad_out * out).sum(dim=-1, keepdim=True)
@@ -159,8 +159,8 @@ class RingAttention(torch.autograd.Function):
             # held it last tick: both transfers overlap this tick's compute
             sends = ([kv] if tick < n - 1 else []) + ([done] if tick > 0 else [])
             incoming, works = ring_exchange(sends, next_rank, prev_rank, group)
-            probs = torch.exp(q @ kv[0].transpose(-2, -1) / scale - lse.unsqueeze(-1))   # recomputed, exact
-            grad_scores = probs * (grad_out @ kv[1].transpose(-2, -1) - delta) / scale
+            probs = torch.exp(q @ kv[0].transpose(-2, -1) / sqrt_d - lse.unsqueeze(-1))   # recomputed, exact
+            grad_scores = probs * (grad_out @ kv[1].transpose(-2, -1) - delta) / sqrt_d
             grad_q += grad_scores @ kv[0]
             mine = torch.stack([grad_scores.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ grad_out])
             wait_all(works)   # the transfers overlapped the compute above
@@ -175,6 +175,12 @@ class RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, group):
     return RingAttention.apply(q, k, v, group)
+
+
+def local_attention(q, k, v):
+    """Attention over the tokens this rank holds, no communication: the ring's arithmetic on one block
+    (so it saves lse, never a T x T matrix of probabilities)."""
+    return RingAttention.apply(q, k, v, None)
 
 
 # ----------------------------------------------------------------------------- Ulysses: two all-to-alls
@@ -232,10 +238,9 @@ class _HeadsToTokens(torch.autograd.Function):
 
 def ulysses_attention(q, k, v, group):
     """One all-to-all takes q, k and v (stacked) to my h/N heads of all T tokens, attention runs there
-    with no more communication (RingAttention on one block: it saves no T x T matrix either), and a
-    second all-to-all takes the output back to all heads of my tokens."""
+    with no more communication, and a second all-to-all takes the output back to all heads of my tokens."""
     q, k, v = _TokensToHeads.apply(torch.stack([q, k, v]), group)
-    return _HeadsToTokens.apply(ring_attention(q, k, v, None), group)
+    return _HeadsToTokens.apply(local_attention(q, k, v), group)
 
 
 ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}

@@ -326,7 +326,7 @@ def test_a_few_evaluations_are_points_with_a_note_saying_what_they_mean(tmp_path
     other = fake_log(tmp_path / "pp.jsonl", steps=60, evals=evals, program="pipeline_microbatch", loss_shift=3e-7)
     plot_curves.plot_curves([base, other], str(tmp_path / "x.png"))
     acc_ax = kept["fig"].axes[2]
-    note = " ".join(" ".join(t.get_text() for t in acc_ax.texts).split())
+    note = " ".join(acc_ax.get_legend().get_title().get_text().split())   # the note heads the panel's legend
     assert "2 evaluations (steps 49, 59): too few to show a trend" in note, note
     assert "test loss 2.1 -> 2.02" in note and "accuracy 31.0% -> 28.0%" in note, note
     assert all(line.get_linestyle() == "None" for line in acc_ax.get_lines() if line.get_marker() not in ("", "None"))
@@ -335,4 +335,37 @@ def test_a_few_evaluations_are_points_with_a_note_saying_what_they_mean(tmp_path
     base = fake_log(tmp_path / "base6.jsonl", steps=300, evals=six)
     plot_curves.plot_curves([base, fake_log(tmp_path / "pp6.jsonl", steps=300, evals=six)], str(tmp_path / "x.png"))
     acc_ax = kept["fig"].axes[2]
-    assert not acc_ax.texts and all(line.get_linestyle() != "None" for line in acc_ax.get_lines())
+    assert not acc_ax.get_legend().get_title().get_text()
+    assert all(line.get_linestyle() != "None" for line in acc_ax.get_lines())
+
+
+@pytest.mark.parametrize("steps,evals,beside,program", [
+    (100, [49, 99], False, "pipeline_microbatch"),       # DATA=synthetic STEPS=100: two evaluations and the note
+    (100, [49, 99], True, "pipeline_microbatch"),        # 2bw's figure: its reference and a run drawn beside
+    (30, [29], False, "context_parallel"), (5, [], False, "tensor_parallel"),
+    (300, range(49, 300, 50), False, "pipeline_dp_joint"), (1000, range(99, 1000, 100), True, "parallel_3d")])
+def test_no_legend_covers_a_note_a_curve_or_another_legend(tmp_path, monkeypatch, steps, evals, beside, program):
+    """Issue 59: at any --steps, every legend lies outside every panel's data area (where the curves
+    and the points are), inside the figure, clear of the other legends; the accuracy note is the
+    title of its panel's legend. Boxes in pixels, after the layout save() gives the figure."""
+    kept = drawn_figure(monkeypatch)
+    long = dict(schedule="interleaved", virtual_stages=2, microbatches=8)   # a long label, twice (identical)
+    runs = [fake_log(tmp_path / "base.jsonl", steps=steps, evals=evals)] + [
+        fake_log(tmp_path / f"{k}.jsonl", steps=steps, evals=evals, program=program, **long) for k in range(2)]
+    others = [fake_log(tmp_path / "other.jsonl", steps=steps, evals=evals, loss_shift=0.1)] if beside else []
+    plot_curves.plot_curves(runs, str(tmp_path / "x.png"), beside=others)
+    fig = kept["fig"]
+    fig.tight_layout()                                   # as save() does
+    fig.canvas.draw()
+    whole = fig.bbox
+    legends = [a.get_legend() for a in fig.axes]
+    assert all(legends), "every panel has a legend"
+    boxes = [legend.get_window_extent() for legend in legends]
+    for i, box in enumerate(boxes):
+        assert whole.x0 <= box.x0 and box.x1 <= whole.x1 and whole.y0 <= box.y0 and box.y1 <= whole.y1, \
+            f"legend {i} leaves the figure: {box} in {whole}"
+        for j, ax in enumerate(fig.axes):
+            assert not box.overlaps(ax.get_window_extent()), f"legend {i} covers panel {j}"
+            assert not any(box.overlaps(t.get_window_extent()) for t in ax.texts), f"legend {i} covers a note"
+        for k, other in enumerate(boxes[:i]):
+            assert not box.overlaps(other), f"legends {k} and {i} overlap"

@@ -14,8 +14,9 @@ where logged. Each parallel run has a colour and marker of its own in every pane
 turns along one dash pattern, so runs that lie on one another (every run within the contract is
 within a pixel of the baseline) all show; a run whose per-step losses repeat an earlier run's bit for
 bit says so in the legend ("identical to <run>", "= baseline"), as GPipe's and 1F1B's do. Fewer than
-4 evaluations are drawn as points, not a line, under a note saying they show no trend and why test
-accuracy may fall while the test loss falls. Steps are numbered from 0, as in the logs and on the
+4 evaluations are drawn as points, not a line, with a note (heading the panel's legend) saying they
+show no trend and why test accuracy may fall while the test loss falls. Every legend sits below its
+panel, outside the data, so none covers a curve or the note. Steps are numbered from 0, as in the logs and on the
 programs' consoles. Runs whose settings differ (model, data, seed, batch size, lr, momentum, steps,
 sizes) are not comparable step by step: each difference is named on stderr and in the title.
 Timelines: the Chrome-trace files that `pipeline_microbatch.py --timeline` writes, drawn as Gantt
@@ -175,7 +176,9 @@ def plot_curves(paths, out, beside=()):
         print(f"warning: not comparable step by step: {m}", file=sys.stderr)
     panels = ["loss"] + (["diff"] if len(runs) > 1 else [])
     panels += ["acc"] if any(series(recs, "eval", "test_acc")[0] for _, recs in runs) else []
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
+    note = few_evaluations(runs) if "acc" in panels else None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8 + legend_height(runs, others, note)),
+                             squeeze=False)
     ax = dict(zip(panels, axes[0]))
     draw_runs(ax, runs)
     for label, records in others:
@@ -185,7 +188,7 @@ def plot_curves(paths, out, beside=()):
             ax["acc"].plot(*series(records, "eval", "test_acc"), marker="x", ls=":", color="tab:grey", label=shown)
         gap = max((d for _, d in differences(runs[0][1], records)), default=float("nan"))
         print(f"drawn beside, not compared: {label}: largest |loss - {runs[0][0]}| {gap:.3g}")
-    label_axes(ax)
+    label_axes(ax, note)
     fig.suptitle(title_of(runs, mismatches), color="red" if mismatches else "black")
     diffs = largest_differences(runs)
     save(fig, out, {"kind": "curves", "runs": [run_summary(label, records, diffs.get(label))
@@ -253,9 +256,6 @@ def draw_runs(ax, runs):
             ax["acc"].plot(*series(records, "eval", "test_acc"), label=shown, **points)
         if i > 0:
             draw_differences(ax["diff"], differences(runs[0][1], records), shown, style, i, len(runs))
-    if "acc" in ax and few:
-        ax["acc"].text(0.02, 0.98, few, transform=ax["acc"].transAxes, va="top", fontsize=7,
-                       bbox={"facecolor": "white", "edgecolor": "grey", "alpha": 0.9})
 
 
 MIN_EVALUATIONS = 4   # fewer points than this are no trend: one evaluation's wobble decides the slope
@@ -279,16 +279,27 @@ def few_evaluations(runs):
     return note + "\nFor a curve: more --steps or a smaller --eval-every (EVAL_EVERY)."
 
 
-def label_axes(ax):
+def label_axes(ax, note=None):
+    """Titles, axes, and each panel's legend below it, outside the data: inside, "best" dodges the
+    lines but not a note, and at some --steps no corner is free of both. The accuracy panel's note
+    heads its legend, so nothing can cover it (tests/test_plots.py checks the boxes)."""
     ax["loss"].set(xlabel="step (from 0)", ylabel="training loss", title="training loss")
     if "acc" in ax:
         ax["acc"].axhline(0.1, color="grey", lw=1, ls=":", label="chance")
         ax["acc"].set(xlabel="step (from 0)", ylabel="test accuracy", title="test accuracy", ylim=(0, 1),
                       xlim=ax["loss"].get_xlim())     # one evaluation is a point on the run's step axis
-    for a in ax.values():
+    for name, a in ax.items():
         a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # whole steps: no step 2.5
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False,
+                 title=note if name == "acc" else None, title_fontsize=7, alignment="left")
+
+
+def legend_height(runs, others, note):
+    """Inches the legends below the panels take: a line a label line, and the accuracy panel's note."""
+    twins = identical_to(runs)
+    lines = sum(1 + legend_label(runs, i, twins).count("\n") for i in range(len(runs))) + len(others) + 1
+    return 0.3 + 0.15 * (lines + (1 + note.count("\n") if note else 0))
 
 
 def run_summary(label, records, difference):
