@@ -1,6 +1,7 @@
 """What every part of the package may need and none may import in a circle: the one `error:` line
 for bad input (fail), the one line of a Ctrl-C, the note for a one-rank launch, and the error a
 communication failure raises. A leaf: it imports nothing of the project."""
+import json
 import os
 import signal
 import sys
@@ -11,6 +12,22 @@ def print_error(message):
     """One `error:` line in a single write, so the lines of ranks sharing a stderr pipe never interleave."""
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
+    tell_torchrun(message)
+
+
+def tell_torchrun(message):
+    """Under plain torchrun, leave the `error:` line where its report of a failed rank looks: the file it
+    names in TORCHELASTIC_ERROR_FILE (what torch's @record writes for an exception). Its report, which
+    ends the output, then shows the line as the rank's "traceback" under Root Cause instead of a link
+    to torch's docs, so the line is among the last a user sees. A plain string message: no traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": f"error: {message}", "timestamp": int(time.time())}, f)
+    except OSError:
+        pass   # the console line is already out; torchrun then shows its own text
 
 
 def fail(message, seen_by="every rank"):
@@ -23,6 +40,7 @@ def fail(message, seen_by="every rank"):
     if printer is None or int(os.environ.get(printer, 0)) == 0:
         print_error(message)
     else:
+        tell_torchrun(message)   # said once on the console; every rank's report says it
         outlast_the_printer()
     sys.exit(2)
 

@@ -100,3 +100,20 @@ def test_programs_in_forked_ranks_give_the_baselines_losses(program, nproc, flag
     assert run.returncode == 0, run.stderr[-3000:]
     got = [r["loss"] for r in read_log(log) if r["event"] == "train"]
     assert got and max(abs(a - b) for a, b in zip(got, real_baseline.losses())) <= 1e-4
+
+
+@pytest.mark.slow
+def test_under_plain_torchrun_a_refusal_ends_the_output(tmp_path):
+    """Issue 59: plain torchrun (as the programs' docstrings launch them) prints a report of every
+    failed rank after our one `error:` line, tens of lines. Each rank leaves the line in the file
+    torchrun names (TORCHELASTIC_ERROR_FILE, mp.errors.tell_torchrun), so the report's Root Cause,
+    which ends the output, shows it in place of a link to torch's docs."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--",
+                           os.path.join(ROOT, "pipeline_microbatch.py"), "--data", "synthetic", "--shedule", "1f1b"],
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    line = "error: unrecognized arguments: --shedule 1f1b (see --help)"
+    assert proc.returncode != 0 and proc.stderr.count(line) >= 2, proc.stderr[-3000:]   # the console's, the report's
+    tail = proc.stderr.strip().splitlines()[-10:]
+    assert any(t.startswith("Root Cause") for t in tail) and f"traceback : {line}" in [t.strip() for t in tail], tail
+    assert "To enable traceback" not in proc.stderr, proc.stderr[-3000:]
