@@ -13,7 +13,8 @@ from helpers import ROOT
 FIGURES = {"run_pipeline": ["pipeline_loss_synthetic.png", "pipeline_timeline_synthetic.png",
                             "pipeline_loss_2bw_synthetic.png"],
            "run_joint": ["joint_loss_synthetic.png"],
-           "run_tp": ["tp_loss_hybrid1_synthetic.png"], "run_3d": ["3d_loss_synthetic.png"]}
+           "run_tp": ["tp_loss_hybrid1_synthetic.png"], "run_3d": ["3d_loss_synthetic.png"],
+           "run_cp": ["cp_loss_synthetic.png"]}
 OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh",   # drawn by another documented command
                   "tp_ladder.png": "python benchmarks/tp_ladder.py --steps 300 --plot plots/tp_ladder.png"}
 
@@ -60,6 +61,8 @@ def loss_record(figure):
 @pytest.mark.parametrize("launcher", sorted(FIGURES))
 def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
     s = settings(launcher)
+    if launcher == "run_cp":
+        s.setdefault("MODEL", "vit")   # run_cp.sh trains the vit alone: no MODEL knob
     title, runs = loss_record(FIGURES[launcher][0])
     base, parallel = runs[0], runs[1:]
     data = "SYNTHETIC" if s["DATA"] == "synthetic" else s["DATA"].upper()
@@ -89,6 +92,8 @@ def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
         assert [run["args"]["schedule"] for run in parallel] == [x for x in s["SCHEDULE"].split() if x != "2bw"]
     if launcher == "run_tp":
         assert [bool(run["args"].get("hybrid")) for run in parallel] == [False] + [True] * (s["HYBRID"] == "1")
+    if launcher == "run_cp":
+        assert [run["args"]["attention"] for run in parallel] == s["ATTENTION"].split()
 
 
 def test_the_timeline_figure_shows_the_documented_schedules():
