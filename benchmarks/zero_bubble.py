@@ -342,7 +342,7 @@ def stages_args(p, even=False):
 # 7p-layer mlp is even: on 2 stages 1F1B's stage 0 and zbv's rank 0 both count 7.67 against 7, and the
 # lighter rank idles for the difference whatever the schedule. At hidden 1024 it counts 2, and 6p layers
 # split into p stages (1F1B: 5,7 on 2 stages) or p ranks of a V (zbv: 2,3,3,4) of 6 counted blocks each.
-# (Measured, docs/pipeline.md: zbv against 1F1B moved little with it, 0.95-0.97 against 0.97-0.99.)
+# (Measured, docs/results.md: zbv against 1F1B moved little with it, 0.95-0.97 against 0.97-0.99.)
 EVEN_SPLIT = "the mlp of 6 layers of 1024 a rank, whose --balance auto splits are even (6 counted blocks a rank)"
 
 

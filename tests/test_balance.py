@@ -30,7 +30,7 @@ def test_the_costs_are_counted_so_the_split_is_the_same_every_time():
 @pytest.mark.parametrize("model,layers,hidden,stages,want", [
     ("cnn", 4, 128, 4, [1, 1, 1, 2]),        # the even 2,1,1,1 puts both convolutions on stage 0
     ("cnn", 4, 128, 2, [1, 4]),
-    ("mlp", 8, 1024, 2, [3, 5]),             # docs/pipeline.md's hand-made split: 3072 x 1024 first
+    ("mlp", 8, 1024, 2, [3, 5]),             # docs/results.md's hand-made split: 3072 x 1024 first
     ("mlp", 4, 128, 4, [1, 1, 1, 1]),        # one block a stage: the only split
 ])
 def test_auto_is_never_slower_than_even_by_the_count(model, layers, hidden, stages, want):

@@ -4,7 +4,7 @@ give up after --timeout-s with an error naming the message, and receives posted 
 Receives posted ahead. A gloo send completes one of two ways. If its receive is already posted, the
 sender's own thread writes the data at once, inside isend. If not, the send waits for the receiver's
 notice, and gloo's I/O thread writes it when the notice comes: on busy cores, a thread that must first
-wait for one (single posts of up to 10 ms measured on 2 cores, docs/pipeline.md). So on gloo each
+wait for one (single posts of up to 10 ms measured on 2 cores, docs/benchmarks.md). So on gloo each
 exchange also posts the receives of the next EXCHANGES_AHEAD exchanges, and a message's receive is
 usually waiting before its send is posted. The schedule is unchanged: each receive is still waited for
 in its own exchange, and the receives go out in the schedule's order (what untagged matching pairs by).
@@ -31,7 +31,7 @@ stream, so no deadlock can come of it; the cost is at most SENDS_KEPT sent tenso
 Reasoned only: no two nccl ranks have run yet (docs/gpu.md).
 
 Measured on 2 stages and 2 cores, in one pair of processes (benchmarks/zero_bubble.py --paired-ahead,
-docs/pipeline.md "zbv against 1F1B and ZB-H1"): receives ahead took 1F1B's step to 0.98-0.99 of what it
+docs/benchmarks.md, Overheads): receives ahead took 1F1B's step to 0.98-0.99 of what it
 was; both changes took zbv's to 0.87-0.91 of the old 1F1B's, where the old zbv's was 0.96.
 """
 import datetime

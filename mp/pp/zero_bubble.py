@@ -32,7 +32,7 @@ wait: the stage before needs B's dx, not W, so the executor runs a B's W in the 
 dx is sent and before it waits for its own next message (run_weight_grads, the exchange's
 meanwhile); the buckets hear that a chunk's gradients are final there too, after its last Ws.
 Small layers and convolutions keep autograd's backward, which costs them less. Measured on 2 stages
-and 2 cores (benchmarks/zero_bubble.py --paired-fused, docs/pipeline.md): B and W of a microbatch
+and 2 cores (benchmarks/zero_bubble.py --paired-fused, docs/results.md): B and W of a microbatch
 8.0-8.7 ms against autograd's 10.2-10.3 ms, 1F1B's step 0.94 and GPipe's 0.92 of theirs with
 autograd's weight gradients; with W after the send, 1F1B's step 0.956-0.972 of its W inside its B
 (GPipe's 0.99-1.01). 2bw keeps autograd: its forwards run one of two weight versions in place of the
