@@ -21,8 +21,8 @@ as before: CUDA must not be touched before a fork, and a fork is not tried where
 """
 from mp.errors import say_when_interrupted, stop_on_interrupt
 if __name__ == "__main__":   # Ctrl-C while torch is imported (seconds): one line, exit 130; no rank has started
-    stop_on_interrupt()      # (torchrun's agent puts its own handler in place when it starts the ranks)
     say_when_interrupted(lambda: "interrupted while torchrun started: no rank had started")
+    stop_on_interrupt()      # (torchrun's agent puts its own handler in place when it starts the ranks)
 
 import logging
 import os
