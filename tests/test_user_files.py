@@ -293,3 +293,14 @@ def test_ctrl_c_while_a_launcher_or_its_tools_start_says_at_most_one_line(tmp_pa
         assert "Traceback" not in err + out and "Fatal Python error" not in err, (moment, err[-2000:])
         assert not err or (err.startswith("interrupted ") and err.count("\n") == 1), (moment, err[-2000:])
     assert not list(tmp_path.rglob("*.png"))
+
+
+@pytest.mark.parametrize("script", ["run_pipeline.sh", "run_joint.sh", "run_tp.sh", "run_3d.sh", "run_cp.sh"])
+def test_a_launcher_starts_every_python_with_sigint_blocked(script):
+    """The test above interrupts run_tp.sh and the tools as a launcher starts them; here every launcher's
+    every python goes through run_python (SIGINT blocked until the program's handler is in place), none
+    through "$PYTHON" itself. run_slurm.sh is a batch job: no terminal sends it a Ctrl-C."""
+    with open(os.path.join(ROOT, script)) as f:
+        code = [line.split("#", 1)[0] for line in f]
+    starts = [line for line in code if "run_python " in line]
+    assert starts and not [line for line in code if '"$PYTHON"' in line or "${PYTHON}" in line], script
