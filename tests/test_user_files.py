@@ -233,7 +233,7 @@ def interrupted_at(cmd, moment, folder, env):
     """Start cmd in a session of its own, as a terminal starts a job; at `moment` send SIGINT to the
     whole session, as a terminal's Ctrl-C does; return (exit status, stdout, stderr). moment "bash":
     as soon as the launcher's bash has started; "WHO@WHERE": once tests/moment_site holds that python
-    there (its docstring), which it releases only after the signal was sent."""
+    there (its docstring), which it releases only once the signal has reached it."""
     folder.mkdir()
     env = dict(env, MOMENTS=str(folder), MOMENT=moment,
                PYTHONPATH=os.pathsep.join(filter(None, [MOMENT_SITE, os.environ.get("PYTHONPATH")])))
@@ -247,7 +247,6 @@ def interrupted_at(cmd, moment, folder, env):
             pytest.fail(f"{moment} was never reached: exit status {proc.returncode}, {err[-2000:]}")
         time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGINT)
-    (folder / "sent").touch()
     out, err = proc.communicate(timeout=60)
     return proc.returncode, out, err
 
@@ -261,7 +260,7 @@ def test_ctrl_c_while_a_launcher_or_its_tools_start_says_at_most_one_line(tmp_pa
     never a traceback or python's "Fatal Python error: init_import_site", no figure.
 
     The moments are waited for, not guessed with a delay: tests/moment_site/sitecustomize.py (on
-    PYTHONPATH) holds the one python named by MOMENT there until the signal has been sent. Held inside
+    PYTHONPATH) holds the one python named by MOMENT there until the signal has reached it. Held inside
     site's import of sitecustomize, the signal lands in the interpreter's real start-up (init_import_site,
     the issue's failure), on a quiet machine as on a busy one. The real interpreter runs every python
     here, not tests/python (the zygote's stand-in would be the one starting, not the program). The tools,
@@ -304,3 +303,21 @@ def test_a_launcher_starts_every_python_with_sigint_blocked(script):
         code = [line.split("#", 1)[0] for line in f]
     starts = [line for line in code if "run_python " in line]
     assert starts and not [line for line in code if '"$PYTHON"' in line or "${PYTHON}" in line], script
+
+
+def test_ctrl_c_while_torchruns_new_python_ranks_start_says_at_most_one_line(tmp_path):
+    """Ranks that are new pythons (with a GPU; MP_TORCHRUN_FORK=0 takes that path here) lead sessions of
+    their own: a Ctrl-C reaches them through torchrun's agent, which passes SIGINT on. Rank 0 held in
+    its `site` import (tests/moment_site) until the agent's SIGINT reached it: the job still ends with
+    exit 130 and at most one line, with no "Fatal Python error" from a rank."""
+    tools = tmp_path / "tools.sh"
+    tools.write_text(f'set -euo pipefail\ncd {ROOT}\nsource ./mp/tools/launch_checks.sh\nSTEP=tool\n'
+                     'run_python "$@"\n')
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", MP_TORCHRUN_FORK="0")
+    cmd = ["bash", str(tools), "-m", "mp.tools.torchrun", "--standalone", "--nproc-per-node", "2", "--",
+           "tensor_parallel.py", "--data", "synthetic", "--log-file", str(tmp_path / "tp.jsonl")]
+    start = time.monotonic()
+    code, out, err = interrupted_at(cmd, "tensor_parallel.py@site", tmp_path / "moment", env)
+    assert code == 130 and "Traceback" not in err + out and "Fatal Python error" not in err, (code, err[-2000:])
+    assert not err or (err.startswith("interrupted ") and err.count("\n") == 1), err[-2000:]
+    assert time.monotonic() - start < 60 and not list(tmp_path.glob("tp*.jsonl"))

@@ -1,20 +1,24 @@
-"""Test-only: hold one python at a named moment of its start-up until the test has sent its signal, so
+"""Test-only: hold one python at a named moment of its start-up until its signal has reached it, so
 that a Ctrl-C lands at that moment on a quiet machine and on a busy one alike (no wall-clock delay
 decides where it lands). tests/test_user_files.py puts this folder on PYTHONPATH and sets
 
     MOMENTS=DIR         the folder the test and the held process share
-    MOMENT=WHO@WHERE    WHO: one word of the command line (single_baseline.py, mp.tools.torchrun): the
-                        first python started with it is held; every other python runs on untouched
+    MOMENT=WHO@WHERE    WHO: what python runs, a script's name or the module after -m
+                        (single_baseline.py, mp.tools.torchrun): the first python that runs it is
+                        held; every other python runs on untouched
                         WHERE: site     now: python imports this file from `site`, inside
                                         init_import_site, before any line of the program runs
                                MODULE   when the program first imports MODULE (torch, matplotlib),
                                         after its own first lines
 
-At the moment the held process creates DIR/reached (exclusively: one process only) and polls, for
-at most 60 s, for DIR/sent, which the test creates once it has sent the signal. Whatever the signal
-does meanwhile is what it would do to an unheld python there: a KeyboardInterrupt raised while this
-file is imported is fatal to python's start-up, as it is when a Ctrl-C lands in site's own imports."""
+At the moment the held process creates DIR/reached (exclusively: one process only) and waits, for at
+most 60 s, until the signal has reached it: the test sends it once it sees DIR/reached, to the whole
+session or, for torchrun's ranks, through the agent, which passes a Ctrl-C on later. Whatever the
+signal does on arrival is what it would do to an unheld python there: a KeyboardInterrupt raised while
+this file is imported is fatal to python's start-up, as it is when a Ctrl-C lands in site's own
+imports; a handler of the program's ends the process; a blocked SIGINT stays pending (the wait ends)."""
 import os
+import signal
 import sys
 import time
 
@@ -28,8 +32,19 @@ def _hold():
     except FileExistsError:   # another process was held already
         return
     deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(_DIR, "sent")) and time.monotonic() < deadline:
+    while signal.SIGINT not in signal.sigpending() and time.monotonic() < deadline:
         time.sleep(0.002)
+
+
+def _program(argv):
+    """The script's name, or the module after -m, in python's command line."""
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, "")
+        if not arg.startswith("-"):
+            return os.path.basename(arg)
+    return ""
 
 
 class _HoldAtImport:
@@ -47,7 +62,7 @@ class _HoldAtImport:
 
 if _DIR and "@" in _MOMENT:
     _who, _where = _MOMENT.split("@", 1)
-    if _who in sys.orig_argv:
+    if _program(sys.orig_argv) == _who:
         if _where == "site":
             _hold()
         else:
