@@ -29,12 +29,14 @@ trap 'exit 130' INT
 # the Ctrl-C waits, pending, until the program's first lines have put its handler in place and unblock
 # it (mp/errors.py stop_on_interrupt): then one line and exit 130, as at any later moment. Blocked, not
 # ignored: an ignored Ctrl-C would be lost, and the step would run on to its end. The blocked mask
-# outlives exec: GNU env (coreutils 8.31 or later) sets it, else perl; with neither, python starts as
-# before. A python that never unblocks (a -c one-liner) finishes, and the INT trap then stops the script.
+# outlives exec: GNU env (coreutils 8.31 or later) sets it, else perl; with neither, python starts
+# unguarded (a Ctrl-C in its first milliseconds may print python's own error). A python that never
+# unblocks (a -c one-liner) runs to its end, and the INT trap then stops the script.
 if env --block-signal=INT true 2>/dev/null; then
     BLOCK_SIGINT=(env --block-signal=INT)
 elif command -v perl >/dev/null 2>&1; then
-    BLOCK_SIGINT=(perl -MPOSIX -e 'sigprocmask(SIG_BLOCK, POSIX::SigSet->new(SIGINT)); exec { $ARGV[0] } @ARGV or exit 127')
+    BLOCK_SIGINT=(perl -MPOSIX -e 'sigprocmask(SIG_BLOCK, POSIX::SigSet->new(SIGINT));'
+                       -e 'exec { $ARGV[0] } @ARGV or exit 127')
 else
     BLOCK_SIGINT=()
 fi
