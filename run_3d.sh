@@ -74,16 +74,16 @@ mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves not
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
+run_python single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 STEP="the 3-D run (parallel_3d.py on $NPROC ranks)"
 count() { [ "$1" = 1 ] && echo "$1 $2" || echo "$1 ${3:-$2s}"; }   # count 1 replica: "1 replica"; count 2 ...: "2 replicas"
 echo "== 3-D: $(count "$DP" replica) x $(count $((NPROC / (DP * TP))) stage) x $(count "$TP" "tp rank"), $(count "$MICROBATCHES" microbatch microbatches) ($SCHEDULE$DOING)"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 checkpoint_flags "$GRID_LOG"
-"$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     parallel_3d.py "${COMMON[@]}" "${PARALLEL[@]}" "${CKPT[@]}" --log-file "$GRID_LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-"$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$GRID_LOG" -o "$PLOT"
+run_python -m mp.tools.plot_curves "$BASELINE_LOG" "$GRID_LOG" -o "$PLOT"
 say_written "$BASELINE_LOG" "$GRID_LOG" "$PLOT"

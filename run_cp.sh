@@ -58,7 +58,7 @@ mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves not
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
+run_python single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 LOGS_TO_PLOT=("$BASELINE_LOG")
 for ATTENTION in $ATTENTION_LIST; do
@@ -67,11 +67,11 @@ for ATTENTION in $ATTENTION_LIST; do
     echo "== context parallel: $ATTENTION attention, the sequence over $NPROC ranks"
     # "--" ends torchrun's own options, so that every later flag reaches the program
     checkpoint_flags "$LOG"
-    "$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+    run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
         context_parallel.py "${COMMON[@]}" --backend "$BACKEND" --attention "$ATTENTION" "${CKPT[@]}" --log-file "$LOG"
     LOGS_TO_PLOT+=("$LOG")
 done
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-"$PYTHON" -m mp.tools.plot_curves "${LOGS_TO_PLOT[@]}" -o "$PLOT"
+run_python -m mp.tools.plot_curves "${LOGS_TO_PLOT[@]}" -o "$PLOT"
 say_written "${LOGS_TO_PLOT[@]}" "$PLOT"

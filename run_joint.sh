@@ -69,16 +69,16 @@ mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves not
 
 STEP="the baseline (single_baseline.py${DELAY:+ --delay 1})"
 echo "== baseline${DELAY:+ with --delay 1, the 2bw reference}: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" "${DELAY[@]}" --log-file "$BASELINE_LOG"
+run_python single_baseline.py "${COMMON[@]}" "${DELAY[@]}" --log-file "$BASELINE_LOG"
 
 STEP="the joint run (pipeline_dp_joint.py on $NPROC ranks)"
 echo "== joint: $DP pipelines x $((NPROC / DP)) stages x $MICROBATCHES microbatches ($SCHEDULE)"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 checkpoint_flags "$JOINT_LOG"
-"$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     pipeline_dp_joint.py "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --microbatches "$MICROBATCHES" \
     --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${ZERO_FLAGS[@]}" "${CKPT[@]}" --log-file "$JOINT_LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-"$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
+run_python -m mp.tools.plot_curves "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
 say_written "$BASELINE_LOG" "$JOINT_LOG" "$PLOT"

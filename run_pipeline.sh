@@ -87,10 +87,10 @@ if [[ " $SCHEDULE_LIST " == *" 2bw "* ]]; then   # 2bw's own reference: the same
     echo "== baseline with --delay 1 (PipeDream-2BW's update rule): one process, beside it (its lines follow)"
     DELAY_OUT=$(mktemp)
     trap 'if [ -n "$DELAY_PID" ]; then kill "$DELAY_PID" 2>/dev/null || true; fi; rm -f "$DELAY_OUT"' EXIT
-    "$PYTHON" single_baseline.py "${COMMON[@]}" --delay 1 --log-file "$DELAY_LOG" > "$DELAY_OUT" 2>&1 &
+    run_python single_baseline.py "${COMMON[@]}" --delay 1 --log-file "$DELAY_LOG" > "$DELAY_OUT" 2>&1 &
     DELAY_PID=$!
 fi
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
+run_python single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 if [ -n "$DELAY_PID" ]; then
     STEP="the 2bw reference (single_baseline.py --delay 1)"
     DELAY_STATUS=0
@@ -112,7 +112,7 @@ for SCHEDULE in $SCHEDULE_LIST; do
     echo "== pipeline: $SCHEDULE, $NPROC stages, $MICROBATCHES microbatches$DOING"
     # "--" ends torchrun's own options, so that every later flag reaches the program
     checkpoint_flags "$LOG"
-    "$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+    run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
         pipeline_microbatch.py "${COMMON[@]}" --backend "$BACKEND" --schedule "$SCHEDULE" \
         --microbatches "$MICROBATCHES" $(pipeline_flags "$SCHEDULE") "${CKPT[@]}" --timeline "$TRACE" --log-file "$LOG"
     if [ "$SCHEDULE" = 2bw ]; then PIPEDREAM_LOG="$LOG"; else LOGS_OF+=("$LOG"); fi
@@ -121,13 +121,13 @@ done
 
 STEP="the plot (python -m mp.tools.plot_curves)"
 if [ ${#LOGS_OF[@]} -gt 0 ]; then
-    "$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${PLOT_TAG}.png"
+    run_python -m mp.tools.plot_curves "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${PLOT_TAG}.png"
     WROTE+=("$PLOTS/pipeline_loss${PLOT_TAG}.png")
 fi
 if [ -n "$PIPEDREAM_LOG" ]; then   # 2bw against its reference; the synchronous baseline beside, not compared
-    "$PYTHON" -m mp.tools.plot_curves "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png"
+    run_python -m mp.tools.plot_curves "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png"
     WROTE+=("$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png")
 fi
-"$PYTHON" -m mp.tools.plot_curves --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${PLOT_TAG}.png"
+run_python -m mp.tools.plot_curves --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${PLOT_TAG}.png"
 WROTE+=("$PLOTS/pipeline_timeline${PLOT_TAG}.png")
 say_written "${WROTE[@]}"

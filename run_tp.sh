@@ -57,13 +57,13 @@ mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves not
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
+run_python single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 STEP="the tensor-parallel run (tensor_parallel.py on $NPROC ranks)"
 echo "== tensor parallel: degree $NPROC"
 # "--" ends torchrun's own options, so that every later flag reaches the program
 checkpoint_flags "$TP_LOG"
-"$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     tensor_parallel.py "${COMMON[@]}" --backend "$BACKEND" "${CKPT[@]}" --log-file "$TP_LOG"
 
 LOGS_TO_PLOT=("$BASELINE_LOG" "$TP_LOG")
@@ -72,11 +72,11 @@ if [ "$HYBRID" = 1 ]; then
     STEP="the hybrid run (tensor_parallel.py --hybrid on $NPROC ranks)"
     echo "== hybrid: data-parallel convolutions, tensor-parallel fc layers, degree $NPROC"
     checkpoint_flags "$HYBRID_LOG"
-    "$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+    run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
         tensor_parallel.py "${COMMON[@]}" --hybrid --backend "$BACKEND" "${CKPT[@]}" --log-file "$HYBRID_LOG"
     LOGS_TO_PLOT+=("$HYBRID_LOG")
 fi
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-"$PYTHON" -m mp.tools.plot_curves "${LOGS_TO_PLOT[@]}" -o "$PLOT"
+run_python -m mp.tools.plot_curves "${LOGS_TO_PLOT[@]}" -o "$PLOT"
 say_written "${LOGS_TO_PLOT[@]}" "$PLOT"

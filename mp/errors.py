@@ -78,8 +78,12 @@ def stop_on_interrupt():
     rank (torchrun passes it on too). Each rank leaves at once with exit status 130; raising
     KeyboardInterrupt instead would unwind through a collective that a peer has already left and print
     a traceback or a false "waited ..." error on every rank. The log was flushed line by line, so its
-    partial file stays valid; one rank says where it is (say_when_interrupted)."""
+    partial file stays valid; one rank says where it is (say_when_interrupted). The launchers start
+    python with SIGINT blocked, so that a Ctrl-C during the interpreter's own start-up waits for this
+    handler (mp/tools/launch_checks.sh, run_python): unblocked here, after the handler is in place, so
+    a program sets its line (say_when_interrupted) before it calls this."""
     signal.signal(signal.SIGINT, _leave_interrupted)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 def _leave_interrupted(signum, frame):

@@ -14,8 +14,8 @@ collective.
 flags to the baseline too, and the line says so."""
 from mp.errors import say_when_interrupted, stop_on_interrupt
 if __name__ == "__main__":
-    stop_on_interrupt()      # Ctrl-C: one line and exit 130, not a traceback (the launcher then leaves quietly)
     say_when_interrupted(lambda: "interrupted while checking the arguments; nothing has run")
+    stop_on_interrupt()      # Ctrl-C: one line and exit 130, not a traceback (the launcher then leaves quietly)
 
 import contextlib
 import io

@@ -11,8 +11,8 @@ knobs are read from its file (`knob NAME default`, or `NAME=${NAME:-default}`). 
 library and mp.errors: it runs before torch is imported."""
 from mp.errors import say_when_interrupted, stop_on_interrupt
 if __name__ == "__main__":   # Ctrl-C now: one line and exit 130 (the launcher then leaves quietly)
-    stop_on_interrupt()
     say_when_interrupted(lambda: "interrupted while checking the knobs; nothing has run")
+    stop_on_interrupt()
 
 import glob
 import os

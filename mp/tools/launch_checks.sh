@@ -22,6 +22,28 @@ launcher_stopped() {   # the ERR trap: RC
 trap 'launcher_stopped $?' ERR
 trap 'exit 130' INT
 
+# ---- starting python -----------------------------------------------------------------------------
+# Every python the launcher runs starts with SIGINT blocked. A Ctrl-C that lands while the interpreter
+# starts (importing `site`, before any line of ours) would otherwise raise KeyboardInterrupt there:
+# "Fatal Python error: init_import_site" and a traceback, which no handler of ours can prevent. Blocked,
+# the Ctrl-C waits, pending, until the program's first lines have put its handler in place and unblock
+# it (mp/errors.py stop_on_interrupt): then one line and exit 130, as at any later moment. Blocked, not
+# ignored: an ignored Ctrl-C would be lost, and the step would run on to its end. The blocked mask
+# outlives exec: GNU env (coreutils 8.31 or later) sets it, else perl; with neither, python starts
+# unguarded (a Ctrl-C in its first milliseconds may print python's own error). A python that never
+# unblocks (a -c one-liner) runs to its end, and the INT trap then stops the script.
+if env --block-signal=INT true 2>/dev/null; then
+    BLOCK_SIGINT=(env --block-signal=INT)
+elif command -v perl >/dev/null 2>&1; then
+    BLOCK_SIGINT=(perl -MPOSIX -e 'sigprocmask(SIG_BLOCK, POSIX::SigSet->new(SIGINT));'
+                       -e 'exec { $ARGV[0] } @ARGV or exit 127')
+else
+    BLOCK_SIGINT=()
+fi
+run_python() {   # ARGS...: "$PYTHON" ARGS..., started with SIGINT blocked; its status is the call's
+    "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" || return $?   # (the caller's ERR trap names the failed STEP)
+}
+
 # ---- --help --------------------------------------------------------------------------------------
 # `bash run_X.sh --help` (or -h) prints the launcher's own usage at once and exits 0: its header
 # (what it runs, examples), every knob with its default and meaning, read from the knob lines of the
@@ -79,7 +101,7 @@ shared_knobs() {   # the knobs every run_*.sh has, with the same defaults
 }
 
 require_python() {   # before anything else: PYTHON must be an interpreter that has torch
-    if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
+    if ! run_python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
             >/dev/null 2>&1; then
         launcher_error "PYTHON=$PYTHON cannot import torch: set up once with 'python3 -m venv .venv &&" \
             "source .venv/bin/activate && pip install -r requirements.txt' (the README's install line), or in a" \
@@ -88,7 +110,7 @@ require_python() {   # before anything else: PYTHON must be an interpreter that 
 }
 
 check_environment() {   # a set variable that is another launcher's knob or one typo away from a knob
-    "$PYTHON" -m mp.tools.knobs "$(basename "$0")" || exit $?
+    run_python -m mp.tools.knobs "$(basename "$0")" || exit $?
 }
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -189,7 +211,7 @@ check_baseline_args() {   # ARGS...: queue the baseline's flags (it takes the ex
 
 run_checks() {   # the queued runs' flags; the first refused prints its one error line, in the knobs' terms
     local err rc=0
-    { err=$("$PYTHON" -m mp.tools.check_args --launcher "$(basename "$0")" "${CHECKS[@]:1}" 2>&1 1>&3) || rc=$?; } 3>&1
+    { err=$(run_python -m mp.tools.check_args --launcher "$(basename "$0")" "${CHECKS[@]:1}" 2>&1 1>&3) || rc=$?; } 3>&1
     if [ "$rc" != 0 ]; then
         printf '%s\n' "$err" | in_knob_terms >&2   # the program's one error line: nothing has trained
         exit "$rc"

@@ -34,8 +34,8 @@ the settings and results it drew in its text chunks (mp.tools.figure.png_record 
 """
 from mp.errors import say_when_interrupted, stop_on_interrupt
 if __name__ == "__main__":   # Ctrl-C while matplotlib is imported: one line, exit 130 (main handles it after)
-    stop_on_interrupt()
     say_when_interrupted(lambda: "interrupted while starting: no figure written")
+    stop_on_interrupt()
 
 import argparse
 import json

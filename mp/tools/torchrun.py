@@ -21,20 +21,23 @@ as before: CUDA must not be touched before a fork, and a fork is not tried where
 """
 from mp.errors import say_when_interrupted, stop_on_interrupt
 if __name__ == "__main__":   # Ctrl-C while torch is imported (seconds): one line, exit 130; no rank has started
-    stop_on_interrupt()      # (torchrun's agent puts its own handler in place when it starts the ranks)
     say_when_interrupted(lambda: "interrupted while torchrun started: no rank had started")
+    stop_on_interrupt()      # (torchrun's agent puts its own handler in place when it starts the ranks)
 
 import logging
 import os
+import signal
 import sys
 
 import torch
 import torch.distributed.run as torchrun
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from mp.tools import forked_rank
 
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAID_IT = (1, 2, 130)   # our programs' exit statuses, each after its own line (1: a communication failure)
 
 
@@ -71,12 +74,37 @@ def fork_ranks(args):
     args.run_path, args.start_method = True, "fork"
 
 
+def start_ranks_with_sigint_blocked(args):
+    """New-python ranks of this repository's programs start as the launchers start python (run_python,
+    mp/tools/launch_checks.sh): with SIGINT blocked until the program's first lines have put its handler
+    in place (mp/errors.py stop_on_interrupt). Each rank leads a session of its own, and the agent passes
+    a Ctrl-C on to it as SIGINT: one that reached a rank still importing `site` would end in "Fatal
+    Python error: init_import_site" and a traceback. A new process inherits the signal mask of the thread
+    that started it, so the agent blocks SIGINT while it starts its ranks, and takes a Ctrl-C that came
+    meanwhile once its ranks are in its hands (self._pcontext), to pass on to them."""
+    ranks_are_python_script = not (args.run_path or args.no_python or args.module)
+    if not ranks_are_python_script or os.path.dirname(os.path.abspath(args.training_script)) != REPOSITORY:
+        return   # another script may never unblock SIGINT: torchrun's own start
+    start_workers = LocalElasticAgent._start_workers
+
+    def start_workers_with_sigint_blocked(agent, worker_group):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        try:
+            return start_workers(agent, worker_group)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    LocalElasticAgent._start_workers = start_workers_with_sigint_blocked
+
+
 def main(argv=None):
     quiet_torchrun()
     args = torchrun.parse_args(argv)
     program = args.training_script   # as torchrun names it in its report
     if can_fork_ranks(args):
         fork_ranks(args)
+    else:
+        start_ranks_with_sigint_blocked(args)
     try:
         record(torchrun.run)(args)   # torchrun.main is this: parse_args, then run under @record
     except ChildFailedError as e:
