@@ -2,6 +2,7 @@
 nothing is plotted after it."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,7 +35,9 @@ def test_run_tp_plots_the_curves_and_prints_the_largest_difference(tmp_path):
     assert [os.path.realpath(path) for path in written(run.stdout)] == [
         os.path.realpath(path) for path in (f"{logs}/single_baseline{tag}_b64.jsonl",
                                             f"{logs}/tensor_parallel{tag}_tp2_b64.jsonl", f"{logs}/plots/tp_loss{tag}.png")]
-    assert f"wrote {os.path.join(ROOT, os.path.relpath(logs, ROOT))}/tensor_parallel" in run.stdout   # the program's line too
+    # the program's line too (it writes into the run's own folder until the launcher moves the set in place)
+    assert re.search(rf"^wrote {re.escape(os.path.join(ROOT, os.path.relpath(logs, ROOT)))}/\.unfinished/run_tp-\d+/logs/"
+                     r"tensor_parallel_\S+\.jsonl$", run.stdout, re.M), run.stdout
     assert all(os.path.getsize(path) > 0 for path in written(run.stdout))
     assert (logs / "plots" / f"tp_loss{tag}.png").stat().st_size > 10_000
     assert "largest |loss - baseline|" in run.stdout

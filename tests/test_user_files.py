@@ -66,31 +66,40 @@ def test_a_run_with_other_settings_keeps_the_earlier_runs_files_and_a_rerun_repl
 
 
 @pytest.mark.slow
-def test_ctrl_c_says_one_line_keeps_the_partial_log_and_leaves_the_earlier_log_as_it_was(tmp_path):
+def test_ctrl_c_says_one_line_keeps_the_partial_log_and_leaves_the_earlier_set_as_it_was(tmp_path):
     """SIGINT to the launcher's process group, as a terminal sends it, with the real python and
-    torchrun (the zygote's ranks are not in that group): exit 130, one line naming the kept partial
-    log, the complete log of the run before byte for byte, no process left."""
+    torchrun (the zygote's ranks are not in that group), once the rerun's baseline has finished and its
+    tensor-parallel run is training: exit 130, one line naming the kept partial log, every file of the
+    run before (both logs and the figure) byte for byte, no process left; this run's files so far in
+    its own folder. A rerun to the end then replaces the set and says so in one line (issue 59)."""
     code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="300"))
     assert code == 0, err[-2000:]
-    before = snapshot(tmp_path / "logs")
+    first, before = written(out), snapshot(tmp_path / "logs")
+    assert len(first) == 3 and sorted(before) == sorted(first)            # two logs and the figure, nothing else
     run = launcher("run_tp.sh", tmp_path, STEPS="300", python=sys.executable)
     logs = tmp_path / "logs"
     deadline = time.time() + 120
-    while not any(len(read_log(str(p))) > 3 for p in logs.glob("tensor_parallel_*.partial-*.jsonl")):
+    while not any(len(read_log(str(p))) > 3 for p in logs.rglob("tensor_parallel_*.partial-*.jsonl")):
         assert time.time() < deadline and run.poll() is None, "the tensor-parallel run did not start"
         time.sleep(0.1)
     os.killpg(run.pid, signal.SIGINT)
     code, out, err = finished(run, timeout=60)
-    partial, = logs.glob("tensor_parallel_*.partial-*.jsonl")
+    partial, = logs.rglob("tensor_parallel_*.partial-*.jsonl")
     assert code == 130 and err.splitlines() == [err.strip()] and err.startswith("interrupted at step "), err
     assert f"in {partial}" in err and "Traceback" not in err + out
-    tp_log = [p for p in before if os.path.basename(p).startswith("tensor_parallel_")]
-    assert tp_log and all(open(p, "rb").read() == before[p] for p in tp_log)  # the earlier complete log
+    now = snapshot(tmp_path / "logs")
+    assert {p: now[p] for p in before} == before                            # the earlier set, whole
+    stage = partial.parent.parent
+    assert stage.parent.name == ".unfinished" and (stage / "logs" / os.path.basename(first[0])).exists()
     steps = [r["step"] for r in read_log(str(partial)) if r["event"] == "train"]
     assert steps == list(range(len(steps))) and f"kept steps 0-{steps[-1]} " in err
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
     assert not left.strip(), f"processes left running: {left}"
+    code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="300"))
+    assert code == 0 and written(out) == first, err[-2000:]
+    assert f"replaced the earlier run's files: {', '.join(first)}" in out.splitlines(), out[-2000:]
+    assert sorted(snapshot(tmp_path / "logs")) == sorted(first) and not stage.exists()
 
 
 @pytest.mark.parametrize("script,knobs,message", [

@@ -17,7 +17,11 @@ launcher_error() {
 # which bash would otherwise take for a step that handled the signal, and run on to the end (seen in CI).
 launcher_stopped() {   # the ERR trap: RC
     if [ "$1" = 130 ]; then exit 130; fi
-    echo "$(basename "$0"): stopped: $STEP failed with exit status $1; nothing after it ran" >&2
+    local kept=""
+    if [ -n "${RUN_STAGE:-}" ] && [ -d "$RUN_STAGE" ]; then
+        kept="; its files so far are in $RUN_STAGE, the earlier run's untouched"
+    fi
+    echo "$(basename "$0"): stopped: $STEP failed with exit status $1; nothing after it ran$kept" >&2
 }
 trap 'launcher_stopped $?' ERR
 trap 'exit 130' INT
@@ -131,9 +135,50 @@ settings_tag() {   # KNOB...: for each of these knobs not at its default, _value
     echo "${tag//[^A-Za-z0-9._=-]/}"
 }
 
-say_written() {   # FILE...: the launcher's last lines, what this run wrote
+# ---- one run, one set of files -------------------------------------------------------------------
+# A run writes every file (logs, timelines, figures) into a folder of its own, RUN_STAGE under
+# $LOGS/.unfinished/, and moves them to their names only once the last has been written
+# (say_written): interrupted or failed at any moment, the earlier run's set stays whole, never half
+# replaced, and this run's files so far stay in RUN_STAGE. The folder is named by the launcher and
+# the settings that shape the run, so a rerun of the same settings finds there what an interrupted
+# one left (a checkpointed run resumes its partial log from it) and clears it when it ends.
+stage_outputs() {   # after the knobs and COMMON: LOGS and PLOTS point into RUN_STAGE; FINAL_LOGS, FINAL_PLOTS
+    FINAL_LOGS=$LOGS FINAL_PLOTS=$PLOTS
+    local key name
+    key=$( { basename "$0"; printf '%s\n' "${COMMON[@]}"   # what the run trains, not where or with which python
+             for name in "${!KNOB_DEFAULT[@]}"; do
+                 case "$name" in PYTHON | LOGS | PLOTS | CHECK_ONLY) ;; *) echo "$name=${!name}" ;; esac
+             done | sort; } | cksum | cut -d' ' -f1)
+    RUN_STAGE="$FINAL_LOGS/.unfinished/$(basename "$0" .sh)-$key"
+    LOGS="$RUN_STAGE/logs" PLOTS="$RUN_STAGE/plots"
+}
+
+final_name() {   # FILE: where a file of RUN_STAGE goes when the run ends
+    case "$1" in
+        "$RUN_STAGE/logs/"*) echo "$FINAL_LOGS/${1#"$RUN_STAGE/logs/"}" ;;
+        "$RUN_STAGE/plots/"*) echo "$FINAL_PLOTS/${1#"$RUN_STAGE/plots/"}" ;;
+        *) echo "$1" ;;
+    esac
+}
+
+say_written() {   # FILE...: this run's files moved from RUN_STAGE to their names, as one set; the launcher's
+                  # last lines say which earlier files they replaced and what this run wrote
+    local file replaced=() finals=()
+    for file in "$@"; do
+        finals+=("$(final_name "$file")")
+        if [ -e "${finals[-1]}" ]; then replaced+=("${finals[-1]}"); fi
+    done
+    trap '' INT                     # a few renames: a Ctrl-C now would leave the set half moved
+    for file in "$@"; do
+        mkdir -p "$(dirname "$(final_name "$file")")"
+        mv -f "$file" "$(final_name "$file")"
+    done
+    rm -rf "$RUN_STAGE"             # what is left there is superseded: this run's partial logs, an earlier attempt's
+    rmdir "$FINAL_LOGS/.unfinished" 2>/dev/null || true
+    trap 'exit 130' INT
+    if [ ${#replaced[@]} -gt 0 ]; then (IFS=,; echo "replaced the earlier run's files: ${replaced[*]}" | sed 's/,/, /g'); fi
     echo "wrote:"
-    printf '  %s\n' "$@"
+    printf '  %s\n' "${finals[@]}"
 }
 
 check_knob() {   # NAME VALUE ALLOWED...: a knob with a few legal values
@@ -253,6 +298,7 @@ run_knobs() {   # after COMMON and EXTRA: ACTIVATION, OPTIMIZER, DROPOUT and CLI
     # what shapes both runs' curves, in the names (at their defaults, the names runs had before the knobs)
     EXTRA+=$(settings_tag ACTIVATION OPTIMIZER STEPS SEED DATA EVAL_EVERY DROPOUT CLIP)
     TORCHRUN_OPTS=(--max-restarts "$RESTARTS")
+    stage_outputs                      # every file this run writes goes to RUN_STAGE until its end
 }
 
 balance_knob() {   # BALANCE: --balance for the pipeline program only (the baseline is one stage), and its
@@ -273,5 +319,11 @@ checkpoint_flags() {   # LOG: the parallel run's checkpoints, in a directory of 
     CKPT=()            # (one per run: two schedules must not resume from each other's checkpoints)
     if [ -n "$CHECKPOINT_DIR" ]; then
         CKPT=(--checkpoint-dir "$CHECKPOINT_DIR/$(basename "$1" .jsonl)" --save-every "$SAVE_EVERY")
+        # a run that resumes takes its earlier steps' records from its log: the finished one, if
+        # RUN_STAGE holds no partial of an interrupted attempt
+        local final; final=$(final_name "$1")
+        if [ -e "$final" ] && ! compgen -G "${1%.jsonl}*.jsonl" >/dev/null; then
+            mkdir -p "$(dirname "$1")" && cp -p "$final" "$1"
+        fi
     fi
 }
