@@ -191,11 +191,14 @@ def test_bad_input_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world
 
 
 def test_bad_input_under_torchrun_fails_on_every_rank(tmp_path):
-    """Under the real torchrun (not the tests' zygote): its report names our exit status 2 and no line
-    of our code."""
+    """Under the real torchrun (not the tests' zygote): one error line on the console, and torchrun's
+    report names our exit status 2, shows that line for each rank (mp.errors.tell_torchrun) and no
+    line of our code."""
     run = launch("pipeline_microbatch.py", MLP + ["--microbatches", "5"], tmp_path, nproc=2, timeout=60, real=True)
+    line = "error: --batch-size 24 is not divisible by --microbatches 5"
     assert run.returncode != 0
-    assert run.stderr.count("error: --batch-size 24 is not divisible by --microbatches 5") == 1
+    assert [x for x in run.stderr.splitlines() if x.startswith("error:")] == [line + "; use --batch-size 20 or --batch-size 25"]
+    assert run.stderr.count(f"traceback : {line}") == 2, run.stderr[-3000:]   # the report: both ranks
     assert "exitcode  : 2" in run.stderr and 'pipeline_microbatch.py", line' not in run.stderr
 
 
