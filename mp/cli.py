@@ -11,6 +11,7 @@ import os
 from functools import partial
 
 from mp.cp.flags import validate_context_parallel
+from mp.ep.flags import validate_expert_parallel
 from mp.errors import fail
 from mp.flags import base_parser, validate_common
 from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
@@ -98,6 +99,18 @@ def context_parallel_args(argv, doc):
     return args
 
 
+def expert_parallel_args(argv, doc):
+    """expert_parallel.py: the vit with --experts (default 4), --check; E/N experts on each of the N ranks."""
+    p = base_parser(doc)
+    p.set_defaults(model="vit", experts=4)   # the one model with feed-forward blocks to make experts of
+    p.add_argument("--check", action="store_true",
+                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    args = p.parse_args(argv)
+    validate_common(args, "expert_parallel")
+    validate_expert_parallel(args, world_size())
+    return args
+
+
 def grid_args(argv, doc):
     """parallel_3d.py: the pipeline flags, and the grid's --dp and --tp."""
     p = add_pipeline_flags(base_parser(doc))
@@ -143,4 +156,5 @@ def tp_fix(args, world, tp):
 
 # each program's parser by the program's name (mp.tools.check_args reads a program's docstring from its file)
 PARSERS = {"single_baseline": baseline_args, "pipeline_microbatch": pipeline_args, "pipeline_dp_joint": joint_args,
-           "tensor_parallel": tensor_parallel_args, "parallel_3d": grid_args, "context_parallel": context_parallel_args}
+           "tensor_parallel": tensor_parallel_args, "parallel_3d": grid_args, "context_parallel": context_parallel_args,
+           "expert_parallel": expert_parallel_args}
