@@ -2,11 +2,14 @@
 dropped choices), what each rank holds and sends, --check, a resume across layouts, and the bad inputs
 refused. One launch serves every assertion about its run."""
 import argparse
+import os
+import subprocess
 
 import pytest
 
 import expert_parallel as ep
-from helpers import FAST, assert_one_error_line, assert_same_losses, launch, slow
+from helpers import FAST, PYTHON, ROOT, assert_one_error_line, assert_same_losses, launch, slow, written
+from mp.tools.figure import png_record
 from mp.models import build_model, param_mb
 
 # dropout (keyed by the sample's global index) and a clipping norm the gradient exceeds
@@ -116,3 +119,41 @@ def test_bad_input_under_torchrun_fails_on_every_rank_before_any_collective(tmp_
     assert run.returncode != 0 and run.exited(2)
     assert run.stderr.count("error: --experts 3 is not divisible by the 2 ranks") == 1, run.stderr
     assert 'expert_parallel.py", line' not in run.stderr
+
+
+# ----------------------------------------------------------------------------- run_ep.sh
+
+
+def launcher(tmp_path, args=(), **knobs):
+    env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
+               OMP_NUM_THREADS="1", **knobs)
+    return subprocess.run(["bash", os.path.join(ROOT, "run_ep.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_run_ep_draws_the_run_on_the_baseline_with_the_load(tmp_path):
+    run = launcher(tmp_path, ["--hidden", "16", "--layers", "1"], STEPS="3", TOP_K="2", CAPACITY="1.0")
+    assert run.returncode == 0, run.stderr[-2000:]
+    logs, tag = tmp_path / "logs", "_hidden16_layers1_steps3_synthetic_evalevery0"
+    assert written(run.stdout) == [f"{logs}/single_baseline_vit_e4_k2_c1.0{tag}_b64.jsonl",
+                                   f"{logs}/expert_parallel_vit_e4_k2_c1.0{tag}_ep2_b64.jsonl",
+                                   f"{logs}/plots/ep_loss_topk2_capacity1.0{tag}.png"], run.stdout
+    _, record = png_record(str(logs / "plots" / f"ep_loss_topk2_capacity1.0{tag}.png"))
+    assert [r["program"] for r in record["runs"]] == ["single_baseline", "expert_parallel"], record
+    assert record["runs"][1]["largest_difference"] <= 1e-4
+    assert record["expert_load"] == {"drawn": record["runs"][0]["label"], "same_in": [record["runs"][1]["label"]]}
+    assert "largest |loss - baseline|" in run.stdout
+
+
+def test_run_ep_refuses_bad_knobs_in_its_terms_before_anything_trains(tmp_path):
+    run = launcher(tmp_path, NPROC="4", EXPERTS="6")
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        "error: EXPERTS=6 is not divisible by the 4 ranks; every rank holds E/N whole experts: use EXPERTS=4 or "
+        "3 ranks (NPROC=3) or 6 ranks (NPROC=6)"], run.stderr
+    run = launcher(tmp_path, TOP_K="3")
+    assert run.returncode == 2 and run.stderr.splitlines() == ["error: TOP_K=3 must be one of: 1 2"]
+    run = launcher(tmp_path, ["--experts", "8"])
+    assert run.returncode == 2 and "use EXPERTS=8 bash run_ep.sh" in run.stderr, run.stderr
+    run = launcher(tmp_path, CHECK_ONLY="1", CAPACITY="1.25", TOP_K="2")
+    assert run.returncode == 0 and run.stdout.startswith("CHECK_ONLY=1: "), run.stderr
+    assert not (tmp_path / "logs").exists()

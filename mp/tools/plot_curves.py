@@ -50,10 +50,11 @@ from mp.tools.plot_timeline import plot_timelines
 TOLERANCE = 1e-4  # the equivalence contract: |loss - baseline loss| <= 1e-4 at every step
 # the settings two runs must share for their losses to be compared step by step
 SAME = ("model", "activation", "data", "seed", "batch_size", "lr", "momentum", "steps", "dropout", "clip_grad_norm",
-        "optimizer", "weight_decay", "beta1", "beta2", "adam_eps")
-# a log written before these flags existed ran without them (and with gelu, SGD without decay)
+        "optimizer", "weight_decay", "beta1", "beta2", "adam_eps", "experts", "top_k", "capacity_factor", "aux_loss")
+# a log written before these flags existed ran without them (and with gelu, SGD without decay, dense)
 OFF = {"dropout": 0.0, "clip_grad_norm": None, "activation": "gelu", "optimizer": "sgd", "weight_decay": 0.0,
-       "beta1": 0.9, "beta2": 0.999, "adam_eps": 1e-8}
+       "beta1": 0.9, "beta2": 0.999, "adam_eps": 1e-8, "experts": 0, "top_k": 1, "capacity_factor": None,
+       "aux_loss": 0.01}
 SIZES = {"mlp": ("layers", "hidden"), "vit": ("layers", "hidden", "heads"), "cnn": ()}
 
 
@@ -91,6 +92,9 @@ def label_of(records, path):
     if (args.get("virtual_stages") or 1) > 1:
         parts.append(f"v={args['virtual_stages']}")
     parts += [flag for flag in ("recompute", "hybrid") if args.get(flag)]   # what changes how the run computes
+    if args.get("experts"):
+        parts.append(f"E={args['experts']} top-{args.get('top_k', 1)}" + (
+            f" C={args['capacity_factor']:g}" if args.get("capacity_factor") else " dropless"))
     if args.get("zero"):
         parts.append(f"ZeRO-{args['zero']}")
     if args.get("delay"):
@@ -175,9 +179,11 @@ def plot_curves(paths, out, beside=()):
         print(f"warning: not comparable step by step: {m}", file=sys.stderr)
     panels = ["loss"] + (["diff"] if len(runs) > 1 else [])
     panels += ["acc"] if any(series(recs, "eval", "test_acc")[0] for _, recs in runs) else []
+    panels += ["experts"] if expert_loads(runs) else []
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
     ax = dict(zip(panels, axes[0]))
     draw_runs(ax, runs)
+    load = draw_expert_load(ax["experts"], expert_loads(runs)) if "experts" in ax else None
     for label, records in others:
         shown = label + " [beside: not compared]"
         ax["loss"].plot(*series(records, "train", "loss"), label=shown, lw=1.2, ls=":", color="tab:grey")
@@ -190,7 +196,8 @@ def plot_curves(paths, out, beside=()):
     diffs = largest_differences(runs)
     save(fig, out, {"kind": "curves", "runs": [run_summary(label, records, diffs.get(label))
                                                for label, records in runs],
-                    "beside": [run_summary(label, records, None) for label, records in others]})
+                    "beside": [run_summary(label, records, None) for label, records in others],
+                    **({"expert_load": load} if load else {})})
     return diffs
 
 
@@ -277,6 +284,31 @@ def few_evaluations(runs):
                 f"nearby evaluations.\nbaseline: test loss {base[0]['test_loss']:.3g} -> {base[-1]['test_loss']:.3g}, "
                 f"accuracy {base[0]['test_acc']:.1%} -> {base[-1]['test_acc']:.1%}")
     return note + "\nFor a curve: more --steps or a smaller --eval-every (EVAL_EVERY)."
+
+
+def expert_loads(runs):
+    """[(label, summary)] of the runs whose summary has the mixture of experts' routing record."""
+    summaries = [(label, next((r for r in recs if r["event"] == "summary"), {})) for label, recs in runs]
+    return [(label, s) for label, s in summaries if s.get("tokens_per_expert")]
+
+
+def draw_expert_load(ax, loads):
+    """Each expert's share of the routed choices per step (summed over the blocks; even: 1/E), from the
+    first run that logged them, and the share dropped over capacity; the runs whose routing is the same
+    step for step (expert parallelism routes as the baseline does) are named in the title."""
+    label, first = loads[0]
+    per_step = [[sum(col) for col in zip(*blocks)] for blocks in first["tokens_per_expert"]]
+    totals = [sum(step) for step in per_step]
+    for e in range(len(per_step[0])):
+        ax.plot(range(len(per_step)), [step[e] / t for step, t in zip(per_step, totals)], lw=1, label=f"expert {e}")
+    ax.axhline(1 / len(per_step[0]), color="grey", lw=1, ls=":", label="even load (1/E)")
+    if any(first.get("dropped_per_step", [])):
+        ax.plot(range(len(totals)), [d / t for d, t in zip(first["dropped_per_step"], totals)], color="black",
+                ls="--", lw=1, label="dropped over capacity")
+    same = [other for other, s in loads[1:] if s["tokens_per_expert"] == first["tokens_per_expert"]]
+    ax.set(xlabel="step (from the run's first)", ylabel="share of the routed (token, slot) choices",
+           title="tokens per expert (load)" + (f"\nthe same in {len(same)} other run(s)" if same else ""))
+    return {"drawn": label, "same_in": same}
 
 
 def label_axes(ax):
