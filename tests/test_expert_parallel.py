@@ -2,13 +2,13 @@
 dropped choices), what each rank holds and sends, --check, a resume across layouts, and the bad inputs
 refused. One launch serves every assertion about its run."""
 import argparse
-import os
-import subprocess
+from functools import partial
 
 import pytest
 
 import expert_parallel as ep
-from helpers import FAST, PYTHON, ROOT, assert_one_error_line, assert_same_losses, launch, slow, written
+from helpers import FAST, assert_one_error_line, assert_same_losses, launch, slow, written
+from test_launchers import launcher as run_launcher
 from mp.tools.figure import png_record
 from mp.models import build_model, param_mb
 
@@ -124,11 +124,7 @@ def test_bad_input_under_torchrun_fails_on_every_rank_before_any_collective(tmp_
 # ----------------------------------------------------------------------------- run_ep.sh
 
 
-def launcher(tmp_path, args=(), **knobs):
-    env = dict(os.environ, PYTHON=PYTHON, LOGS=str(tmp_path / "logs"), DATA="synthetic", EVAL_EVERY="0",
-               OMP_NUM_THREADS="1", **knobs)
-    return subprocess.run(["bash", os.path.join(ROOT, "run_ep.sh"), *args], env=env, capture_output=True,
-                          text=True, timeout=240)
+launcher = partial(run_launcher, "run_ep.sh")   # test_launchers.py's: LOGS under tmp_path, synthetic data
 
 
 def test_run_ep_draws_the_run_on_the_baseline_with_the_load(tmp_path):
@@ -141,7 +137,8 @@ def test_run_ep_draws_the_run_on_the_baseline_with_the_load(tmp_path):
     _, record = png_record(str(logs / "plots" / f"ep_loss_topk2_capacity1.0{tag}.png"))
     assert [r["program"] for r in record["runs"]] == ["single_baseline", "expert_parallel"], record
     assert record["runs"][1]["largest_difference"] <= 1e-4
-    assert record["expert_load"] == {"drawn": record["runs"][0]["label"], "same_in": [record["runs"][1]["label"]]}
+    assert record["expert_load"] == {"drawn": record["runs"][0]["label"], "same_in": [record["runs"][1]["label"]],
+                                     "first_differs": {}}
     assert "largest |loss - baseline|" in run.stdout
 
 

@@ -295,7 +295,9 @@ def expert_loads(runs):
 def draw_expert_load(ax, loads):
     """Each expert's share of the routed choices per step (summed over the blocks; even: 1/E), from the
     first run that logged them, and the share dropped over capacity; the runs whose routing is the same
-    step for step (expert parallelism routes as the baseline does) are named in the title."""
+    step for step (expert parallelism routes as the baseline does) are counted in the title, and for the
+    others the first step whose routing differs (a near-tie between two experts that float32 rounding
+    tipped the other way: from there the runs part, docs/expert_parallel.md)."""
     label, first = loads[0]
     per_step = [[sum(col) for col in zip(*blocks)] for blocks in first["tokens_per_expert"]]
     totals = [sum(step) for step in per_step]
@@ -306,9 +308,14 @@ def draw_expert_load(ax, loads):
         ax.plot(range(len(totals)), [d / t for d, t in zip(first["dropped_per_step"], totals)], color="black",
                 ls="--", lw=1, label="dropped over capacity")
     same = [other for other, s in loads[1:] if s["tokens_per_expert"] == first["tokens_per_expert"]]
+    parted = {other: next((k for k, (a, b) in enumerate(zip(s["tokens_per_expert"], first["tokens_per_expert"]))
+                           if a != b), None) for other, s in loads[1:] if other not in same}
+    notes = ([f"the same in {len(same)} other run(s)"] if same else []) + [
+        f"routing first differs at step {k} (+{len(parted) - 1} more run(s))" if len(parted) > 1 else
+        f"routing first differs at step {k}" for k in list(parted.values())[:1]]
     ax.set(xlabel="step (from the run's first)", ylabel="share of the routed (token, slot) choices",
-           title="tokens per expert (load)" + (f"\nthe same in {len(same)} other run(s)" if same else ""))
-    return {"drawn": label, "same_in": same}
+           title="\n".join(["tokens per expert (load)"] + notes))
+    return {"drawn": label, "same_in": same, "first_differs": parted}
 
 
 def label_axes(ax):
