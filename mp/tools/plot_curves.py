@@ -183,7 +183,7 @@ def plot_curves(paths, out, beside=()):
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), squeeze=False)
     ax = dict(zip(panels, axes[0]))
     draw_runs(ax, runs)
-    load = draw_expert_load(ax["experts"], expert_loads(runs)) if "experts" in ax else None
+    load = draw_expert_load(ax["experts"], expert_loads(runs), runs) if "experts" in ax else None
     for label, records in others:
         shown = label + " [beside: not compared]"
         ax["loss"].plot(*series(records, "train", "loss"), label=shown, lw=1.2, ls=":", color="tab:grey")
@@ -292,12 +292,13 @@ def expert_loads(runs):
     return [(label, s) for label, s in summaries if s.get("tokens_per_expert")]
 
 
-def draw_expert_load(ax, loads):
+def draw_expert_load(ax, loads, runs):
     """Each expert's share of the routed choices per step (summed over the blocks; even: 1/E), from the
-    first run that logged them, and the share dropped over capacity; the runs whose routing is the same
-    step for step (expert parallelism routes as the baseline does) are counted in the title, and for the
-    others the first step whose routing differs (a near-tie between two experts that float32 rounding
-    tipped the other way: from there the runs part, docs/expert_parallel.md)."""
+    first run that logged them, and the share dropped over capacity. The runs whose routing is the same
+    step for step (expert parallelism routes as the baseline does) are counted in the title; for the
+    others, the first step whose routing differs (a near-tie between two experts that float32 rounding
+    tipped the other way: from there the runs part, docs/expert_parallel.md) and their largest
+    |loss - baseline| before it."""
     label, first = loads[0]
     per_step = [[sum(col) for col in zip(*blocks)] for blocks in first["tokens_per_expert"]]
     totals = [sum(step) for step in per_step]
@@ -307,12 +308,19 @@ def draw_expert_load(ax, loads):
     if any(first.get("dropped_per_step", [])):
         ax.plot(range(len(totals)), [d / t for d, t in zip(first["dropped_per_step"], totals)], color="black",
                 ls="--", lw=1, label="dropped over capacity")
-    same = [other for other, s in loads[1:] if s["tokens_per_expert"] == first["tokens_per_expert"]]
-    parted = {other: next((k for k, (a, b) in enumerate(zip(s["tokens_per_expert"], first["tokens_per_expert"]))
-                           if a != b), None) for other, s in loads[1:] if other not in same}
+    same, parted = [], {}
+    for other, summary in loads[1:]:
+        pairs = zip(summary["tokens_per_expert"], first["tokens_per_expert"])
+        k = next((k for k, (a, b) in enumerate(pairs) if a != b), None)
+        if k is None:
+            same.append(other)
+            continue
+        records = dict(runs)[other]
+        parted[other] = {"step": k, "largest_difference_before": max(
+            (d for step, d in differences(runs[0][1], records) if step < k), default=0.0)}
     notes = ([f"the same in {len(same)} other run(s)"] if same else []) + [
-        f"routing first differs at step {k} (+{len(parted) - 1} more run(s))" if len(parted) > 1 else
-        f"routing first differs at step {k}" for k in list(parted.values())[:1]]
+        f"routing first differs at step {p['step']}" + (f" (+{len(parted) - 1} more run(s))" if len(parted) > 1 else "")
+        for p in list(parted.values())[:1]]
     ax.set(xlabel="step (from the run's first)", ylabel="share of the routed (token, slot) choices",
            title="\n".join(["tokens per expert (load)"] + notes))
     return {"drawn": label, "same_in": same, "first_differs": parted}
