@@ -127,6 +127,7 @@ def test_bad_input_under_torchrun_fails_on_every_rank_before_any_collective(tmp_
 launcher = partial(run_launcher, "run_ep.sh")   # test_launchers.py's: LOGS under tmp_path, synthetic data
 
 
+@pytest.mark.slow
 def test_run_ep_draws_the_run_on_the_baseline_with_the_load(tmp_path):
     run = launcher(tmp_path, ["--hidden", "16", "--layers", "1"], STEPS="3", TOP_K="2", CAPACITY="1.0")
     assert run.returncode == 0, run.stderr[-2000:]
