@@ -23,6 +23,11 @@ def world_size():
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def add_check_flag(p):
+    p.add_argument("--check", action="store_true",
+                   help="one step on the first batch against the full model in this process; exit 0 on match")
+
+
 def baseline_args(argv, doc):
     p = base_parser(doc)
     p.add_argument("--delay", type=int, choices=(0, 1), default=0,
@@ -68,8 +73,7 @@ def joint_args(argv, doc):
 
 def tensor_parallel_args(argv, doc):
     p = base_parser(doc)
-    p.add_argument("--check", action="store_true",
-                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    add_check_flag(p)
     p.add_argument("--hybrid", action="store_true",
                    help="cnn: convolutions data-parallel on slices of the batch, fc layers tensor-parallel")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -91,8 +95,7 @@ def context_parallel_args(argv, doc):
     p.add_argument("--attention", choices=["ring", "ulysses"], default="ring",
                    help="ring: key/value blocks passed around the ranks (isend/irecv); ulysses: all-to-all from a "
                         "token shard to a head shard and back")
-    p.add_argument("--check", action="store_true",
-                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    add_check_flag(p)
     args = p.parse_args(argv)
     validate_common(args, "context_parallel")
     validate_context_parallel(args, world_size())
@@ -103,8 +106,7 @@ def expert_parallel_args(argv, doc):
     """expert_parallel.py: the vit with --experts (default 4), --check; E/N experts on each of the N ranks."""
     p = base_parser(doc)
     p.set_defaults(model="vit", experts=4)   # the one model with feed-forward blocks to make experts of
-    p.add_argument("--check", action="store_true",
-                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    add_check_flag(p)
     args = p.parse_args(argv)
     validate_common(args, "expert_parallel")
     validate_expert_parallel(args, world_size())
