@@ -22,6 +22,7 @@ from mp.data import agree_on_data, load_data, to_device
 from mp.dist import distributed
 from mp.loop import Job, evaluate, train, whole_model_run
 from mp.models import build_model
+from mp.moe import plus_aux_loss
 from mp.optim import make_optimizer
 
 PROGRAM = "single_baseline"
@@ -42,7 +43,7 @@ def train_step(model, optimizer, x, y, step=0, grad_norm=None):
     --clip-grad-norm if set (None: neither). Returns (the loss before the update, that norm)."""
     optimizer.zero_grad(set_to_none=True)
     with model.dropout_keys.training(step):
-        loss = F.cross_entropy(model(x), y)
+        loss = plus_aux_loss(model, F.cross_entropy(model(x), y))   # --experts: + the load-balancing loss
     loss.backward()
     norm = grad_norm(list(model.parameters())) if grad_norm else None
     optimizer.step()
@@ -57,7 +58,7 @@ def delayed_train_step(model, stale, optimizer, x, y, step=0, grad_norm=None):
     stale.zero_grad(set_to_none=True)
     optimizer.zero_grad(set_to_none=True)
     with stale.dropout_keys.training(step):
-        loss = F.cross_entropy(stale(x), y)
+        loss = plus_aux_loss(stale, F.cross_entropy(stale(x), y))
     loss.backward()
     for p, old in zip(model.parameters(), stale.parameters()):
         p.grad = old.grad

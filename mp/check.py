@@ -17,6 +17,7 @@ from mp.clipping import clip_global
 from mp.data import dp_slice
 from mp.dist import awaiting, replicas_identical
 from mp.models import build_model, full_slice
+from mp.moe import plus_aux_loss
 from mp.optim import make_optimizer
 
 
@@ -51,7 +52,7 @@ def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), ref
     reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
     with reference.dropout_keys.training(0):
         ref_logits = reference(x)
-    F.cross_entropy(ref_logits, y).backward()
+    plus_aux_loss(reference, F.cross_entropy(ref_logits, y)).backward()   # --experts: + the load-balancing loss
     torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
     make_optimizer(reference.parameters(), args).step()
     x, y, ref_logits = (dp_slice(t, *replica) for t in (x, y, ref_logits.detach()))

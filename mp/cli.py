@@ -11,6 +11,7 @@ import os
 from functools import partial
 
 from mp.cp.flags import validate_context_parallel
+from mp.ep.flags import validate_expert_parallel
 from mp.errors import fail
 from mp.flags import base_parser, validate_common
 from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
@@ -20,6 +21,11 @@ from mp.tp.flags import validate_degree, validate_hybrid, validate_sequence_para
 def world_size():
     """The number of ranks torchrun started (1 under plain python)."""
     return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def add_check_flag(p):
+    p.add_argument("--check", action="store_true",
+                   help="one step on the first batch against the full model in this process; exit 0 on match")
 
 
 def baseline_args(argv, doc):
@@ -67,8 +73,7 @@ def joint_args(argv, doc):
 
 def tensor_parallel_args(argv, doc):
     p = base_parser(doc)
-    p.add_argument("--check", action="store_true",
-                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    add_check_flag(p)
     p.add_argument("--hybrid", action="store_true",
                    help="cnn: convolutions data-parallel on slices of the batch, fc layers tensor-parallel")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -90,11 +95,21 @@ def context_parallel_args(argv, doc):
     p.add_argument("--attention", choices=["ring", "ulysses"], default="ring",
                    help="ring: key/value blocks passed around the ranks (isend/irecv); ulysses: all-to-all from a "
                         "token shard to a head shard and back")
-    p.add_argument("--check", action="store_true",
-                   help="one step on the first batch against the full model in this process; exit 0 on match")
+    add_check_flag(p)
     args = p.parse_args(argv)
     validate_common(args, "context_parallel")
     validate_context_parallel(args, world_size())
+    return args
+
+
+def expert_parallel_args(argv, doc):
+    """expert_parallel.py: the vit with --experts (default 4), --check; E/N experts on each of the N ranks."""
+    p = base_parser(doc)
+    p.set_defaults(model="vit", experts=4)   # the one model with feed-forward blocks to make experts of
+    add_check_flag(p)
+    args = p.parse_args(argv)
+    validate_common(args, "expert_parallel")
+    validate_expert_parallel(args, world_size())
     return args
 
 
@@ -143,4 +158,5 @@ def tp_fix(args, world, tp):
 
 # each program's parser by the program's name (mp.tools.check_args reads a program's docstring from its file)
 PARSERS = {"single_baseline": baseline_args, "pipeline_microbatch": pipeline_args, "pipeline_dp_joint": joint_args,
-           "tensor_parallel": tensor_parallel_args, "parallel_3d": grid_args, "context_parallel": context_parallel_args}
+           "tensor_parallel": tensor_parallel_args, "parallel_3d": grid_args, "context_parallel": context_parallel_args,
+           "expert_parallel": expert_parallel_args}

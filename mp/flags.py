@@ -7,6 +7,7 @@ import math
 import os
 import sys
 
+from mp.ep.flags import add_expert_flags, validate_experts
 from mp.errors import fail
 from mp.sizes import ACTIVATION_NAMES
 
@@ -26,7 +27,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 # the model flags each model reads: a flag given for a model that ignores it is refused, not dropped
-MODEL_FLAGS = {"cnn": (), "mlp": ("--layers", "--hidden"), "vit": ("--layers", "--hidden", "--heads", "--patch-size")}
+MODEL_FLAGS = {"cnn": (), "mlp": ("--layers", "--hidden"),
+               "vit": ("--layers", "--hidden", "--heads", "--patch-size", "--experts", "--top-k", "--aux-loss",
+                       "--capacity-factor")}
 
 
 class Parser(argparse.ArgumentParser):
@@ -59,6 +62,7 @@ def base_parser(description):
     p.add_argument("--heads", type=int, default=4, help="vit: attention heads")
     p.add_argument("--patch-size", type=int, default=4,
                    help="vit: the side of a square patch; (32/P)^2 tokens (4: 64, 2: 256, 1: 1024)")
+    add_expert_flags(p)                    # vit: --experts, --top-k, --aux-loss, --capacity-factor (mp/ep/flags.py)
     p.add_argument("--activation", choices=ACTIVATION_NAMES, default="gelu",
                    help="every model's activation; relu: --model mlp --layers 2 is the course's Linear-ReLU-Linear "
                         "(its kinks let float32 rounding differences grow: docs/equivalence.md)")
@@ -168,6 +172,7 @@ def validate_common(args, program):
     if args.model == "vit" and (args.patch_size <= 0 or 32 % args.patch_size):
         fail(f"--patch-size {args.patch_size} does not divide the 32-pixel side of an image; "
              f"use one of 1, 2, 4, 8, 16, 32 (4: 64 tokens, 2: 256, 1: 1024)")
+    validate_experts(args, program)
     if args.log_file is None:
         args.log_file = os.path.join("logs", f"{program}.jsonl")
     if args.checkpoint_dir is not None:   # what it holds is read later, with torch (mp.checkpoint.validate)

@@ -20,6 +20,7 @@ from mp.clipping import finish_norms
 from mp.data import test_batches
 from mp.dist import awaiting, settle
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
+from mp.moe import expert_load
 from mp.optim import grad_mb, optimizer_state_mb
 
 
@@ -134,6 +135,7 @@ def train(args, env, job):
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
               **activation_fields(env, job.model), **data_parallel_fields(env, job, args.steps - first),
+              **expert_fields(env, job.model, args.steps - first),
               **{k: getattr(args, k) for k in ("schedule", "microbatches") if hasattr(args, k)})   # a pipeline's
     log.close()
     if job.owner:
@@ -175,6 +177,17 @@ def optimizer_fields(env, model, optimizer):
     replicas)."""
     return {"grad_mb": gather_per_rank(env, grad_mb(model.parameters(), optimizer), digits=4),
             "optimizer_state_mb": gather_per_rank(env, optimizer_state_mb(optimizer), digits=4)}
+
+
+def expert_fields(env, model, steps):
+    """--experts: the routing record (mp.moe.expert_load: tokens per expert per step, choices dropped) and,
+    where the experts are spread over the ranks (model.all_to_all, expert_parallel.py), the MB each rank's
+    all-to-alls sent to other ranks per training step."""
+    fields = expert_load(model) or {}
+    traffic = getattr(model, "all_to_all", None)
+    if traffic is not None:
+        fields["all_to_all_mb_per_step"] = gather_per_rank(env, traffic.bytes / 2**20 / max(steps, 1), digits=6)
+    return fields
 
 
 def data_parallel_fields(env, job, steps):

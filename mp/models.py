@@ -3,11 +3,13 @@ by block from --seed, so that every rank and every program starts from bit-ident
 import itertools
 import math
 from collections import OrderedDict
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from mp.dropout import DropoutKeys, KeyedDropout
+from mp.moe import MixtureOfExperts
 from mp.sizes import ACTIVATION_NAMES, num_blocks  # noqa: F401 (num_blocks: the programs read it here)
 
 
@@ -40,13 +42,14 @@ class Attention(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop1(attn(ln1(x))), then x + drop2(mlp(ln2(x))). LayerNorm is per
-    token, so it never mixes samples: exact under microbatching and data parallelism."""
+    token, so it never mixes samples: exact under microbatching and data parallelism. moe(): a
+    mixture of experts in place of the MLP (--experts, mp/moe.py)."""
 
-    def __init__(self, dim, heads, dropout=None, act=nn.GELU):
+    def __init__(self, dim, heads, dropout=None, act=nn.GELU, moe=None):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = Attention(dim, heads)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), act(), nn.Linear(2 * dim, dim))
+        self.mlp = moe() if moe else nn.Sequential(nn.Linear(dim, 2 * dim), act(), nn.Linear(2 * dim, dim))
         self.drop1, self.drop2 = dropout() if dropout else nn.Identity(), dropout() if dropout else nn.Identity()
 
     def forward(self, x):
@@ -108,12 +111,12 @@ def mlp_blocks(layers, hidden, dropout, act=nn.GELU):
     yield nn.Sequential(nn.Linear(hidden, NUM_CLASSES))
 
 
-def vit_blocks(layers, hidden, heads, dropout, act=nn.GELU, patch=4):
+def vit_blocks(layers, hidden, heads, dropout, act=nn.GELU, patch=4, moe=None):
     """dropout(): on the attention output and on the MLP output, before each residual add; act: the
-    block MLP's activation; patch: --patch-size."""
+    block MLP's activation; patch: --patch-size; moe(): each block's mixture of experts (None: dense)."""
     yield PatchEmbed(hidden, patch)
     for _ in range(layers):
-        yield TransformerBlock(hidden, heads, dropout, act)
+        yield TransformerBlock(hidden, heads, dropout, act, moe)
     yield Head(hidden)
 
 
@@ -138,7 +141,9 @@ def model_blocks(args, keys):
         return cnn_blocks(dropout, act)
     if args.model == "mlp":
         return mlp_blocks(args.layers, args.hidden, dropout, act)
-    return vit_blocks(args.layers, args.hidden, args.heads, dropout, act, getattr(args, "patch_size", 4))
+    moe = partial(MixtureOfExperts, args.hidden, args.experts, args.top_k, args.capacity_factor, args.aux_loss, act,
+                  keys) if getattr(args, "experts", 0) else None   # --experts: each block's MLP as experts (mp/moe.py)
+    return vit_blocks(args.layers, args.hidden, args.heads, dropout, act, getattr(args, "patch_size", 4), moe)
 
 
 def build_model(args, keep=None, device="cpu"):

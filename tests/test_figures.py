@@ -14,7 +14,7 @@ FIGURES = {"run_pipeline": ["pipeline_loss_synthetic.png", "pipeline_timeline_sy
                             "pipeline_loss_2bw_synthetic.png"],
            "run_joint": ["joint_loss_synthetic.png"],
            "run_tp": ["tp_loss_hybrid1_synthetic.png"], "run_3d": ["3d_loss_synthetic.png"],
-           "run_cp": ["cp_loss_synthetic.png"]}
+           "run_cp": ["cp_loss_synthetic.png"], "run_ep": ["ep_loss_synthetic.png"]}
 OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh",   # drawn by another documented command
                   "tp_ladder.png": "python benchmarks/tp_ladder.py --steps 300 --plot plots/tp_ladder.png"}
 
@@ -61,8 +61,7 @@ def loss_record(figure):
 @pytest.mark.parametrize("launcher", sorted(FIGURES))
 def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
     s = settings(launcher)
-    if launcher == "run_cp":
-        s.setdefault("MODEL", "vit")   # run_cp.sh trains the vit alone: no MODEL knob
+    s.setdefault("MODEL", "vit")   # run_cp.sh and run_ep.sh have no MODEL knob: they train the vit
     title, runs = loss_record(FIGURES[launcher][0])
     base, parallel = runs[0], runs[1:]
     data = "SYNTHETIC" if s["DATA"] == "synthetic" else s["DATA"].upper()
@@ -75,8 +74,13 @@ def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
             s["MODEL"], s["DATA"], int(s["STEPS"]), int(s["BATCH_SIZE"]), int(s["SEED"])), run["label"]
         assert run["train_steps"] == int(s["STEPS"]), run["label"]                # finished, not cut short
         assert args.get("activation", "gelu") == s["ACTIVATION"], run["label"]  # a log before the flag: gelu
+    # a mixture of experts is exact until a near-tie between two experts routes a token the other way
+    # (docs/expert_parallel.md): held to the contract up to the first step whose routing differs
+    parted = png_record(os.path.join(ROOT, "plots", FIGURES[launcher][0]))[1].get("expert_load", {})
     for run in parallel:
-        assert run["world_size"] == int(s["NPROC"]) and run["largest_difference"] <= 1e-4, run["label"]
+        worst = parted.get("first_differs", {}).get(run["label"], {}).get("largest_difference_before",
+                                                                          run["largest_difference"])
+        assert run["world_size"] == int(s["NPROC"]) and worst <= 1e-4, run["label"]
         args = run["args"]
         if launcher != "run_tp" and s.get("BALANCE") != "auto":   # auto is logged as the list it chose
             assert (args.get("balance") or "") == s.get("BALANCE", ""), run["label"]
@@ -88,6 +92,9 @@ def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
                 int(s["DP"]), int(s["MICROBATCHES"]), s["SCHEDULE"])
         if launcher == "run_3d":
             assert args["tp"] == int(s["TP"])
+        if launcher == "run_ep":
+            assert (args["experts"], args["top_k"], args["capacity_factor"] or "") == (
+                int(s["EXPERTS"]), int(s["TOP_K"]), s["CAPACITY"] and float(s["CAPACITY"]))
     if launcher == "run_pipeline":   # 2bw has a figure of its own, against its own reference
         assert [run["args"]["schedule"] for run in parallel] == [x for x in s["SCHEDULE"].split() if x != "2bw"]
     if launcher == "run_tp":

@@ -1,4 +1,4 @@
-"""The repository's layout stays what a student came for (docs/map.md): six programs and their
+"""The repository's layout stays what a student came for (docs/map.md): seven programs and their
 launchers on top, one package below them; imports point down and never run in a circle; each
 program reads in one sitting and holds its own lesson."""
 import ast
@@ -10,8 +10,9 @@ import pytest
 from helpers import ROOT
 
 PROGRAMS = ["single_baseline.py", "pipeline_microbatch.py", "pipeline_dp_joint.py", "tensor_parallel.py",
-            "parallel_3d.py", "context_parallel.py"]
-LAUNCHERS = ["run_pipeline.sh", "run_joint.sh", "run_tp.sh", "run_3d.sh", "run_cp.sh", "run_slurm.sh"]
+            "parallel_3d.py", "context_parallel.py", "expert_parallel.py"]
+LAUNCHERS = ["run_pipeline.sh", "run_joint.sh", "run_tp.sh", "run_3d.sh", "run_cp.sh", "run_ep.sh",
+             "run_slurm.sh"]
 FOLDERS = ["mp", "docs", "tests", "benchmarks", "plots", ".ci"]
 OTHERS_ALLOWED = 2        # e.g. a pyproject.toml or pytest.ini
 MAX_LINES = 450   # about 400, and room for a step written out in full (issue 42)
@@ -147,6 +148,9 @@ def test_each_program_holds_its_own_mechanism():
     assert {"RingAttention", "ring_exchange", "_TokensToHeads", "_HeadsToTokens", "_ReduceFromCP",
             "train_step"} <= defined("context_parallel.py")
     assert {"dist.batch_isend_irecv", "dist.P2POp", "dist.all_to_all_single"} <= calls("context_parallel.py")
+    # the route, the dispatch and the combine written out with all_to_all_single, and its backward
+    assert {"AllToAll", "ExpertParallelMoE", "exchange_counts", "train_step"} <= defined("expert_parallel.py")
+    assert {"dist.all_to_all_single", "route", "combine"} <= calls("expert_parallel.py")
     assert {"train_step", "F.cross_entropy"} <= defined("single_baseline.py") | calls("single_baseline.py")
 
 

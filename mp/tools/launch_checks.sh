@@ -205,6 +205,7 @@ refuse_knob_flags() {   # the extra arguments: a flag that has a knob is refused
             case "$(basename "$0")" in
                 run_pipeline.sh) program=pipeline_microbatch.py ;; run_joint.sh) program=pipeline_dp_joint.py ;;
                 run_tp.sh) program=tensor_parallel.py ;; run_cp.sh) program=context_parallel.py ;;
+                run_ep.sh) program=expert_parallel.py ;;
                 *) program=parallel_3d.py ;;
             esac
             launcher_error "--check compares one step with the full model and trains nothing: run the program itself, e.g. torchrun --standalone --nproc-per-node $NPROC -- $program --data ${DATA:-auto} --check (the launcher trains and plots)"

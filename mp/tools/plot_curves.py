@@ -51,10 +51,11 @@ from mp.tools.plot_timeline import plot_timelines
 TOLERANCE = 1e-4  # the equivalence contract: |loss - baseline loss| <= 1e-4 at every step
 # the settings two runs must share for their losses to be compared step by step
 SAME = ("model", "activation", "data", "seed", "batch_size", "lr", "momentum", "steps", "dropout", "clip_grad_norm",
-        "optimizer", "weight_decay", "beta1", "beta2", "adam_eps")
-# a log written before these flags existed ran without them (and with gelu, SGD without decay)
+        "optimizer", "weight_decay", "beta1", "beta2", "adam_eps", "experts", "top_k", "capacity_factor", "aux_loss")
+# a log written before these flags existed ran without them (and with gelu, SGD without decay, dense)
 OFF = {"dropout": 0.0, "clip_grad_norm": None, "activation": "gelu", "optimizer": "sgd", "weight_decay": 0.0,
-       "beta1": 0.9, "beta2": 0.999, "adam_eps": 1e-8}
+       "beta1": 0.9, "beta2": 0.999, "adam_eps": 1e-8, "experts": 0, "top_k": 1, "capacity_factor": None,
+       "aux_loss": 0.01}
 SIZES = {"mlp": ("layers", "hidden"), "vit": ("layers", "hidden", "heads"), "cnn": ()}
 
 
@@ -92,6 +93,9 @@ def label_of(records, path):
     if (args.get("virtual_stages") or 1) > 1:
         parts.append(f"v={args['virtual_stages']}")
     parts += [flag for flag in ("recompute", "hybrid") if args.get(flag)]   # what changes how the run computes
+    if args.get("experts"):
+        parts.append(f"E={args['experts']} top-{args.get('top_k', 1)}" + (
+            f" C={args['capacity_factor']:g}" if args.get("capacity_factor") else " dropless"))
     if args.get("zero"):
         parts.append(f"ZeRO-{args['zero']}")
     if args.get("delay"):
@@ -176,11 +180,13 @@ def plot_curves(paths, out, beside=()):
         print(f"warning: not comparable step by step: {m}", file=sys.stderr)
     panels = ["loss"] + (["diff"] if len(runs) > 1 else [])
     panels += ["acc"] if any(series(recs, "eval", "test_acc")[0] for _, recs in runs) else []
+    panels += ["experts"] if expert_loads(runs) else []
     note = few_evaluations(runs) if "acc" in panels else None
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8 + legend_height(runs, others, note)),
                              squeeze=False)
     ax = dict(zip(panels, axes[0]))
     draw_runs(ax, runs)
+    load = draw_expert_load(ax["experts"], expert_loads(runs), runs) if "experts" in ax else None
     for label, records in others:
         shown = label + " [beside: not compared]"
         ax["loss"].plot(*series(records, "train", "loss"), label=shown, lw=1.2, ls=":", color="tab:grey")
@@ -193,7 +199,8 @@ def plot_curves(paths, out, beside=()):
     diffs = largest_differences(runs)
     save(fig, out, {"kind": "curves", "runs": [run_summary(label, records, diffs.get(label))
                                                for label, records in runs],
-                    "beside": [run_summary(label, records, None) for label, records in others]})
+                    "beside": [run_summary(label, records, None) for label, records in others],
+                    **({"expert_load": load} if load else {})})
     return diffs
 
 
@@ -279,6 +286,46 @@ def few_evaluations(runs):
     return note + "\nFor a curve: more --steps or a smaller --eval-every (EVAL_EVERY)."
 
 
+def expert_loads(runs):
+    """[(label, summary)] of the runs whose summary has the mixture of experts' routing record."""
+    summaries = [(label, next((r for r in recs if r["event"] == "summary"), {})) for label, recs in runs]
+    return [(label, s) for label, s in summaries if s.get("tokens_per_expert")]
+
+
+def draw_expert_load(ax, loads, runs):
+    """Each expert's share of the routed choices per step (summed over the blocks; even: 1/E), from the
+    first run that logged them, and the share dropped over capacity. The runs whose routing is the same
+    step for step (expert parallelism routes as the baseline does) are counted in the title; for the
+    others, the first step whose routing differs (a near-tie between two experts that float32 rounding
+    tipped the other way: from there the runs part, docs/expert_parallel.md) and their largest
+    |loss - baseline| before it."""
+    label, first = loads[0]
+    per_step = [[sum(col) for col in zip(*blocks)] for blocks in first["tokens_per_expert"]]
+    totals = [sum(step) for step in per_step]
+    for e in range(len(per_step[0])):
+        ax.plot(range(len(per_step)), [step[e] / t for step, t in zip(per_step, totals)], lw=1, label=f"expert {e}")
+    ax.axhline(1 / len(per_step[0]), color="grey", lw=1, ls=":", label="even load (1/E)")
+    if any(first.get("dropped_per_step", [])):
+        ax.plot(range(len(totals)), [d / t for d, t in zip(first["dropped_per_step"], totals)], color="black",
+                ls="--", lw=1, label="dropped over capacity")
+    same, parted = [], {}
+    for other, summary in loads[1:]:
+        pairs = zip(summary["tokens_per_expert"], first["tokens_per_expert"])
+        k = next((k for k, (a, b) in enumerate(pairs) if a != b), None)
+        if k is None:
+            same.append(other)
+            continue
+        records = dict(runs)[other]
+        parted[other] = {"step": k, "largest_difference_before": max(
+            (d for step, d in differences(runs[0][1], records) if step < k), default=0.0)}
+    notes = ([f"the same in {len(same)} other run(s)"] if same else []) + [
+        f"routing first differs at step {p['step']}" + (f" (+{len(parted) - 1} more run(s))" if len(parted) > 1 else "")
+        for p in list(parted.values())[:1]]
+    ax.set(xlabel="step (from the run's first)", ylabel="share of the routed (token, slot) choices",
+           title="\n".join(["tokens per expert (load)"] + notes))
+    return {"drawn": label, "same_in": same, "first_differs": parted}
+
+
 def label_axes(ax, note=None):
     """Titles, axes, and each panel's legend below it, outside the data: inside, "best" dodges the
     lines but not a note, and at some --steps no corner is free of both. The accuracy panel's note
@@ -296,10 +343,13 @@ def label_axes(ax, note=None):
 
 
 def legend_height(runs, others, note):
-    """Inches the legends below the panels take: a line a label line, and the accuracy panel's note."""
+    """Inches the legends below the panels take: a line a label line, and the accuracy panel's note;
+    the experts' panel: a line an expert, even load and dropped."""
     twins = identical_to(runs)
     lines = sum(1 + legend_label(runs, i, twins).count("\n") for i in range(len(runs))) + len(others) + 1
-    return 0.3 + 0.15 * (lines + (1 + note.count("\n") if note else 0))
+    loads = expert_loads(runs)
+    experts = len(loads[0][1]["tokens_per_expert"][0][0]) + 2 if loads else 0
+    return 0.3 + 0.15 * max(lines + (1 + note.count("\n") if note else 0), experts)
 
 
 def run_summary(label, records, difference):

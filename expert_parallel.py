@@ -1,0 +1,265 @@
+"""Expert parallelism: the vit's feed-forward blocks as a mixture of experts, the experts spread over the ranks.
+
+The lesson (Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "Switch Transformers"; Rajbhandari et al.
+2022, "DeepSpeed-MoE"): with --experts E each block's MLP is E experts behind a router (mp/moe.py, the
+model single_baseline.py trains), and each of the N ranks holds E/N of them. The experts ride on the
+data-parallel ranks: each rank trains its own slice of the batch with its own copy of everything else
+(embedding, attention, norms, router, head). A token whose expert lives elsewhere travels there and back:
+
+    rank 0: experts 0 1                              rank 1: experts 2 3
+    route my tokens: top-k of softmax(x W_r)         route my tokens
+    count them per expert  --------- all_gather of the counts [N, K, E] ---------  (every rank, every split)
+    sort by expert: [for 0 | for 1]                  [for 0 | for 1]
+                 \\--------- dispatch: all_to_all_single, rows split by rank ---------/
+    run experts 0, 1 on the rows from ranks 0 and 1  run experts 2, 3 on the rows from ranks 0 and 1
+                 /--------- combine: all_to_all_single back, the splits swapped ---------\\
+    sum each token's outputs times its weights       sum each token's outputs times its weights
+
+The backward runs the two exchanges the other way (an all-to-all's conjugate is the inverse one). Why
+exact: the counts of every rank give every rank the global batch's numbers (the load-balancing loss's
+f_i, an expert's capacity and which tokens come first in it), and the rows an expert runs are the
+baseline's rows. Each rank backpropagates its share of the global loss (its cross-entropy / N plus its
+tokens' share of the load-balancing loss), so every gradient comes out a sum: an expert's is summed by
+the all-to-all's backward over every rank's tokens, the replicated weights' are summed by an all-reduce.
+
+What this adds to single_baseline.py, in order: AllToAll (forward and backward), ExpertParallelMoE (route,
+count, exchange the counts, drop over capacity, dispatch, my experts, combine back, weight and sum), the
+model built with my experts only, and train_step: the baseline's on my slice, the replicated gradients
+summed before the norm.
+
+    torchrun --standalone --nproc-per-node 2 expert_parallel.py --data synthetic --experts 4
+    torchrun --standalone --nproc-per-node 4 expert_parallel.py --data synthetic --experts 8 --top-k 2 --check
+    torchrun --standalone --nproc-per-node 2 expert_parallel.py --data synthetic --capacity-factor 1.25
+"""
+from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
+if __name__ == "__main__":
+    stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mp import checkpoint
+from mp.check import check_and_exit, report_replicas
+from mp.cli import expert_parallel_args
+from mp.clipping import clip_global
+from mp.data import agree_on_data, dp_slice, load_data, to_device
+from mp.dist import awaiting, distributed, exit_now
+from mp.ep.evaluate import Traffic, sliced_run
+from mp.errors import note_one_rank
+from mp.loop import Job, Sums, evaluate, train
+from mp.models import build_model
+from mp.moe import (MixtureOfExperts, aux_loss, capacity_of, combine, kept_counts, kept_mask, route, slot_counts,
+                    sorted_by_expert)
+from mp.optim import make_optimizer
+from mp.tp.replicas import SummedGradients
+
+PROGRAM = "expert_parallel"
+
+
+def parse_args(argv=None):
+    args = expert_parallel_args(argv, __doc__)   # mp/cli.py: the flags and every check they allow, without torch
+    checkpoint.validate(args)                     # the checkpoint to resume from, if any: whole, and of this run
+    return args
+
+
+def ep_rank(group):
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def ep_size(group):
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+# ----------------------------------------------------------------------------- the all-to-all
+
+
+def all_to_all_rows(x, send_splits, recv_splits, group, traffic):
+    """Rows of x in rank order, send_splits[j] of them to rank j; returns the rows received, recv_splits[j]
+    from rank j, in rank order. Every rank calls it with its own splits: mine to j is j's from me."""
+    out = x.new_empty(sum(recv_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    if traffic is not None:
+        traffic.add(x, send_splits, ep_rank(group))
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Forward: all_to_all_rows; backward: each row's gradient goes back where the row came from (the
+    same exchange with the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, traffic):
+        ctx.splits, ctx.group, ctx.traffic = (send_splits, recv_splits), group, traffic
+        return all_to_all_rows(x, send_splits, recv_splits, group, traffic)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return all_to_all_rows(grad, recv_splits, send_splits, ctx.group, ctx.traffic), None, None, None, None
+
+
+def exchange_counts(counts, group):
+    """[K, E] my tokens' choices per expert -> [N, K, E] every rank's. The textbook exchanges the counts
+    with an all-to-all (each rank learns only what it will receive); here every rank needs them all: the
+    load-balancing loss's f_i and the capacity's order are of the global batch, as in the baseline."""
+    every = [torch.empty_like(counts) for _ in range(ep_size(group))]
+    dist.all_gather(every, counts.contiguous(), group=group)
+    return torch.stack(every)
+
+
+# ----------------------------------------------------------------------------- the mixture of experts over the ranks
+
+
+class ExpertParallelMoE(MixtureOfExperts):
+    """mp.moe.MixtureOfExperts with its router and my E/N experts only (named as in the full model:
+    experts.2.0.weight is expert 2's on whichever rank holds it), the tokens of my slice of the batch
+    dispatched to their experts' ranks and combined back."""
+
+    def __init__(self, full, group, traffic):
+        nn.Module.__init__(self)   # not MixtureOfExperts.__init__: the router and the experts are the full block's
+        n = ep_size(group)
+        self.per_rank = full.num_experts // n
+        self.first = ep_rank(group) * self.per_rank                          # my experts: first .. first + E/N - 1
+        self.router = full.router
+        self.experts = nn.ModuleDict({str(e): full.experts[e] for e in range(self.first, self.first + self.per_rank)})
+        self.num_experts, self.top_k, self.capacity_factor = full.num_experts, full.top_k, full.capacity_factor
+        self.aux_weight, self.keys, self.load, self.aux_loss = full.aux_weight, full.keys, full.load, None
+        self.group, self.traffic = group, traffic
+
+    def forward(self, x):
+        b, t, h = x.shape
+        x, n, me = x.reshape(b * t, h), ep_size(self.group), ep_rank(self.group)
+        # 1. route: each of my tokens picks its top-k experts (every rank holds the whole router)
+        probs, weights, choice = route(self.router, x, self.top_k)
+        # 2. count my tokens per (slot, expert), 3. exchange the counts: [N, K, E] on every rank
+        counts = exchange_counts(slot_counts(choice, self.num_experts), self.group)
+        self.note(probs, counts)   # my tokens' share of the load-balancing loss (f_i of the global batch)
+        # 4. capacity: which of my choices their expert runs (all, dropless); the rest are dropped here
+        capacity = capacity_of(counts, self.top_k, self.capacity_factor)
+        token, slot, expert = sorted_by_expert(kept_mask(choice, counts, me, capacity), choice)
+        # [source rank, destination rank, expert of the destination]: how many rows go where. The splits go
+        # to the collective as Python ints: the one read from the device a mixture of experts cannot avoid
+        rows = kept_counts(counts, capacity).sum(dim=1).view(n, n, self.per_rank).tolist()
+        send_splits = [sum(rows[me][j]) for j in range(n)]
+        recv_splits = [sum(rows[j][me]) for j in range(n)]
+        traffic = self.traffic if self.keys.step is not None else None   # the bytes of training steps only
+        # 5. dispatch: my kept rows, sorted by expert and so by rank, to their experts' ranks
+        received = AllToAll.apply(x[token], send_splits, recv_splits, self.group, traffic)
+        # 6. my experts on every rank's rows
+        y = self.run_my_experts(received, [rows[j][me] for j in range(n)])
+        # 7. combine: the outputs back to the ranks their tokens came from, in the order they were sent
+        y = AllToAll.apply(y, recv_splits, send_splits, self.group, traffic)
+        # 8. weight each output by its router weight and sum a token's outputs
+        return combine(y, token, slot, weights, b * t).view(b, t, h)
+
+    def run_my_experts(self, received, sizes):
+        """received: rank 0's rows (those for my first expert, then my second ...), then rank 1's ...;
+        sizes[j][e]: rank j's rows for my expert e. Each expert runs its rows of every rank at once, in
+        rank order (the baseline's order of tokens); the outputs go back in received's order."""
+        label = torch.arange(self.per_rank, device=received.device).repeat(len(sizes))
+        label = label.repeat_interleave(torch.tensor(sum(sizes, []), device=received.device))
+        order = torch.argsort(label, stable=True)                    # grouped by expert, in rank order
+        chunks = received[order].split([sum(s[e] for s in sizes) for e in range(self.per_rank)])
+        # every expert runs, on no rows too: a zero gradient, as in the baseline (SGD's momentum steps on it)
+        y = torch.cat([self.experts[str(self.first + e)](chunk) for e, chunk in enumerate(chunks)])
+        return torch.empty_like(y).index_copy(0, order, y)          # back in received's order
+
+
+def expert_parallel_block(block, group, traffic):
+    """Block i of the vit as built from --seed: a transformer block's mixture of experts keeps my experts
+    only (the others are freed with the full block); the rest is kept whole."""
+    if isinstance(getattr(block, "mlp", None), MixtureOfExperts):
+        block.mlp = ExpertParallelMoE(block.mlp, group, traffic)
+    return block
+
+
+def build_expert_parallel_model(args, group, device):
+    """The vit block by block from --seed, each rank keeping the replicated weights and its E/N experts
+    (the memory contract); the replicated weights' gradients are summed over the ranks (SummedGradients)."""
+    traffic = Traffic()
+    model = build_model(args, lambda i, block: expert_parallel_block(block, group, traffic), device)
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
+    model.replicated_grads = SummedGradients([p for p in model.parameters() if id(p) not in expert_ids], group)
+    # the gradient norm counts an expert on its rank, a replicated weight (whole everywhere after the sum) on rank 0
+    first = ep_rank(group) == 0
+    model.counted = lambda p: first or id(p) in expert_ids
+    model.all_to_all = traffic
+    return model
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def forward_backward(model, x, y, step, n, me):
+    """My slice's forward and backward; returns (my logits, my slice's mean cross-entropy, my share of the
+    load-balancing loss). Backward on my share of the global loss, ce / N + aux: summed over the ranks it
+    is the baseline's loss, so every gradient is a sum of the ranks' parts."""
+    with model.dropout_keys.training(step, first_sample=me * len(y)):   # my samples' masks, by global index
+        logits = model(x)                   # the dispatch and the combine run inside each block
+    ce, aux = F.cross_entropy(logits, y), aux_loss(model)
+    (ce / n + aux).backward()               # the all-to-alls' backwards send the gradients home
+    return logits, ce, aux
+
+
+def train_step(step, model, optimizer, data, args, device, norm):
+    """One optimizer step of single_baseline.py's, on my slice of the batch: the same order, the experts'
+    all-to-alls inside the forward and the backward, the replicated gradients summed before the norm."""
+    n, me = ep_size(None), ep_rank(None)
+    b = args.batch_size // n
+    x = to_device(data.images(step, args.batch_size, me * b, b), device)       # only my samples are drawn
+    y = to_device(dp_slice(data.labels(step, args.batch_size), me, n), device)
+    optimizer.zero_grad(set_to_none=True)
+    _, ce, aux = forward_backward(model, x, y, step, n, me)
+    model.replicated_grads.sum()            # the data-parallel sync: the replicated weights' parts summed
+    grad_norm = clip_global(model.parameters(), args.clip_grad_norm, *norm)   # the full model's norm
+    optimizer.step()
+    # my replica's loss; the loop averages it over the ranks: the mean cross-entropy + the whole aux loss
+    return (ce + n * aux).detach(), grad_norm
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    note_one_rank(f"expert parallelism of degree 1, all {args.experts} experts on one rank")
+    data = load_data(args)
+    with distributed(args) as env:
+        data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
+        group = dist.group.WORLD
+        model = build_expert_parallel_model(args, group, env.device)
+        norm = ([group], model.counted)
+        waited = f"rank {env.rank} waited for the expert-parallel exchanges of"
+        if args.check:
+            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+            return check_and_exit(env, args, f"expert parallelism, {args.experts} experts (top-{args.top_k})",
+                                  model, check_step(model, env), x, y, replica=(env.rank, env.world_size), norm=norm)
+        optimizer = make_optimizer(model.parameters(), args)
+
+        def step(k):
+            with awaiting(f"{waited} step {k}", args.timeout_s):
+                return train_step(k, model, optimizer, data, args, env.device, norm)
+
+        def test():
+            with awaiting(f"{waited} the evaluation", args.timeout_s):   # every rank: the experts communicate
+                return evaluate(data, env.device, sliced_run(model, env.device, group))
+
+        layout = checkpoint.layout_of(PROGRAM, env, ep=env.world_size, experts=args.experts)
+        train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0, evaluate=test,
+                             sums=Sums(replicas=group, norm_groups=[group])))
+        replicated = model.replicated_grads.params
+        return report_replicas(replicated, group, "replicated weights bit-identical across the "
+                               f"{env.world_size} expert-parallel ranks", env, args.timeout_s)
+
+
+def check_step(model, env):
+    """--check's step (mp.check): my slice's forward and backward on the first batch, the replicated
+    gradients summed; the loss compared is my slice's cross-entropy."""
+    def step(x, y):
+        logits, ce, _ = forward_backward(model, x, y, 0, env.world_size, env.rank)
+        model.replicated_grads.sum()
+        return logits, ce
+    return step
+
+
+if __name__ == "__main__":
+    exit_now(main())  # everything is written and torn down: skip gloo's destructors (mp.dist.exit_now)
