@@ -60,14 +60,14 @@ mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves not
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process, all $EXPERTS experts"
-"$PYTHON" single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
+run_python single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 STEP="the expert-parallel run (expert_parallel.py on $NPROC ranks)"
 echo "== expert parallel: $EXPERTS experts over $NPROC ranks, top-$TOP_K, ${CAPACITY:+capacity factor }${CAPACITY:-dropless}"
 # "--" ends torchrun's own options, so that every later flag reaches the program
-"$PYTHON" -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
+run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHRUN_OPTS[@]}" -- \
     expert_parallel.py "${COMMON[@]}" --backend "$BACKEND" "${CKPT[@]}" --log-file "$LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-"$PYTHON" -m mp.tools.plot_curves "$BASELINE_LOG" "$LOG" -o "$PLOT"
+run_python -m mp.tools.plot_curves "$BASELINE_LOG" "$LOG" -o "$PLOT"
 say_written "$BASELINE_LOG" "$LOG" "$PLOT"
