@@ -48,15 +48,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mp import checkpoint
-from mp.check import check_and_exit, report_replicas, whole_model_step
+from mp.check import check_and_exit, whole_model_step
 from mp.cli import context_parallel_args
 from mp.cp.memory import SavedActivations
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
-from mp.dist import awaiting, distributed, exit_now
+from mp.dist import distributed, exit_now
 from mp.dropout import KeyedDropout
 from mp.errors import note_one_rank
-from mp.loop import Job, Sums, evaluate, train, whole_model_run
+from mp.loop import Job, Replicas, Sums, evaluate, train, whole_model_run
 from mp.models import Attention, PatchEmbed, build_model, num_blocks
 from mp.optim import make_optimizer
 from mp.sizes import tokens_of
@@ -378,7 +378,6 @@ def main(argv=None):
         cp_grads = (model.partial_grads, average_replicated_grads(model, group, env.device))
         # every weight is whole on every rank after the sum: cp rank 0 counts them all in the norm
         norm = ([group], counted_once(model, group))
-        waited = f"rank {env.rank} waited for the context-parallel exchanges of"
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             return check_and_exit(env, args, f"context parallelism --attention {args.attention}", model,
@@ -386,18 +385,16 @@ def main(argv=None):
         optimizer = make_optimizer(model.parameters(), args)
 
         def step(k):
-            with awaiting(f"{waited} step {k}", args.timeout_s):
-                return train_step(k, model, optimizer, data, args, env.device, cp_grads, norm)
+            return train_step(k, model, optimizer, data, args, env.device, cp_grads, norm)
 
-        def test():
-            with awaiting(f"{waited} the evaluation", args.timeout_s):   # every rank: attention communicates
-                return evaluate(data, env.device, whole_model_run(model, env.device))
-
+        # the loop (mp/loop.py) runs the steps, logs (cp rank 0 owns the loss), evaluates (every rank: attention
+        # communicates), saves, and at the end checks that the weights stayed bit-identical on every rank
         layout = checkpoint.layout_of(PROGRAM, env, cp=env.world_size, attention=args.attention)
-        train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0,   # cp rank 0 owns the loss
-                             evaluate=test, sums=Sums(norm_groups=[group])))
-        return report_replicas(list(model.parameters()), group, "weights bit-identical across the "
-                               f"{env.world_size} context-parallel ranks", env, args.timeout_s)
+        replicas = Replicas(list(model.parameters()), group, "weights bit-identical across the "
+                            f"{env.world_size} context-parallel ranks")
+        return train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0, sums=Sums(norm_groups=[group]),
+                                    evaluate=lambda: evaluate(data, env.device, whole_model_run(model, env.device)),
+                                    collectives="the context-parallel exchanges", replicas=[replicas]))
 
 
 def check_step(model, cp_grads):

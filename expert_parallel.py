@@ -41,14 +41,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mp import checkpoint
-from mp.check import check_and_exit, report_replicas
+from mp.check import check_and_exit
 from mp.cli import expert_parallel_args
 from mp.clipping import clip_global
 from mp.data import agree_on_data, dp_slice, load_data, to_device
-from mp.dist import awaiting, distributed, exit_now
+from mp.dist import distributed, exit_now
 from mp.ep.evaluate import Traffic, sliced_run
 from mp.errors import note_one_rank
-from mp.loop import Job, Sums, evaluate, train
+from mp.loop import Job, Replicas, Sums, evaluate, train
 from mp.models import build_model
 from mp.moe import (MixtureOfExperts, aux_loss, capacity_of, combine, kept_counts, kept_mask, route, slot_counts,
                     sorted_by_expert)
@@ -228,7 +228,6 @@ def main(argv=None):
         group = dist.group.WORLD
         model = build_expert_parallel_model(args, group, env.device)
         norm = ([group], model.counted)
-        waited = f"rank {env.rank} waited for the expert-parallel exchanges of"
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             return check_and_exit(env, args, f"expert parallelism, {args.experts} experts (top-{args.top_k})",
@@ -236,19 +235,17 @@ def main(argv=None):
         optimizer = make_optimizer(model.parameters(), args)
 
         def step(k):
-            with awaiting(f"{waited} step {k}", args.timeout_s):
-                return train_step(k, model, optimizer, data, args, env.device, norm)
+            return train_step(k, model, optimizer, data, args, env.device, norm)
 
-        def test():
-            with awaiting(f"{waited} the evaluation", args.timeout_s):   # every rank: the experts communicate
-                return evaluate(data, env.device, sliced_run(model, env.device, group))
-
+        # the loop (mp/loop.py) runs the steps, logs (rank 0), evaluates (every rank: the experts communicate),
+        # saves, and at the end checks that the replicated weights stayed bit-identical
         layout = checkpoint.layout_of(PROGRAM, env, ep=env.world_size, experts=args.experts)
-        train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0, evaluate=test,
-                             sums=Sums(replicas=group, norm_groups=[group])))
-        replicated = model.replicated_grads.params
-        return report_replicas(replicated, group, "replicated weights bit-identical across the "
-                               f"{env.world_size} expert-parallel ranks", env, args.timeout_s)
+        replicas = Replicas(model.replicated_grads.params, group, "replicated weights bit-identical across the "
+                            f"{env.world_size} expert-parallel ranks")
+        return train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0,
+                                    sums=Sums(replicas=group, norm_groups=[group]),
+                                    evaluate=lambda: evaluate(data, env.device, sliced_run(model, env.device, group)),
+                                    collectives="the expert-parallel exchanges", replicas=[replicas]))
 
 
 def check_step(model, env):

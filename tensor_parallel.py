@@ -53,14 +53,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mp import checkpoint
-from mp.check import check_and_exit, report_replicas, whole_model_step
+from mp.check import check_and_exit, whole_model_step
 from mp.cli import tensor_parallel_args
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
-from mp.dist import awaiting, distributed, exit_now
+from mp.dist import distributed, exit_now
 from mp.dropout import KeyedDropout
 from mp.errors import note_one_rank
-from mp.loop import Job, Sums, evaluate, train, whole_model_run
+from mp.loop import Job, Replicas, Sums, evaluate, train, whole_model_run
 from mp.models import Attention, build_model, num_blocks
 from mp.optim import make_optimizer
 from mp.sizes import split_sizes
@@ -356,7 +356,6 @@ def main(argv=None):
         tp_grads = (model.partial_grads, average_replicated_grads(model, group, env.device))
         # the gradient norm sums the shards' squares over the group, each replicated tensor counted once
         norm = ([group], counted_once(model, group))
-        waited = f"rank {env.rank} waited for the tensor-parallel collectives of"
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             what = f"tensor parallelism{' --hybrid' if args.hybrid else ''}"
@@ -364,18 +363,16 @@ def main(argv=None):
         optimizer = make_optimizer(model.parameters(), args)
 
         def step(k):
-            with awaiting(f"{waited} step {k}", args.timeout_s):
-                return train_step(k, model, optimizer, data, args, env.device, tp_grads, norm)
+            return train_step(k, model, optimizer, data, args, env.device, tp_grads, norm)
 
-        def test():
-            with awaiting(f"{waited} the evaluation", args.timeout_s):   # every rank: the forward has collectives
-                return evaluate(data, env.device, whole_model_run(model, env.device))
-
+        # the loop (mp/loop.py) runs the steps, logs (tp rank 0 owns the loss), evaluates, saves, and at the
+        # end checks that the weights every rank holds whole stayed bit-identical
         layout = checkpoint.layout_of(PROGRAM, env, tp=env.world_size, hybrid=args.hybrid)
-        train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0,   # tp rank 0 owns the loss
-                             evaluate=test, sums=Sums(norm_groups=[group])))
-        return report_replicas(replicated_parameters(model), group, "replicated parameters bit-identical across "
-                               f"the {env.world_size} tensor-parallel ranks", env, args.timeout_s)
+        replicas = Replicas(replicated_parameters(model), group, "replicated parameters bit-identical across the "
+                            f"{env.world_size} tensor-parallel ranks")
+        return train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0, sums=Sums(norm_groups=[group]),
+                                    evaluate=lambda: evaluate(data, env.device, whole_model_run(model, env.device)),
+                                    collectives="the tensor-parallel collectives", replicas=[replicas]))
 
 
 def check_step(model, tp_grads):

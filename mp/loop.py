@@ -6,6 +6,7 @@ loop needs around it (a Job). The loop does the rest the same way for every prog
 checkpoint, time each step from the batch's drawing on, read the steps' scalars every --log-every
 steps and log them, evaluate every --eval-every steps, save every --save-every, write the summary.
 """
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -16,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mp import checkpoint
+from mp.check import report_replicas
 from mp.clipping import finish_norms
 from mp.data import test_batches
 from mp.dist import awaiting, settle
@@ -48,6 +50,19 @@ class Job:
     sums: Sums = field(default_factory=Sums)
     versions: list = None         # [(name, current, stale, stepped)]: the weights a checkpoint holds under
                                   # 2BW's rule (2bw, --delay 1; kept up to date by their owner); None: the model's
+    collectives: str = None       # what the step and the evaluation wait for ("the tensor-parallel
+                                  # collectives"): a timeout names it, with the step (mp.dist.awaiting)
+    replicas: list = field(default_factory=list)   # [Replicas]: compared after the last step (mp.check)
+
+
+@dataclass
+class Replicas:
+    """Tensors that several ranks hold and must keep bit-identical (same start, gradient, update): after
+    the run, rank 0 prints `claim: yes` (or NO, and the run exits 1), mp.check.report_replicas."""
+    params: list
+    group: object
+    claim: str                    # "replicated parameters bit-identical across the 2 tensor-parallel ranks"
+    zero: int = 0                 # --zero on a data-parallel group: the same bytes by construction, not compared
 
 
 class StepScalars:
@@ -117,7 +132,8 @@ def train(args, env, job):
     start_memory_count(env.device)
     for step in range(first, args.steps):
         start = scalars.start()               # every program times its step from the batch's drawing on
-        loss, norm = job.step(step)
+        with waiting_for(job, env, args, f"step {step}"):
+            loss, norm = job.step(step)
         scalars.stop(step, start, loss, norm)
         evaluating = job.evaluate and args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1)
         if (step + 1) % args.log_every == 0 or step == args.steps - 1 or evaluating or saving(args, step):
@@ -127,7 +143,8 @@ def train(args, env, job):
                           samples_per_s=args.batch_size / step_time)
                 progress.update(k, loss, step_time, args.batch_size)
         if evaluating:
-            result = job.evaluate()           # the weights after step's update
+            with waiting_for(job, env, args, "the evaluation"):
+                result = job.evaluate()       # the weights after step's update
             if job.owner and result:
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
@@ -140,7 +157,17 @@ def train(args, env, job):
     log.close()
     if job.owner:
         print(f"wrote {args.log_file}", flush=True)
-    return 0
+    return max([report_replicas(r.params, r.group, r.claim, env, args.timeout_s, r.zero) for r in job.replicas],
+               default=0)
+
+
+def waiting_for(job, env, args, what):
+    """A communication failure inside (gloo) becomes one error line naming what this rank waited for
+    (`rank 1 waited for the tensor-parallel collectives of step 7, and gave up`); none where the
+    program names nothing."""
+    if job.collectives is None:
+        return contextlib.nullcontext()
+    return awaiting(f"rank {env.rank} waited for {job.collectives} of {what}", args.timeout_s)
 
 
 def held(job):
