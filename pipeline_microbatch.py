@@ -60,7 +60,7 @@ from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
 from mp.pp.training import pipeline_check, stage_batch
-from mp.pp.zero_bubble import final_after, run_weight_grads, split_for, split_weight_grads
+from mp.pp.zero_bubble import final_after, run_weight_grads, split_for, split_weight_grads, weights_now
 from mp.sizes import split_sizes
 
 PROGRAM = "pipeline_microbatch"
@@ -269,6 +269,7 @@ class StageRunner(TimelineRecorder):
         self.mb_size, self.first_sample, self.step = mb_size, first_sample, getattr(self.keys, "step", None)
         recording = self.record if self.events is not None else None
         last = {(a[0], a[2]): i for i, a in enumerate(actions) if a[0] in ("B", "W")} if grads else {}
+        ws_now = weights_now(actions) if grads and self.fused else ()   # Bs no exchange follows: their Ws at once
         ahead = self.messenger.early.plan(actions)   # gloo: what each exchange posts ahead (mp.pp.p2p)
         finals = []                           # the gradients a chunk's last B (W) made final, told after the Ws
         run_ws = partial(run_weight_grads, self, grads, finals)   # split "B": the Bs' Ws so far (mp.pp.zero_bubble)
@@ -277,6 +278,8 @@ class StageRunner(TimelineRecorder):
                 inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording, ahead.get(i, ()), run_ws))
                 continue
             kind, mb, chunk = action
+            if last.get((kind, chunk)) == i:  # the chunk's last backward: each gradient it gives is final,
+                grads.expect(self.final_after[(kind, chunk)])   # and a bucket starts once all its own are
             start = self.clock()
             if kind == "F":
                 self.forward(mb, chunk, inputs, head, saved, outbox, inbox)
@@ -289,6 +292,8 @@ class StageRunner(TimelineRecorder):
                 finals.append(self.final_after[(kind, chunk)])
                 if not self.fused:            # now; split "B": in the next exchange, once its last Ws ran
                     run_ws()
+            if i in ws_now:
+                run_ws()
         run_ws()                              # the Ws of Bs with no exchange after them
         self.messenger.finish()
         if self.versions:                     # 2bw: the next batch's first forwards stay in flight
@@ -408,7 +413,7 @@ def setup_stage(args, env, pos, shard=None, messenger=None):
     messenger = (messenger or Messenger)(pos, shapes, env.device, args.timeout_s,
                                          sends_at_once=sends_at_once(args.schedule, env.device))
     versions = TwoVersions(chunks, pos, args.microbatches, args.steps, model) if args.schedule == "2bw" else None
-    return model, StageRunner(chunks, pos, messenger, split=split_for(args.schedule),
+    return model, StageRunner(chunks, pos, messenger, split=split_for(args.schedule, getattr(args, "zero", 0)),
                               recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)
 
 

@@ -85,7 +85,7 @@ class ParamShards:
         self.note(b.param.numel() * b.param.element_size())
         b.gathering = ALL_GATHER(b.param, b.mine, group=self.grads.group, async_op=True)
         self.grads.count(b.param, 1)
-        self.grads.on_timeline(b.gathering, f"all-gather {self.buckets.index(b)}")
+        self.grads.spans.begin(b.gathering, f"all-gather {self.buckets.index(b)}", b.param.device)
 
     def wait(self, b):
         """Block b's weights, whole: gathered now, or the prefetch waited for."""
@@ -93,7 +93,7 @@ class ParamShards:
         if b.gathering is not None:
             with awaiting(*self.grads.waiting):
                 b.gathering.wait()
-            self.grads.clocked(b.gathering)   # its span on the timeline (gloo's: ends where it was waited for)
+            self.grads.spans.end(b.gathering)   # its span on the timeline (gloo's: ends where it was waited for)
             b.gathering, b.whole = None, True
 
     def free(self, b):

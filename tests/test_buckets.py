@@ -3,12 +3,14 @@ calls GradBuckets.final once it is done with a parameter. A parameter accumulate
 of times from one step to the next (a branch taken by more microbatches, an expert of a mixture) gets
 exactly the update a plain all-reduce after the backward gives; a bucket said final too early, or
 never, stops with one error naming the parameter, never a silently different mean."""
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from helpers import run_ranks
+from helpers import FAST, launch, run_ranks
 from mp.buckets import BucketError, GradBuckets
 from mp.pp.zero_bubble import has_grad_hooks, split_weight_grads
 
@@ -104,3 +106,30 @@ def _zb_in_place_case(rank, world, group):
 
 def test_zb_keeps_its_in_place_weight_gradients_under_data_parallelism(tmp_path):
     run_ranks(_zb_in_place_case, 2, tmp_path)
+
+
+# ----------------------------------------------------------------------------- overlap, on the timeline
+
+# one chunk a rank (--dp 2 on 2 ranks: the data axis alone); the mlp's 14 layers of 300 fill two 4 MB
+# buckets, the first (the last layers) full after 11 of the 14 layers' backward, the second at its end
+OVERLAP = FAST + ["--model", "mlp", "--layers", "14", "--hidden", "300", "--batch-size", "16", "--steps", "2",
+                  "--dp", "2", "--microbatches", "2", "--schedule", "1f1b"]
+
+
+@pytest.mark.parametrize("zero", ["0", "2"])
+def test_a_bucket_starts_inside_the_backward_that_finishes_it(zero, tmp_path):
+    """Issue 58, item 2: readiness per bucket, not per chunk. On the default 1f1b with one chunk a rank,
+    a bucket's collective starts while the chunk's last B still runs (the earlier layers' backward still
+    to come), not after it; --zero 2 reduce-scatters in every microbatch's backward: a collective starts
+    inside each B, two buckets a microbatch."""
+    trace = tmp_path / "trace.json"
+    run = launch("pipeline_dp_joint.py", OVERLAP + ["--zero", zero, "--timeline", str(trace)], tmp_path, nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["pid"] == 0]
+    backwards = [e for e in events if e["cat"] == "backward"]
+    collectives = [e for e in events if e["cat"] == "collective"]
+    assert [b["name"] for b in backwards] == ["B0", "B1"], events
+    for b in backwards if zero == "2" else backwards[-1:]:
+        assert any(b["ts"] <= c["ts"] < b["ts"] + b["dur"] for c in collectives), (b, collectives)
+    if zero == "2":
+        assert sorted(c["name"] for c in collectives) == ["reduce-scatter 0"] * 2 + ["reduce-scatter 1"] * 2

@@ -184,12 +184,16 @@ class SplitShardOp:
 SPLIT = {nn.Linear: SplitLinear, nn.Conv2d: SplitConv2d}
 
 
-def split_for(schedule):
+def split_for(schedule, zero=0):
     """Where a schedule's weight gradients are taken (pipeline_microbatch.StageRunner's split): "W", in
     W actions of their own (zb, zbv); None, by autograd in B (2bw, whose two weight versions share the
-    layers); "B", every other schedule: its large linear layers split too (split_weight_grads's
-    fused), each W run in the exchange after its B (run_weight_grads)."""
-    return "W" if schedule in ("zb", "zbv") else None if schedule == "2bw" else "B"
+    layers; and --zero 2 and 3, which reduce-scatter each layer's gradient bucket as soon as the
+    microbatch's backward has filled it: a W after the whole B would keep every bucket of the chunk
+    alive from its bias's gradient to its weight's); "B", every other schedule: its large linear layers
+    split too (split_weight_grads's fused), each W run in the exchange after its B (run_weight_grads)."""
+    if schedule in ("zb", "zbv"):
+        return "W"
+    return None if schedule == "2bw" or zero >= 2 else "B"
 
 
 def split_weight_grads(chunk, fused=False):
@@ -259,8 +263,8 @@ class WeightGradStash:
         hooks (data parallelism's, a replica's average) takes dA through autograd, which fires them;
         any other weight takes it directly: A.grad set, or dA added in place by one GEMM (what
         autograd's accumulation does, less its temporary and its autograd function per layer).
-        buckets: data parallelism's (mp.buckets), told of each gradient written directly (no hook runs
-        on those weights, so W says it: GradBuckets.arrived)."""
+        buckets: data parallelism's (mp.buckets), told of each gradient written directly, before and after
+        (no hook runs on those weights, so W says it: GradBuckets.arriving and arrived)."""
         hooked = []
         for layer, x, dy in self.pending.pop(mb, []):
             weight = layer.weight
@@ -269,6 +273,8 @@ class WeightGradStash:
             if has_grad_hooks(weight):
                 hooked.append(_DeferredWeightGrad.apply(weight, x, dy, layer))
                 continue
+            if buckets is not None:
+                buckets.arriving(weight)          # --zero 2, 3: its bucket's memory, made for this microbatch
             if weight.grad is None:               # the step's first W (the optimizer set grads to None)
                 weight.grad = layer.math.weight_grad(x, dy, weight.shape)
             else:
@@ -296,6 +302,23 @@ def run_weight_grads(runner, grads=None, finals=()):
         grads.final(params)
     finals.clear()
     return ran
+
+
+def weights_now(actions):
+    """split "B": the indices of the Bs whose Ws no exchange would run before the rank's next B (a
+    stage alone: no exchange at all), so the executor runs them right after their B. Then every B's Ws
+    have run before the next B starts, which the data-parallel buckets rely on: the gradients that
+    arrive after a chunk's last B begins are that B's (mp.buckets.GradBuckets.expect), and under --zero 2
+    and 3 each microbatch's gradients are complete, to be reduce-scattered, before the next one's begin."""
+    now, previous = set(), None
+    for i, action in enumerate(actions):
+        if action[0] == "comm":
+            previous = None
+        elif action[0] == "B":
+            if previous is not None:
+                now.add(previous)
+            previous = i
+    return now
 
 
 def final_after(chunks, stashes, split):
