@@ -313,3 +313,35 @@ def test_the_timeline_draws_the_sharded_collectives(tmp_path):
             during = [e for e in events if e["name"].startswith("all-gather") and f0["ts"] <= e["ts"] <= f0["ts"] + f0["dur"]]
             assert len(during) >= 2, (f0, names)
 
+
+# ----------------------------------------------------------------------------- the peak, counted and measured
+
+PEAK = FAST + ["--model", "mlp", "--layers", "4", "--batch-size", "16", "--steps", "3", "--dp", "2",
+               "--microbatches", "2", "--optimizer", "adamw"]
+
+
+@pytest.mark.slow
+def test_the_counted_peak_is_the_measured_one(tmp_path, monkeypatch):
+    """Issue 58, item 5: peak_grad_mb and peak_param_mb count the gradients' and weights' bytes where
+    buckets and gathers are made and let go. With glibc's mmap threshold pinned (a freed tensor's pages go
+    back at once) a rank's peak resident set above its floor (the same run with 8-wide layers) is what
+    they count with the optimizer state, plus what they leave out: AdamW's two temporaries the size of
+    its largest tensor (torch's single-tensor path on the CPU), or autograd's weight gradient before it
+    is added into its bucket, and the activations. Plain data parallelism, --zero 2 and --zero 3 (the
+    weights gathered for every microbatch) on 2 replicas of the mlp's 4 layers of 1024 (20 MB of
+    weights, the first layer 12 MB): each within that, and the differences between them as counted."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    counted, measured = {}, {}
+    for zero in (["0"], ["2"], ["3", "--zero3-gather", "microbatch"]):
+        runs = [launch("pipeline_dp_joint.py", PEAK + ["--hidden", hidden, "--zero", *zero], tmp_path, nproc=2,
+                       real=True, log_name=f"z{zero[0]}-{hidden}.jsonl") for hidden in ("1024", "8")]
+        assert all(run.returncode == 0 for run in runs), runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
+        big, tiny = (run.events("summary")[0] for run in runs)
+        counted[zero[0]] = big["peak_param_mb"]["0"] + big["peak_grad_mb"]["0"] + big["optimizer_state_mb"]["0"]
+        measured[zero[0]] = big["peak_memory_mb"]["0"] - tiny["peak_memory_mb"]["0"]
+    layer = 3072 * 1024 * 4 / 2**20            # the largest tensor, 12 MB
+    for zero in counted:
+        assert counted[zero] - 4 <= measured[zero] <= counted[zero] + 2 * layer + 4, (zero, counted, measured)
+    for a, b in (("0", "2"), ("0", "3"), ("2", "3")):
+        assert abs((measured[a] - measured[b]) - (counted[a] - counted[b])) <= 8, (a, b, counted, measured)
+    assert counted["0"] - counted["2"] > 10, counted
