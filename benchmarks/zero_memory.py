@@ -10,8 +10,8 @@ Runs pipeline_dp_joint.py as plain data parallelism (--dp equal to the world siz
 below is the whole model) with --zero 0, 1, 2 and 3 (--zero3-gather step and microbatch), AdamW, and
 reads each run's summary record: param_mb (weights held between steps), grad_mb (gradients held after
 the update), optimizer_state_mb, dp_sent_mb_per_step (what a replica sent in its data-parallel
-collectives per step, counted as a ring sends them) and, under --zero 3, peak_param_mb (its slices
-plus the blocks gathered at once). Beside each, the formula for N MB of weights over D replicas and M
+collectives per step, counted as a ring sends them), peak_param_mb (--zero 3: its slices plus the
+blocks gathered at once) and peak_grad_mb (the gradient buckets and accumulators held at once). Beside each, the formula for N MB of weights over D replicas and M
 microbatches. The last column is measured memory: the rank's peak resident set above its floor, the
 same run with a tiny model (--hidden 8: the interpreter, torch, gloo and the data), so what the model
 costs it at its peak: weights, gradients, state, activations (a CPU process's peak cannot be reset, so

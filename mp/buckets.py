@@ -251,6 +251,14 @@ class GradBuckets:
                 continue
             self._final(b, p)
 
+    def final_expected(self):
+        """The backwards said in expect() have run, their Ws too: every gradient expected is final (a
+        bucket whose own all arrived has started already; this starts the rest)."""
+        for b in self.buckets:
+            for p in b.params:
+                if id(p) in b.expected:
+                    self._final(b, p)
+
     def final_late(self):
         """The late gradients are complete (their sums over other ranks are done): start their buckets."""
         for p in self.late:

@@ -11,7 +11,8 @@ names and autograd identity, but hold nothing); an all-gather of every replica's
     forward of block k:   all-gather block k (prefetched)  |  compute k   |  free k (--zero3-gather microbatch)
                           ...while block k+1's all-gather is already on its way (prefetch)
     backward of block k:  all-gather block k again (microbatch), prefetch block k-1  |  compute  |  free k
-    gradients of block k: reduce-scattered as soon as they are final (mp.buckets), the whole buckets let go
+    gradients of block k: reduce-scattered in every microbatch's backward as soon as it has them (mp.buckets),
+                          added into my slice's accumulator, the whole bucket let go
     update:               each replica steps its `mine` only; no all-gather after it (the next forward's does it)
 
 With a pipeline, each block runs once per microbatch, forward and backward. --zero3-gather says how

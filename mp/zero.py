@@ -13,7 +13,8 @@ the same bytes on the wire), and the optimizer step runs between them on a slice
 
 Each bucket of mp.buckets.GradBuckets(shard=True) is padded to a multiple of D and cut into D equal
 slices; the parameters' data and gradients are views into the buckets, so the collectives read and
-write them in place. The optimizer is torch's own (mp.optim.make_optimizer), stepping one flat
+write them in place: the reduce-scatter into my slice of the bucket itself (--zero 2 and 3: in every
+microbatch's backward, my slice then added into an accumulator of its own and the bucket let go). The optimizer is torch's own (mp.optim.make_optimizer), stepping one flat
 Parameter per bucket that is a view of this replica's slice: elementwise updates (SGD's momentum,
 AdamW's moments and decay) give exactly the numbers the whole update would. Clipping takes the
 global norm over the slices (every replica sums the squares of its slice; mp.clipping sums them over

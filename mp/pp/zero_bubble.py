@@ -285,12 +285,12 @@ class WeightGradStash:
             torch.autograd.backward(hooked)
 
 
-def run_weight_grads(runner, grads=None, finals=()):
+def run_weight_grads(runner, grads=None):
     """split "B" (runner.fused): every W whose B has run and whose W has not, oldest first, each on
     runner's timeline; the next exchange runs them once their Bs' input gradients are sent (the stage
-    before waits for those, not for W). Then grads (data parallelism's buckets) is told the
-    parameters in finals (lists, emptied) are final. True if a W ran. Under split "W" (zb, zbv) no
-    W runs here: theirs wait for W actions of their own."""
+    before waits for those, not for W). Then grads (data parallelism's buckets) is told that every
+    gradient it expects (a chunk's last B has run, GradBuckets.expect) is final. True if a W ran. Under
+    split "W" (zb, zbv) no W runs here: theirs wait for W actions of their own."""
     ran = False
     for chunk, stash in enumerate(runner.stashes if runner.fused else ()):
         for mb in list(stash.pending):
@@ -298,18 +298,23 @@ def run_weight_grads(runner, grads=None, finals=()):
             stash.weight_grads(mb, grads)
             runner.record("weight", f"W{mb}", mb, start, chunk)
             ran = True
-    for params in finals:
-        grads.final(params)
-    finals.clear()
+    if grads is not None:
+        grads.final_expected()
     return ran
 
 
-def weights_now(actions):
-    """split "B": the indices of the Bs whose Ws no exchange would run before the rank's next B (a
-    stage alone: no exchange at all), so the executor runs them right after their B. Then every B's Ws
-    have run before the next B starts, which the data-parallel buckets rely on: the gradients that
-    arrive after a chunk's last B begins are that B's (mp.buckets.GradBuckets.expect), and under --zero 2
-    and 3 each microbatch's gradients are complete, to be reduce-scattered, before the next one's begin."""
+def bucket_plan(actions, final_after, fused):
+    """What the executor tells the data-parallel buckets (mp.buckets) in one step: ({the index of each
+    chunk's last B (zb: last W): the parameters whose gradients it makes final}, {the indices after
+    which run_weight_grads runs at once}). Split "B": the Bs that no exchange follows before the rank's
+    next B (a stage alone: no exchange at all), so every B's Ws have run before the next B starts: the
+    gradients that arrive once a chunk's last B begins are that B's (GradBuckets.expect), and under
+    --zero 2 and 3 each microbatch's are complete, to be reduce-scattered, before the next one's begin.
+    Otherwise each chunk's last B (W): nothing runs in W, its gradients are told final at once."""
+    last = {(a[0], a[2]): i for i, a in enumerate(actions) if a[0] in ("B", "W")}
+    closing = {i: final_after[key] for key, i in last.items()}
+    if not fused:
+        return closing, set(closing)
     now, previous = set(), None
     for i, action in enumerate(actions):
         if action[0] == "comm":
@@ -318,7 +323,7 @@ def weights_now(actions):
             if previous is not None:
                 now.add(previous)
             previous = i
-    return now
+    return closing, now
 
 
 def final_after(chunks, stashes, split):
