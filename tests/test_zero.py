@@ -377,8 +377,10 @@ def test_the_counted_peak_is_the_measured_one(tmp_path, monkeypatch):
         counted[zero[0]] = big["peak_param_mb"]["0"] + big["peak_grad_mb"]["0"] + big["optimizer_state_mb"]["0"]
         measured[zero[0]] = big["peak_memory_mb"]["0"] - tiny["peak_memory_mb"]["0"]
     layer = 3072 * 1024 * 4 / 2**20            # the largest tensor, 12 MB
+    # measured 2026-11-27: 18-24 MB above the count, the differences within 6 MB; 1 of 10 runs on the 2
+    # shared cores failed bounds 4 MB tighter than these
     for zero in counted:
-        assert counted[zero] - 4 <= measured[zero] <= counted[zero] + 2 * layer + 4, (zero, counted, measured)
+        assert counted[zero] - 4 <= measured[zero] <= counted[zero] + 2 * layer + 8, (zero, counted, measured)
     for a, b in (("0", "2"), ("0", "3"), ("2", "3")):
-        assert abs((measured[a] - measured[b]) - (counted[a] - counted[b])) <= 8, (a, b, counted, measured)
+        assert abs((measured[a] - measured[b]) - (counted[a] - counted[b])) <= 10, (a, b, counted, measured)
     assert counted["0"] - counted["2"] > 10, counted
