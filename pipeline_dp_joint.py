@@ -98,9 +98,10 @@ def data_parallel_buckets(model, runner, grid, args, late=()):
     """The gradients as views into flat buckets (mp.buckets), each all-reduced (--zero 1, 2, 3: reduce-
     scattered) over my column of the grid as soon as its own gradients are final, so that it overlaps
     the backward of the layers before it (--zero 2, 3: in every microbatch's backward, the whole bucket
-    let go after it); --zero 3: a bucket per block, whose weights mp.param_shards gathers and frees. Returns (the buckets, the shards
-    of the weights under --zero 3, else None). The buckets are None under 2bw, which steps its two weight
-    versions in turn: its gradients are averaged after the backward instead, in one flat all-reduce."""
+    let go after it); --zero 3: a bucket per block, whose weights mp.param_shards gathers and frees.
+    Returns (the buckets, the shards of the weights under --zero 3, else None). The buckets are None
+    under 2bw, which steps its two weight versions in turn: its gradients are averaged after the
+    backward instead, in one flat all-reduce."""
     if runner.versions:
         return None, None
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # zb's W writes these in place itself

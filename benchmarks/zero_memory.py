@@ -6,20 +6,21 @@
     python benchmarks/zero_memory.py --model mlp --layers 8 --hidden 1024 --replicas 4 --microbatches 4 --rounds 3
                                                           # issue 58's configuration, 3 paired rounds
 
-Runs pipeline_dp_joint.py as plain data parallelism (--dp equal to the world size: one stage, so N
-below is the whole model) with --zero 0, 1, 2 and 3 (--zero3-gather step and microbatch), AdamW, and
-reads each run's summary record: param_mb (weights held between steps), grad_mb (gradients held after
-the update), optimizer_state_mb, dp_sent_mb_per_step (what a replica sent in its data-parallel
-collectives per step, counted as a ring sends them), peak_param_mb (--zero 3: its slices plus the
-blocks gathered at once) and peak_grad_mb (the gradient buckets and accumulators held at once). Beside each, the formula for N MB of weights over D replicas and M
-microbatches. The last column is measured memory: the rank's peak resident set above its floor, the
-same run with a tiny model (--hidden 8: the interpreter, torch, gloo and the data), so what the model
-costs it at its peak: weights, gradients, state, activations (a CPU process's peak cannot be reset, so
-it includes set-up, when the stage's whole weights are built), with glibc's mmap threshold pinned so
-that memory freed is memory given back (docs/memory.md). Beside rank 0's, the sum over the D ranks of
-their peaks above their floors, and that sum as a share of --zero 0's in the same round: --rounds R
-runs every configuration R times, round by round (each round pairs the --zero values on the same
-machine load), and prints the table of each round. Prints markdown tables (docs/optimizers.md quotes them).
+Runs pipeline_dp_joint.py as plain data parallelism (--dp equal to the world size: one stage, so N below
+is the whole model) with --zero 0, 1, 2 and 3 (--zero3-gather step and microbatch), AdamW, and reads
+each run's summary record: param_mb (weights held between steps), grad_mb (gradients held after the
+update), optimizer_state_mb, dp_sent_mb_per_step (what a replica sent in its data-parallel collectives
+per step, counted as a ring sends them), peak_param_mb (--zero 3: its slices plus the blocks gathered at
+once) and peak_grad_mb (the gradient buckets and accumulators held at once). Beside each, the formula
+for N MB of weights over D replicas and M microbatches. The last column is measured memory: the rank's
+peak resident set above its floor, the same run with a tiny model (--hidden 8: the interpreter, torch,
+gloo and the data), so what the model costs it at its peak: weights, gradients, state, activations (a
+CPU process's peak cannot be reset, so it includes set-up, when the stage's whole weights are built),
+with glibc's mmap threshold pinned so that memory freed is memory given back (docs/memory.md). Beside
+rank 0's, the sum over the D ranks of their peaks above their floors, and that sum as a share of --zero
+0's in the same round: --rounds R runs every configuration R times, round by round (each round pairs the
+--zero values on the same machine load), and prints the table of each round. Prints markdown tables
+(docs/optimizers.md quotes them).
 """
 import argparse
 import json

@@ -24,11 +24,12 @@ Replicas (data-parallel, or tp ranks holding a replicated tensor) write the same
 keeps one writer per key. Under --zero each data-parallel replica writes its own slices only, the
 flat ranges of each parameter that its share of a bucket holds (the `#first:count:shape` keys: a
 sharded state, never the whole state gathered, ZeroOptimizer.saved_pieces); a resume puts the ranges
-of a tensor back together first (joined). On resume each rank computes the slice it holds now, asks DCP for the saved
-pieces that overlap it (each rank loads its own request: resharding) and cuts its slice out of them.
-Why not DTensor: its Shard placement assumes torch.chunk's split (6 over 4 ranks: 2, 2, 2, 0), ours
-is tensor_split's (2, 2, 1, 1), and the vit splits by whole heads; keys that carry the slice express
-any split, and loading whole overlapping pieces costs at most about twice a rank's share.
+of a tensor back together first (joined). On resume each rank computes the slice it holds now, asks
+DCP for the saved pieces that overlap it (each rank loads its own request: resharding) and cuts its
+slice out of them. Why not DTensor: its Shard placement assumes torch.chunk's split (6 over 4 ranks:
+2, 2, 2, 0), ours is tensor_split's (2, 2, 1, 1), and the vit splits by whole heads; keys that carry
+the slice express any split, and loading whole overlapping pieces costs at most about twice a rank's
+share.
 
 A save is atomic: every rank writes into DIR/.step-K.partial, then rank 0 adds meta.json (the step,
 the settings, the layout) and renames the directory to DIR/step-K. A process killed during a save
@@ -226,7 +227,7 @@ def resume(args, model, optimizer, rank, versions=None):
     if not args.resume_from:
         return 0, None
     meta = read_meta(args.resume_from)
-    saved = {}                                           # name -> {kind: [(spec, key, shape, dtype)]}
+    saved = {}                                           # name -> {kind: [(spec, key, shape, dtype, flat)]}
     for k, md in dcp().FileSystemReader(args.resume_from).read_metadata().state_dict_metadata.items():
         kind, name, spec, flat = parse_key(k)
         saved.setdefault(name, {}).setdefault(kind, []).append((spec, k, tuple(md.size), md.properties.dtype, flat))

@@ -12,16 +12,17 @@ the same bytes on the wire), and the optimizer step runs between them on a slice
     updated slices            --all-gather----->   every replica: the whole updated parameters
 
 Each bucket of mp.buckets.GradBuckets(shard=True) is padded to a multiple of D and cut into D equal
-slices; the parameters' data and gradients are views into the buckets, so the collectives read and
-write them in place: the reduce-scatter into my slice of the bucket itself (--zero 2 and 3: in every
-microbatch's backward, my slice then added into an accumulator of its own and the bucket let go).
-The optimizer is torch's own (mp.optim.make_optimizer), stepping one flat Parameter per bucket that is a view of this replica's slice: elementwise updates (SGD's momentum,
-AdamW's moments and decay) give exactly the numbers the whole update would. Clipping takes the
-global norm over the slices (every replica sums the squares of its slice; mp.clipping sums them over
-the replicas too). A checkpoint stays in the baseline model's coordinates: each replica writes its
-slices only, each piece of a parameter as the flat range of it that the slice holds (saved_pieces,
-mp.checkpoint's `#first:count:shape` keys: a sharded state, nothing gathered), and resuming, in any
-layout, cuts this replica's slice out of the pieces put back together (docs/optimizers.md).
+slices; the parameters' data and gradients are views into the buckets, so the collectives read and write
+them in place: the reduce-scatter into my slice of the bucket itself (--zero 2 and 3: in every
+microbatch's backward, my slice then added into an accumulator of its own and the bucket let go). The
+optimizer is torch's own (mp.optim.make_optimizer), stepping one flat Parameter per bucket that is a
+view of this replica's slice: elementwise updates (SGD's momentum, AdamW's moments and decay) give
+exactly the numbers the whole update would. Clipping takes the global norm over the slices (every
+replica sums the squares of its slice; mp.clipping sums them over the replicas too). A checkpoint stays
+in the baseline model's coordinates: each replica writes its slices only, each piece of a parameter as
+the flat range of it that the slice holds (saved_pieces, mp.checkpoint's `#first:count:shape` keys: a
+sharded state, nothing gathered), and resuming, in any layout, cuts this replica's slice out of the
+pieces put back together (docs/optimizers.md).
 
 --zero 3 (mp.param_shards.ParamShards, `shards`): the slices are tensors of their own, not views of the
 whole weights, which exist only while a block runs; so the step ends after the update, without the

@@ -107,8 +107,8 @@ def test_zero2_as_plain_data_parallelism_with_sgd_matches_the_baseline(baseline,
 
 @pytest.mark.parametrize("zero", [slow(["--zero", "1"]), ["--zero", "3", "--zero3-gather", "microbatch"]], ids=["zero1", "zero3"])
 def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, unsharded, zero, tmp_path):
-    """A --zero 1 (--zero 3) run saves after step 10 (each replica its slices of the state, under
-    --zero 3 of the weights too: a sharded state); the run without --zero and single_baseline.py resume from it, and a run
+    """A --zero 1 (--zero 3) run saves after step 10 (each replica its slices of the state, under --zero 3 of the
+    weights too: a sharded state); the run without --zero and single_baseline.py resume from it, and a run
     with the same --zero resumes from the checkpoint the run without --zero saved after step 10 (each
     replica cuts its slice out): each logs the uninterrupted baseline's losses for steps 10..19."""
     want = {r["step"]: r["loss"] for r in reference[0].events("train")}
@@ -232,7 +232,8 @@ def _save_keeps_the_slice_case(rank, world, group):
         checkpoint.save(args, 1, model, optimizer, {"program": "test"}, rank)
     assert not gathers and state_bytes(optimizer) == before, (state_bytes(optimizer), before)
     if rank == 0:                                   # every element of every tensor, from the two replicas' pieces
-        got = full_tensors(os.path.join(args.checkpoint_dir, "step-00000001"), os.path.join(args.checkpoint_dir, "x.pt"))
+        step = os.path.join(args.checkpoint_dir, "step-00000001")
+        got = full_tensors(step, os.path.join(args.checkpoint_dir, "x.pt"))
         for name, p in model.named_parameters():
             assert torch.equal(got[f"param/{name}"], p.detach()), name
             assert got[f"exp_avg/{name}"].shape == p.shape and got[f"exp_avg/{name}"].abs().sum() > 0, name
