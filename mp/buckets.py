@@ -40,7 +40,9 @@ before autograd accumulates into it; zero-bubble's W says arriving()):
     bucket 1:                                     made, filled | reduce-scatter --> acc += my slice, freed
 
 So a replica holds its accumulators (1/D of the gradients) and the buckets in flight: the ones being
-filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts).
+filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts;
+--zero 1 keeps that bound too, since gloo's reduce-scatter holds a copy of its bucket until it is done:
+9 buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces raised it 5).
 The price: M reduce-scatters a step instead of one, (M + 1)(D-1)/D N sent with the all-gather where
 --zero 1 sends 2(D-1)/D N (docs/optimizers.md). A bucket whose gradients other ranks complete after
 the backward (`late`: parallel_3d.py's tensor-parallel sums) is reduced once, after those sums.
@@ -64,7 +66,7 @@ from mp.errors import CommError
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 BUCKET_MB = 4   # small enough that a few-MB stage gets several buckets to overlap; DDP's first is 1 MB
-IN_FLIGHT = 2   # --zero 2, 3: reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
+IN_FLIGHT = 2   # --zero 1-3: reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
 
 
 class Bucket:
@@ -279,23 +281,25 @@ class GradBuckets:
                 b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
             self.count(b.grad, 1 if self.sharded else 2)
             self.spans.begin(b.work, f"{self.collective()} {self.buckets.index(b)}", b.grad.device)
-        if b.every_microbatch:
+        if self.sharded:   # gloo's reduce-scatter holds a copy of its bucket until it is done (measured)
             self.in_flight.append(b)
             while len(self.in_flight) > IN_FLIGHT:
                 self.retire(self.in_flight[0])
 
     def retire(self, b):
-        """--zero 2, 3: bucket b's reduce-scatter waited for, my slice added into my accumulator, the
-        bucket let go."""
+        """Bucket b's reduce-scatter waited for; --zero 2, 3: my slice added into my accumulator and the
+        bucket let go, to be made again for the next microbatch."""
         if b.work is not None:
             with awaiting(*self.waiting):
                 b.work.wait()
             self.spans.end(b.work)
-        b.acc += b.shard(b.grad, self.rank)
-        b.drop_grad()
-        self.note(-b.nbytes)
-        b.work, b.started, b.filled = None, False, set()
+        b.work = None
         self.in_flight.remove(b)
+        if b.every_microbatch:
+            b.acc += b.shard(b.grad, self.rank)
+            b.drop_grad()
+            self.note(-b.nbytes)
+            b.started, b.filled = False, set()
 
     def count(self, flat, halves):
         """sent_bytes += what a ring sends of this collective of `flat` (halves: 2 for an all-reduce,
