@@ -96,11 +96,12 @@ class Grid:
 
 def data_parallel_buckets(model, runner, grid, args, late=()):
     """The gradients as views into flat buckets (mp.buckets), each all-reduced (--zero 1, 2, 3: reduce-
-    scattered; --zero 2, 3: the whole buckets let go after it) over my column of the grid as soon as the
-    executor says its gradients are final, so that it overlaps the rest of the backward; --zero 3: a
-    bucket per block, whose weights mp.param_shards gathers and frees. Returns (the buckets, the shards
-    of the weights under --zero 3, else None). The buckets are None under 2bw, which steps its two weight
-    versions in turn: its gradients are averaged after the backward instead, in one flat all-reduce."""
+    scattered) over my column of the grid as soon as its own gradients are final, so that it overlaps
+    the backward of the layers before it (--zero 2, 3: in every microbatch's backward, the whole bucket
+    let go after it); --zero 3: a bucket per block, whose weights mp.param_shards gathers and frees.
+    Returns (the buckets, the shards of the weights under --zero 3, else None). The buckets are None
+    under 2bw, which steps its two weight versions in turn: its gradients are averaged after the
+    backward instead, in one flat all-reduce."""
     if runner.versions:
         return None, None
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # zb's W writes these in place itself
@@ -129,6 +130,7 @@ def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeli
     x, y = stage_batch(data, step, args, runner, runner.messenger.device, (grid.dp_rank, grid.dp_size))
     if grads:
         grads.zero_grad()                 # the buckets zeroed, each .grad a view into its bucket again
+                                          # (--zero 2, 3: made as the backward's gradients arrive)
     else:
         optimizer.zero_grad(set_to_none=True)
     if runner.versions:                   # 2bw: its first step warms up, its last drains

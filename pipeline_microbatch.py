@@ -60,7 +60,7 @@ from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
 from mp.pp.training import pipeline_check, stage_batch
-from mp.pp.zero_bubble import final_after, run_weight_grads, split_for, split_weight_grads
+from mp.pp.zero_bubble import bucket_plan, final_after, run_weight_grads, split_for, split_weight_grads
 from mp.sizes import split_sizes
 
 PROGRAM = "pipeline_microbatch"
@@ -261,22 +261,23 @@ class StageRunner(TimelineRecorder):
         read when their forward runs. head(mb, output) -> the scaled loss to differentiate (or None
         when not training), on the last virtual stage. first_sample: the global batch index of
         microbatch 0's first sample (a data-parallel replica's offset), for the dropout masks.
-        grads: data parallelism's buckets (mp.buckets), told which gradients are final as soon as a
-        chunk has run its last backward of the step (its last B and that B's Ws; under zb its last W)."""
+        grads: data parallelism's buckets (mp.buckets), told before a chunk's last backward of the step
+        (its last B; under zb its last W) that the gradients it gives are final, and after it and its Ws."""
         training, outbox = torch.is_grad_enabled(), {}
         # (activations kept for a backward, messages received): a flushed pipeline starts empty
         saved, inbox = self.versions.carry_in(training) if self.versions else ({}, {})
         self.mb_size, self.first_sample, self.step = mb_size, first_sample, getattr(self.keys, "step", None)
         recording = self.record if self.events is not None else None
-        last = {(a[0], a[2]): i for i, a in enumerate(actions) if a[0] in ("B", "W")} if grads else {}
+        closing, ws_now = bucket_plan(actions, self.final_after, self.fused) if grads else ({}, ())
         ahead = self.messenger.early.plan(actions)   # gloo: what each exchange posts ahead (mp.pp.p2p)
-        finals = []                           # the gradients a chunk's last B (W) made final, told after the Ws
-        run_ws = partial(run_weight_grads, self, grads, finals)   # split "B": the Bs' Ws so far (mp.pp.zero_bubble)
+        run_ws = partial(run_weight_grads, self, grads)   # split "B": the Bs' Ws so far, then the buckets told
         for i, action in enumerate(actions):
             if action[0] == "comm":           # the Bs' Ws run here, once their input gradients are sent
                 inbox.update(self.messenger.exchange(action[1], outbox, mb_size, recording, ahead.get(i, ()), run_ws))
                 continue
             kind, mb, chunk = action
+            if i in closing:                  # a chunk's last backward: each gradient it gives is final, and a
+                grads.expect(closing[i])      # bucket starts once all its own are in (all: once its Ws ran)
             start = self.clock()
             if kind == "F":
                 self.forward(mb, chunk, inputs, head, saved, outbox, inbox)
@@ -285,10 +286,8 @@ class StageRunner(TimelineRecorder):
             elif kind == "W":                 # zb, zbv: an action of its own
                 self.stashes[chunk].weight_grads(mb, grads)   # in place, no hook: W tells the buckets itself
             self.record({"F": "forward", "B": "backward", "W": "weight"}[kind], f"{kind}{mb}", mb, start, chunk)
-            if last.get((kind, chunk)) == i:  # this chunk's last backward of the step: its gradients are final
-                finals.append(self.final_after[(kind, chunk)])
-                if not self.fused:            # now; split "B": in the next exchange, once its last Ws ran
-                    run_ws()
+            if i in ws_now:                   # now; split "B": in the next exchange, once its Ws ran (at once
+                run_ws()                      # where no exchange follows)
         run_ws()                              # the Ws of Bs with no exchange after them
         self.messenger.finish()
         if self.versions:                     # 2bw: the next batch's first forwards stay in flight
@@ -408,7 +407,7 @@ def setup_stage(args, env, pos, shard=None, messenger=None):
     messenger = (messenger or Messenger)(pos, shapes, env.device, args.timeout_s,
                                          sends_at_once=sends_at_once(args.schedule, env.device))
     versions = TwoVersions(chunks, pos, args.microbatches, args.steps, model) if args.schedule == "2bw" else None
-    return model, StageRunner(chunks, pos, messenger, split=split_for(args.schedule),
+    return model, StageRunner(chunks, pos, messenger, split=split_for(args.schedule, getattr(args, "zero", 0)),
                               recompute=getattr(args, "recompute", False), versions=versions, keys=model.dropout_keys)
 
 

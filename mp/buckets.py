@@ -1,15 +1,18 @@
-"""Data-parallel gradients in flat buckets, each one's collective started as soon as its gradients are
-final, so that the communication overlaps the rest of the backward (DDP's idea, written out).
+"""Data-parallel gradients in flat buckets, each one's collective started as soon as its own gradients
+are final, so that it overlaps the backward of the layers before it (DDP's idea, written out); under
+--zero 2 and 3, in every microbatch's backward (ZeRO-2's and FSDP's).
 
 Each parameter's .grad is a view into one flat bucket (a bucket holds consecutive parameters in the
 order backward finishes them: the last layers first), so a bucket goes to the collective as it is:
 no copy in, no copy out. When a gradient is final is said, never inferred: the code that runs the
-backward calls final(params) once it has run the last backward that touches them (the pipeline's
-executor after a chunk's last B of the step and that B's Ws, or its last W under zero-bubble). When
-every parameter of a bucket is final, the bucket's collective starts (async_op=True) and the backward
-goes on; wait() waits for all of them just before the optimizer step.
+backward says expect(params) just before the last backward that touches them in the step (the
+pipeline's executor: before a chunk's last B, or its last W under zero-bubble), so the gradient each
+of them receives from then on is its last; a bucket whose parameters all have theirs starts its
+collective (async_op=True) while that backward goes on into the earlier layers. Once the backward is
+over the executor says final(params), which starts what still waits (a parameter that got no
+gradient); wait() waits for every bucket just before the optimizer step.
 
-    backward of the last microbatch:   [ layer 8 | layer 7 | layer 6 | ... | layer 1 ]
+    the last microbatch's backward:   [ layer 8 | layer 7 | layer 6 | ... | layer 1 ]
     bucket 0 (layers 8-6):                       all-reduce ------>
     bucket 1 (layers 5-1):                                           all-reduce --->   wait, step
 
@@ -17,20 +20,39 @@ A mistake here would be silent (a bucket summed before its last gradient arrived
 the gradient), so it is made loud instead: a hook on each parameter notes a gradient that arrives
 after its bucket started, and wait() stops with one error line naming the parameter, as it does for
 a bucket that never started (a parameter never said final). The weights that zero-bubble's W writes
-itself (in place, no autograd, so no hook would run) are `direct`: W reports them through arrived().
+itself (in place, no autograd, so no hook would run) are `direct`: W reports them through
+arriving() and arrived().
 
 Every replica runs the same schedule on the same stage, so the buckets start in the same order on
 every rank of the group (gloo and nccl need that). shard=True (--zero 1, mp.zero): each bucket is
-padded to a multiple of the group's size and reduce-scattered, so each replica receives the sum of
-its 1/D of every bucket only. free=True (--zero 2) goes one step further: once the reduce-scatters
-are done, the whole buckets are let go, so that between the backward and the next step a replica
-holds only its slices of the gradients (zero_grad() makes the whole buckets again, for the backward).
+padded to a multiple of the group's size and reduce-scattered in place, into this replica's 1/D of
+the bucket itself (Megatron's distributed optimizer does the same): each replica receives the sum of
+its slice, and no buffer of its own holds it.
+
+free=True (--zero 2 and 3) partitions the gradients through the step: a bucket is reduce-scattered
+in every microbatch's backward, as soon as each of its parameters has that microbatch's gradient,
+its slice added into this replica's accumulator (`acc`, 1/D of the bucket, the optimizer's gradient)
+and the whole bucket let go; its memory is made again when the next gradient arrives (a hook just
+before autograd accumulates into it; zero-bubble's W says arriving()):
+
+    microbatch k's backward:  [ layer 8 | layer 7 | ... | layer 1 ]
+    bucket 0:                 made, filled | reduce-scatter --> acc += my slice, freed
+    bucket 1:                                     made, filled | reduce-scatter --> acc += my slice, freed
+
+So a replica holds its accumulators (1/D of the gradients) and the buckets in flight: the ones being
+filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts;
+--zero 1 keeps that bound too, since gloo's reduce-scatter holds a copy of its bucket until it is done:
+9 buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces raised it 5).
+The price: M reduce-scatters a step instead of one, (M + 1)(D-1)/D N sent with the all-gather where
+--zero 1 sends 2(D-1)/D N (docs/optimizers.md). A bucket whose gradients other ranks complete after
+the backward (`late`: parallel_3d.py's tensor-parallel sums) is reduced once, after those sums.
 groups (--zero 3, mp.param_shards): one bucket per block, so that a block's weights are gathered and
 freed as one flat tensor, the bucket its gradients are reduce-scattered in.
 
 sent_bytes counts what this replica sends in the data-parallel collectives, as a ring moves them: an
 all-reduce of n bytes over D replicas sends 2(D-1)/D n, a reduce-scatter or an all-gather (D-1)/D n
-(the summary's dp_sent_mb_per_step; docs/optimizers.md compares it with the formula).
+(the summary's dp_sent_mb_per_step). held_bytes and peak_bytes count the gradients' memory where it
+is made and let go here: the buckets and the accumulators (the summary's peak_grad_mb).
 """
 import time
 
@@ -44,12 +66,14 @@ from mp.errors import CommError
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 BUCKET_MB = 4   # small enough that a few-MB stage gets several buckets to overlap; DDP's first is 1 MB
+IN_FLIGHT = 2   # --zero 1-3: reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
 
 
 class Bucket:
-    """Consecutive parameters' gradients in one flat tensor (padded to a multiple of `parts` when sharded)."""
+    """Consecutive parameters' gradients in one flat tensor (padded to a multiple of `parts` when sharded).
+    every_microbatch (--zero 2, 3): reduced in every microbatch's backward into acc, my slice's sum."""
 
-    def __init__(self, params, parts, device):
+    def __init__(self, params, parts, device, every_microbatch=False):
         self.params, self.offsets = params, []
         n = 0
         for p in params:
@@ -57,18 +81,30 @@ class Bucket:
             n += p.numel()
         self.numel, self.parts = n, parts
         self.padded, self.dtype, self.device = -(-n // parts) * parts, params[0].dtype, device
-        self.make_grad()
-        self.work, self.started, self.final = None, False, set()
+        self.nbytes, self.every_microbatch = self.padded * params[0].element_size(), every_microbatch
+        self.grad = self.views = self.work = self.acc = None
+        self.started, self.expected, self.final, self.filled = False, set(), set(), set()
 
     def make_grad(self):
-        """The flat gradient, zeroed, and each parameter's view into it."""
+        """The flat gradient, zeroed, and each parameter's .grad a view into it."""
         self.grad = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         self.views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        self.point_grads()
+
+    def point_grads(self):
+        """Each .grad a view into the bucket again (an optimizer's zero_grad(set_to_none=True) drops them)."""
+        for p, view in zip(self.params, self.views):
+            p.grad = view
+
+    def drop_grad(self):
+        self.grad = self.views = None
+        for p in self.params:
+            p.grad = None
 
     def hold_params(self):
         """--zero 1: the parameters' data become views into one flat tensor too, so that an all-gather
         writes every replica's updated slice into them directly (the values are kept)."""
-        self.param = torch.zeros_like(self.grad)
+        self.param = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         for p, o in zip(self.params, self.offsets):
             self.param[o:o + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.param[o:o + p.numel()].view_as(p)
@@ -108,59 +144,122 @@ class GradBuckets:
         self.late_ids = {id(p) for p in late}
         self.late = [p for p in params if id(p) in self.late_ids]
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.waiting, self.sharded, self.recorder = waiting, shard, recorder
-        self.free = free and shard          # --zero 2, 3: the whole buckets exist from zero_grad() to wait() only
+        self.waiting, self.sharded, self.spans = waiting, shard, CollectiveSpans(recorder)
+        self.free = free and shard          # --zero 2, 3: reduced in every microbatch, the whole buckets let go
         device = params[0].device if params else torch.device("cpu")
         if groups is None:
             groups = buckets(params, bucket_mb * 2**20)
         else:                                         # given (--zero 3: a block each), the last block's first
             groups = [g for g in ([p for p in ps if p.requires_grad][::-1] for ps in groups[::-1]) if g]
-        self.buckets = [Bucket(ps, self.size if shard else 1, device) for ps in groups]
-        self.sent_bytes, self.unclocked = 0, []    # unclocked: (work, name, start) for the timeline
+        self.buckets = [Bucket(ps, self.size if shard else 1, device,
+                               self.free and not any(id(p) in self.late_ids for p in ps)) for ps in groups]
+        self.sent_bytes, self.held_bytes, self.peak_bytes, self.in_flight = 0, 0, 0, []
         self.where = {id(p): b for b in self.buckets for p in b.params}
         self.names = {}                               # id -> a name for error lines (name_params)
         self.too_late = None                          # the first gradient that arrived after its bucket started
+        for b in self.buckets:
+            if self.free:                             # my slice's gradient, kept through the step
+                b.acc = torch.zeros(b.padded // self.size, dtype=b.dtype, device=device)
+                self.note(b.acc.numel() * b.acc.element_size())
+            else:                                     # the whole bucket, kept through the run
+                b.make_grad()
+                self.note(b.nbytes)
+            if shard:
+                b.hold_params()
         direct = {id(p) for p in direct}
         for p in params:
             if id(p) not in direct:
                 p.register_post_accumulate_grad_hook(self.arrived)
-        self.shard_grads = [torch.zeros(b.padded // self.size, dtype=b.dtype, device=device)
-                            for b in self.buckets] if shard else None
-        if shard:
-            for b in self.buckets:
-                b.hold_params()
+                if self.free:                         # before autograd accumulates: the bucket's memory
+                    p.register_hook(lambda grad, p=p: self.arriving(p))
 
     def name_params(self, named):
         """Name the parameters (named: [(name, p)]) for the error lines."""
         self.names.update({id(p): name for name, p in named})
 
+    def my_grad(self, b):
+        """The mean gradient of my slice of bucket b after wait(): the accumulator (--zero 2, 3), or my
+        1/D of the bucket itself, where the reduce-scatter wrote it (--zero 1)."""
+        return b.acc if b.acc is not None else b.shard(b.grad, self.rank)
+
+    @property
+    def shard_grads(self):
+        return [self.my_grad(b) for b in self.buckets]
+
+    def note(self, nbytes):
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def peak_mb(self):
+        """The most bytes of gradients this rank held at once (buckets and accumulators), in MB."""
+        return self.peak_bytes / 2**20
+
     def zero_grad(self):
-        """Before a step's first backward: zero buckets, and each .grad a view into its bucket again (an
-        optimizer's zero_grad(set_to_none=True) would drop the views)."""
+        """Before a step's first backward: zeroed buckets (--zero 2, 3: zeroed accumulators; the buckets
+        are made as their gradients arrive), each .grad a view into its bucket."""
         for b in self.buckets:
-            if b.grad is None:            # --zero 2 let it go after the last step's reduce-scatter
+            if b.every_microbatch:
+                b.acc.zero_()
+            elif b.grad is None:          # --zero 2: a late bucket let go after the last step
                 b.make_grad()
+                self.note(b.nbytes)
             else:
                 b.grad.zero_()
-            b.work, b.started, b.final = None, False, set()
-            for p, view in zip(b.params, b.views):
-                p.grad = view
-        self.too_late = None
+                b.point_grads()
+            b.work, b.started, b.expected, b.final, b.filled = None, False, set(), set(), set()
+        self.too_late, self.in_flight = None, []
+
+    def expect(self, params):
+        """The caller is about to run the last backward of the step that touches these parameters: the
+        gradient each receives from now on is final, and a bucket starts once all of its own are."""
+        for p in params:
+            b = self.where.get(id(p))
+            if b is not None and id(p) not in self.late_ids:
+                b.expected.add(id(p))
+
+    def arriving(self, p):
+        """A gradient is about to be added to p's (autograd's hook; zero-bubble's W before it writes):
+        --zero 2, 3: its bucket's memory, made now (an earlier microbatch's reduce-scatter of it finished first)."""
+        b = self.where.get(id(p))
+        if b is None or not b.every_microbatch:
+            return
+        if b.started:
+            self.retire(b)
+        if b.grad is None:
+            b.make_grad()
+            self.note(b.nbytes)
 
     def arrived(self, p):
         """A gradient was added to p's (the hooks; zero-bubble's W calls it for the weights it writes)."""
         b = self.where.get(id(p))
-        if b is not None and b.started and self.too_late is None:
-            self.too_late = p
+        if b is None:
+            return
+        if id(p) in b.final or (b.started and not b.every_microbatch):
+            if self.too_late is None:
+                self.too_late = p
+        elif b.every_microbatch:          # this microbatch's gradient: the bucket starts when all are in
+            b.filled.add(id(p))
+            if len(b.filled) == len(b.params):
+                self.start(b)
+        elif id(p) in b.expected:         # the step's last gradient of p
+            self._final(b, p)
 
     def final(self, params):
         """The caller ran the last backward that touches these parameters in this step: start each bucket
-        whose parameters are all final (the late ones wait for final_late())."""
+        whose parameters are all final and which still holds gradients (the late ones wait for final_late())."""
         for p in params:
             b = self.where.get(id(p))
             if b is None or id(p) in self.late_ids:
                 continue
             self._final(b, p)
+
+    def final_expected(self):
+        """The backwards said in expect() have run, their Ws too: every gradient expected is final (a
+        bucket whose own all arrived has started already; this starts the rest)."""
+        for b in self.buckets:
+            for p in b.params:
+                if id(p) in b.expected:
+                    self._final(b, p)
 
     def final_late(self):
         """The late gradients are complete (their sums over other ranks are done): start their buckets."""
@@ -169,80 +268,140 @@ class GradBuckets:
 
     def _final(self, b, p):
         b.final.add(id(p))
-        if len(b.final) == len(b.params) and not b.started:
+        if len(b.final) == len(b.params) and not b.started and b.grad is not None:
             self.start(b)
 
     def start(self, b):
-        """The bucket's collective, without waiting for it."""
+        """The bucket's collective, without waiting for it (--zero 2, 3: at most IN_FLIGHT on their way)."""
         b.started = True
-        if self.size == 1:
-            return
-        if self.sharded:
-            b.work = REDUCE_SCATTER(self.shard_grads[self.buckets.index(b)], b.grad, group=self.group, async_op=True)
-        else:
-            b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
-        self.count(b.grad, 1 if self.sharded else 2)
-        self.on_timeline(b.work, f"{'reduce-scatter' if self.sharded else 'all-reduce'} {self.buckets.index(b)}")
+        if self.size > 1:
+            if self.sharded:              # in place: my slice of the bucket receives the sum of my slice
+                b.work = REDUCE_SCATTER(b.shard(b.grad, self.rank), b.grad, group=self.group, async_op=True)
+            else:
+                b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
+            self.count(b.grad, 1 if self.sharded else 2)
+            self.spans.begin(b.work, f"{self.collective()} {self.buckets.index(b)}", b.grad.device)
+        if self.sharded:   # gloo's reduce-scatter holds a copy of its bucket until it is done (measured)
+            self.in_flight.append(b)
+            while len(self.in_flight) > IN_FLIGHT:
+                self.retire(self.in_flight[0])
+
+    def retire(self, b):
+        """Bucket b's reduce-scatter waited for; --zero 2, 3: my slice added into my accumulator and the
+        bucket let go, to be made again for the next microbatch."""
+        if b.work is not None:
+            with awaiting(*self.waiting):
+                b.work.wait()
+            self.spans.end(b.work)
+        b.work = None
+        self.in_flight.remove(b)
+        if b.every_microbatch:
+            b.acc += b.shard(b.grad, self.rank)
+            b.drop_grad()
+            self.note(-b.nbytes)
+            b.started, b.filled = False, set()
 
     def count(self, flat, halves):
         """sent_bytes += what a ring sends of this collective of `flat` (halves: 2 for an all-reduce,
         1 for its halves, a reduce-scatter or an all-gather)."""
         self.sent_bytes += halves * (self.size - 1) * flat.numel() * flat.element_size() // self.size
 
-    def on_timeline(self, work, name):
-        """The timeline (when it records): the collective's span, from now to its end, on a row of its own.
-        gloo's reduce-scatter and all-gather have no completion callback (Work.get_future raises): their
-        span ends where the step waited for them (wait()), at most that long."""
-        events = getattr(self.recorder, "events", None)
-        if events is None:
-            return
-        start = time.perf_counter()
-        try:
-            future = work.get_future()
-        except RuntimeError:
-            self.unclocked.append((work, name, start))
-            return
-        future.add_done_callback(lambda _: events.append(("collective", name, None, 0, start, time.perf_counter())))
-
-    def clocked(self, work):
-        """work was waited for: its span on the timeline, if it had no callback to end it."""
-        events = getattr(self.recorder, "events", None)
-        for item in [u for u in self.unclocked if u[0] is work]:
-            self.unclocked.remove(item)
-            if events is not None:
-                events.append(("collective", item[1], None, 0, item[2], time.perf_counter()))
-
     def wait(self):
         """After the step's last backward, before the update: wait for every bucket, divide by the
-        group's size. Afterwards each .grad (unsharded), or each replica's shard_grads (sharded), is the
+        group's size. Afterwards each .grad (unsharded), or each replica's my_grad (sharded), is the
         mean over the replicas. A bucket that never started, or a gradient that arrived after its
         bucket started, stops the run with one error line naming the parameter."""
         for b in self.buckets:
-            if not b.started:
+            if len(b.final) < len(b.params):
                 missing = next(p for p in b.params if id(p) not in b.final)
                 raise BucketError(f"the gradient of {self.name(missing)} was never said final in this step, so its "
                                   f"bucket's {self.collective()} never started (the code that runs the backward "
                                   f"calls GradBuckets.final once it is done with a parameter)")
+        for b in list(self.in_flight):
+            self.retire(b)
         with awaiting(*self.waiting):
             for b in self.buckets:
                 if b.work is not None:
                     b.work.wait()
-                    self.clocked(b.work)
+                    self.spans.end(b.work)
         if self.too_late is not None:
             raise BucketError(f"a gradient of {self.name(self.too_late)} arrived after its bucket's "
                               f"{self.collective()} had started: the replicas would average part of it; say a "
                               f"parameter final (GradBuckets.final) only after its last backward of the step")
-        for b, flat in zip(self.buckets, self.shard_grads if self.sharded else [b.grad for b in self.buckets]):
+        for b in self.buckets:
+            if not b.every_microbatch and self.free:   # a late bucket under --zero 2, 3: my slice kept, the rest goes
+                b.acc.copy_(b.shard(b.grad, self.rank))
+                b.drop_grad()
+                self.note(-b.nbytes)
             if self.size > 1:
+                flat = b.grad if not self.sharded else self.my_grad(b)
                 flat /= self.size
-        if self.free:   # --zero 2: my slices are all the update needs; the whole gradients go now
-            for b in self.buckets:
-                b.grad, b.views = None, None
-                for p in b.params:
-                    p.grad = None
 
     def name(self, p):
         return self.names.get(id(p), f"a parameter of shape {list(p.shape)}")
 
     def collective(self):
         return "reduce-scatter" if self.sharded else "all-reduce"
+
+
+class CollectiveSpans:
+    """The timeline's collective row (when the recorder records): each collective's span, from when it
+    was started to its end. On the CPU (gloo) a Work's future completes with the collective, so its
+    callback ends the span; gloo's reduce-scatter and all-gather have none (get_future raises): their
+    span ends where the step waited for them, at most that long. On a GPU the future of an nccl Work
+    completes when the collective is enqueued, not when it ends, so the span is read from CUDA events
+    instead: one recorded on the current stream as the collective is enqueued (nccl's stream starts
+    after what was queued before it) and one on a side stream made to wait for the Work (the host does
+    not wait), both read against a reference event when the step waits for the collective."""
+
+    def __init__(self, recorder):
+        self.recorder, self.open, self.side, self.reference = recorder, [], None, None
+
+    def events(self):
+        return getattr(self.recorder, "events", None)
+
+    def begin(self, work, name, device):
+        events = self.events()
+        if events is None:
+            return
+        if device.type == "cuda":
+            self.open.append((work, name, self.cuda_marks(work, device)))
+            return
+        start = time.perf_counter()
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            self.open.append((work, name, start))
+            return
+        future.add_done_callback(lambda _: events.append(("collective", name, None, 0, start, time.perf_counter())))
+
+    def cuda_marks(self, work, device):
+        """(start event, end event) of a collective just enqueued on a GPU; the reference (an event and
+        the host's clock when it completed) is taken when no span is open, once per burst of collectives."""
+        if not self.open:
+            self.reference = torch.cuda.Event(enable_timing=True)
+            self.reference.record()
+            self.reference.synchronize()
+            self.reference = (self.reference, time.perf_counter())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.side = self.side or torch.cuda.Stream(device)
+        with torch.cuda.stream(self.side):
+            work.wait()                   # the side stream waits for the collective; the host goes on
+            end.record(self.side)
+        return start, end, self.reference
+
+    def end(self, work):
+        """work was waited for: its span on the timeline, if no callback ends it."""
+        events = self.events()
+        for item in [u for u in self.open if u[0] is work]:
+            self.open.remove(item)
+            if events is None:
+                continue
+            if isinstance(item[2], tuple):    # a GPU's: from its events, on the host's clock
+                start, end, (reference, host) = item[2]
+                end.synchronize()
+                span = (host + reference.elapsed_time(start) / 1e3, host + reference.elapsed_time(end) / 1e3)
+            else:
+                span = (item[2], time.perf_counter())
+            events.append(("collective", item[1], None, 0, *span))

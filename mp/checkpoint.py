@@ -14,16 +14,22 @@ sits in the full model:
     step/2.1.weight                and AdamW's step count, a 0-dim tensor, whole on every rank
     param/2.1.bias                 a whole tensor (a pipeline stage, a replicated tensor)
     stale/2.1.bias                 PipeDream-2BW's rule only: the weights before the last update
+    exp_avg/2.1.weight#0:5040:120x84       --zero: a replica's slice of a flat bucket, elements 0..5039
+    exp_avg/2.1.weight@0:0:60#0:2520:60x84 of the 120x84 tensor (or of the tp slice that @ names), flattened
 
 The optimizer's state goes through mp.optim's param_state and load_param_state, one parameter at a
 time, in the parameter's shape: whatever kinds the optimizer keeps are saved, under their names.
 
 Replicas (data-parallel, or tp ranks holding a replicated tensor) write the same key; DCP's planner
-keeps one writer per key. On resume each rank computes the slice it holds now, asks DCP for the saved
-pieces that overlap it (each rank loads its own request: resharding) and cuts its slice out of them.
-Why not DTensor: its Shard placement assumes torch.chunk's split (6 over 4 ranks: 2, 2, 2, 0), ours
-is tensor_split's (2, 2, 1, 1), and the vit splits by whole heads; keys that carry the slice express
-any split, and loading whole overlapping pieces costs at most about twice a rank's share.
+keeps one writer per key. Under --zero each data-parallel replica writes its own slices only, the
+flat ranges of each parameter that its share of a bucket holds (the `#first:count:shape` keys: a
+sharded state, never the whole state gathered, ZeroOptimizer.saved_pieces); a resume puts the ranges
+of a tensor back together first (joined). On resume each rank computes the slice it holds now, asks
+DCP for the saved pieces that overlap it (each rank loads its own request: resharding) and cuts its
+slice out of them. Why not DTensor: its Shard placement assumes torch.chunk's split (6 over 4 ranks:
+2, 2, 2, 0), ours is tensor_split's (2, 2, 1, 1), and the vit splits by whole heads; keys that carry
+the slice express any split, and loading whole overlapping pieces costs at most about twice a rank's
+share.
 
 A save is atomic: every rank writes into DIR/.step-K.partial, then rank 0 adds meta.json (the step,
 the settings, the layout) and renames the directory to DIR/step-K. A process killed during a save
@@ -39,7 +45,7 @@ import torch.distributed as dist
 
 from mp.errors import fail
 from mp.models import shard_of
-from mp.optim import after_save, load_param_state, param_state, whole_params
+from mp.optim import load_param_state, param_state, whole_params
 
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
 SETTINGS = ("model", "layers", "hidden", "heads", "patch_size", "activation", "data", "seed", "batch_size",
@@ -133,14 +139,22 @@ def check_files(path):
 # ----------------------------------------------------------------------------- what a rank holds
 
 
-def key(kind, name, spec):
-    return f"{kind}/{name}" + ("" if spec is None else "@" + ":".join(map(str, spec)))
+def key(kind, name, spec, flat=None):
+    """flat (--zero): (first, count, shape), the elements first..first+count-1 of the tensor that spec
+    names (its shape), flattened."""
+    k = f"{kind}/{name}" + ("" if spec is None else "@" + ":".join(map(str, spec)))
+    return k if flat is None else k + f"#{flat[0]}:{flat[1]}:" + "x".join(map(str, flat[2]))
 
 
 def parse_key(k):
+    """(kind, name, spec, flat) of a key (key's arguments)."""
     kind, rest = k.split("/", 1)
+    rest, _, flat = rest.partition("#")
     name, _, spec = rest.partition("@")
-    return kind, name, tuple(map(int, spec.split(":"))) if spec else None
+    if flat:
+        first, count, shape = flat.split(":")
+        flat = (int(first), int(count), tuple(int(n) for n in shape.split("x")))
+    return kind, name, tuple(map(int, spec.split(":"))) if spec else None, flat or None
 
 
 def weights_of(model, versions):
@@ -152,17 +166,21 @@ def weights_of(model, versions):
 
 
 def held(model, optimizer, versions=None):
-    """[(kind, name, spec, tensor)] of what this rank holds: parameters, the optimizer's state (SGD's
-    momentum, AdamW's running means and step), and the stale weights under 2BW's rule. A 0-dim state
-    (the step) has no slice: its spec is None."""
+    """[(kind, name, spec, flat, tensor)] of what this rank holds: parameters, the optimizer's state
+    (SGD's momentum, AdamW's running means and step), and the stale weights under 2BW's rule. A 0-dim
+    state (the step) has no slice: its spec is None. --zero: this replica's slices of them (flat, key's)."""
+    if hasattr(optimizer, "saved_pieces"):
+        names = {id(p): name for name, p in model.named_parameters()}
+        return [(kind, names[id(p)], shard_of(model, names[id(p)]) if t.dim() else None, flat, t)
+                for kind, p, flat, t in optimizer.saved_pieces(model.parameters())]
     out = []
     for name, current, stale, stepped in weights_of(model, versions):
         spec = shard_of(model, name)
-        out.append(("param", name, spec, current))
+        out.append(("param", name, spec, None, current))
         if stale is not None:
-            out.append(("stale", name, spec, stale))
+            out.append(("stale", name, spec, None, stale))
         for kind, t in param_state(optimizer, stepped).items():
-            out.append((kind, name, spec if t.dim() else None, t))
+            out.append((kind, name, spec if t.dim() else None, None, t))
     return out
 
 
@@ -183,11 +201,10 @@ def save(args, next_step, model, optimizer, layout, rank, versions=None):
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)        # a save of this step that was killed
     dist.barrier()
-    with whole_params(optimizer):                        # --zero 3: the weights gathered for the save
-        state = {key(kind, name, spec): t.detach() for kind, name, spec, t in held(model, optimizer, versions)}
-        dcp().save(state, checkpoint_id=partial)
-        del state
-    after_save(optimizer)                                # --zero 1: the state gathered whole for the save goes
+    # --zero: each replica writes its slices, nothing gathered (--zero 3's weights included)
+    state = {key(kind, name, spec, flat): t.detach() for kind, name, spec, flat, t in held(model, optimizer, versions)}
+    dcp().save(state, checkpoint_id=partial)
+    del state
     dist.barrier()                                       # every rank's pieces are written
     if rank == 0:
         meta = {"step": next_step, "settings": settings(args), "layout": layout}
@@ -210,10 +227,10 @@ def resume(args, model, optimizer, rank, versions=None):
     if not args.resume_from:
         return 0, None
     meta = read_meta(args.resume_from)
-    saved = {}                                           # name -> {kind: [(spec, key, shape, dtype)]}
+    saved = {}                                           # name -> {kind: [(spec, key, shape, dtype, flat)]}
     for k, md in dcp().FileSystemReader(args.resume_from).read_metadata().state_dict_metadata.items():
-        kind, name, spec = parse_key(k)
-        saved.setdefault(name, {}).setdefault(kind, []).append((spec, k, tuple(md.size), md.properties.dtype))
+        kind, name, spec, flat = parse_key(k)
+        saved.setdefault(name, {}).setdefault(kind, []).append((spec, k, tuple(md.size), md.properties.dtype, flat))
     plans = []                                           # (kind, name, spec, the tensor it goes into or goes with)
     for name, current, stale, stepped in weights_of(model, versions):
         spec = shard_of(model, name)
@@ -224,7 +241,7 @@ def resume(args, model, optimizer, rank, versions=None):
         plans += [(kind, name, spec, stepped) for kind in saved.get(name, {}) if kind not in WEIGHTS]
     wanted = {}
     for kind, name, spec, p in plans:
-        for _, k, shape, dtype in pieces_of(saved, kind, name, spec, args.resume_from):
+        for _, k, shape, dtype, _ in pieces_of(saved, kind, name, spec, args.resume_from):
             wanted[k] = torch.empty(shape, dtype=dtype, device=p.device if shape else "cpu")
     dcp().load(wanted, checkpoint_id=args.resume_from)
     states = {}                                          # the tensor stepped -> {kind: this rank's slice}
@@ -269,18 +286,36 @@ def overlapping(pieces, spec, name, path):
 def assemble(pieces, wanted, spec, p):
     """This rank's slice, cut out of the saved pieces (whole tensors, or slices along one dim); a 0-dim
     tensor (AdamW's step) as it is."""
-    whole = next((wanted[k] for piece_spec, k, *_ in pieces if piece_spec is None), None)
+    pieces = joined(pieces, wanted)
+    whole = next((t for piece_spec, t in pieces if piece_spec is None), None)
     if whole is not None and whole.dim() == 0:
         return whole
     if whole is None:   # slices along one dim: put them in place in a full-size buffer of that dim
         dim = pieces[0][0][0]
-        full_len = max(s[1] + s[2] for s, *_ in pieces)
-        shape = list(pieces[0][2])
+        full_len = max(s[1] + s[2] for s, _ in pieces)
+        shape = list(pieces[0][1].shape)
         shape[dim] = full_len
         whole = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        for piece_spec, k, *_ in pieces:   # the parts no piece covers are outside my slice
-            whole.narrow(dim, piece_spec[1], piece_spec[2]).copy_(wanted[k])
+        for piece_spec, t in pieces:   # the parts no piece covers are outside my slice
+            whole.narrow(dim, piece_spec[1], piece_spec[2]).copy_(t)
     return whole.narrow(*spec) if spec else whole
+
+
+def joined(pieces, tensors):
+    """[(spec, tensor)] of saved pieces ((spec, key, shape, dtype, flat) as resume reads them; tensors:
+    key -> the loaded tensor): --zero's flat slices of one tensor put back together (the replicas'
+    shares of a bucket tile it), the others as they are."""
+    out, made = [], {}
+    for piece_spec, k, _, _, flat in pieces:
+        if flat is None:
+            out.append((piece_spec, tensors[k]))
+            continue
+        first, count, shape = flat
+        if piece_spec not in made:
+            made[piece_spec] = torch.zeros(shape, dtype=tensors[k].dtype, device=tensors[k].device)
+            out.append((piece_spec, made[piece_spec]))
+        made[piece_spec].view(-1)[first:first + count].copy_(tensors[k])
+    return out
 
 
 def describe(layout):

@@ -22,6 +22,7 @@ from mp.clipping import finish_norms
 from mp.data import test_batches
 from mp.dist import awaiting, settle
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
+from mp.models import param_mb
 from mp.moe import expert_load
 from mp.optim import grad_mb, optimizer_state_mb
 
@@ -219,17 +220,17 @@ def expert_fields(env, model, steps):
 
 def data_parallel_fields(env, job, steps):
     """The summary's dp_sent_mb_per_step, where the program has data-parallel buckets (model.grad_buckets,
-    mp.buckets.GradBuckets, which count what each rank sent in them per step, as a ring sends it) and,
-    under --zero 3, peak_param_mb (the most weights it held at once during the steps: its slices and the
-    blocks gathered, mp.param_shards)."""
+    mp.buckets.GradBuckets, which count what each rank sent in them per step, as a ring sends it),
+    peak_grad_mb (the most gradient bytes it held at once: the buckets and --zero 2's accumulators,
+    counted where they are made and let go) and peak_param_mb (the most weights: under --zero 3 its
+    slices and the blocks gathered, mp.param_shards; else every weight, always held)."""
     grads = getattr(job.model, "grad_buckets", None)
     if grads is None:
         return {}
-    fields = {"dp_sent_mb_per_step": gather_per_rank(env, grads.sent_bytes / 2**20 / max(steps, 1), digits=4)}
     shards = getattr(job.optimizer, "shards", None)
-    if shards is not None:
-        fields["peak_param_mb"] = gather_per_rank(env, shards.peak_mb(), digits=4)
-    return fields
+    return {"dp_sent_mb_per_step": gather_per_rank(env, grads.sent_bytes / 2**20 / max(steps, 1), digits=4),
+            "peak_grad_mb": gather_per_rank(env, grads.peak_mb(), digits=4),
+            "peak_param_mb": gather_per_rank(env, shards.peak_mb() if shards else param_mb(held(job)), digits=4)}
 
 
 @torch.no_grad()

@@ -8,8 +8,9 @@ communication in any layout (docs/optimizers.md).
 
 Checkpoints (mp/checkpoint.py) read and write the state one parameter at a time through
 `param_state` and `load_param_state`, in the parameter's own shape. An optimizer that keeps its state
-elsewhere (a ZeRO-1 wrapper, which holds only its replica's share) defines methods of the same names
-and is asked through them instead.
+elsewhere defines methods of the same names and is asked through them instead (mp.zero's, which holds
+only its replica's share, defines load_param_state, and saved_pieces in place of param_state: it
+saves its slices as they are).
 """
 import contextlib
 
@@ -48,13 +49,6 @@ def param_state(optimizer, p):
         return optimizer.param_state(p)
     return {KIND.get(name, name): value for name, value in optimizer.state.get(p, {}).items()
             if torch.is_tensor(value)}      # SGD with --momentum 0 keeps momentum_buffer = None: nothing to save
-
-
-def after_save(optimizer):
-    """A checkpoint is written: an optimizer that gathered its sharded state whole for it (ZeRO-1's)
-    drops that copy."""
-    if hasattr(optimizer, "drop_gathered"):
-        optimizer.drop_gathered()
 
 
 def whole_params(optimizer):

@@ -11,7 +11,8 @@ names and autograd identity, but hold nothing); an all-gather of every replica's
     forward of block k:   all-gather block k (prefetched)  |  compute k   |  free k (--zero3-gather microbatch)
                           ...while block k+1's all-gather is already on its way (prefetch)
     backward of block k:  all-gather block k again (microbatch), prefetch block k-1  |  compute  |  free k
-    gradients of block k: reduce-scattered as soon as they are final (mp.buckets), the whole buckets let go
+    gradients of block k: reduce-scattered in every microbatch's backward as soon as it has them (mp.buckets),
+                          added into my slice's accumulator, the whole bucket let go
     update:               each replica steps its `mine` only; no all-gather after it (the next forward's does it)
 
 With a pipeline, each block runs once per microbatch, forward and backward. --zero3-gather says how
@@ -85,7 +86,7 @@ class ParamShards:
         self.note(b.param.numel() * b.param.element_size())
         b.gathering = ALL_GATHER(b.param, b.mine, group=self.grads.group, async_op=True)
         self.grads.count(b.param, 1)
-        self.grads.on_timeline(b.gathering, f"all-gather {self.buckets.index(b)}")
+        self.grads.spans.begin(b.gathering, f"all-gather {self.buckets.index(b)}", b.param.device)
 
     def wait(self, b):
         """Block b's weights, whole: gathered now, or the prefetch waited for."""
@@ -93,7 +94,7 @@ class ParamShards:
         if b.gathering is not None:
             with awaiting(*self.grads.waiting):
                 b.gathering.wait()
-            self.grads.clocked(b.gathering)   # its span on the timeline (gloo's: ends where it was waited for)
+            self.grads.spans.end(b.gathering)   # its span on the timeline (gloo's: ends where it was waited for)
             b.gathering, b.whole = None, True
 
     def free(self, b):

@@ -12,19 +12,22 @@ the same bytes on the wire), and the optimizer step runs between them on a slice
     updated slices            --all-gather----->   every replica: the whole updated parameters
 
 Each bucket of mp.buckets.GradBuckets(shard=True) is padded to a multiple of D and cut into D equal
-slices; the parameters' data and gradients are views into the buckets, so the collectives read and
-write them in place. The optimizer is torch's own (mp.optim.make_optimizer), stepping one flat
-Parameter per bucket that is a view of this replica's slice: elementwise updates (SGD's momentum,
-AdamW's moments and decay) give exactly the numbers the whole update would. Clipping takes the
-global norm over the slices (every replica sums the squares of its slice; mp.clipping sums them over
-the replicas too). A checkpoint stays in the baseline model's coordinates: saving gathers each
-parameter's whole state (a collective over the replicas, once a save) and drops it once written,
-resuming cuts this replica's slice out of it (docs/optimizers.md).
+slices; the parameters' data and gradients are views into the buckets, so the collectives read and write
+them in place: the reduce-scatter into my slice of the bucket itself (--zero 2 and 3: in every
+microbatch's backward, my slice then added into an accumulator of its own and the bucket let go). The
+optimizer is torch's own (mp.optim.make_optimizer), stepping one flat Parameter per bucket that is a
+view of this replica's slice: elementwise updates (SGD's momentum, AdamW's moments and decay) give
+exactly the numbers the whole update would. Clipping takes the global norm over the slices (every
+replica sums the squares of its slice; mp.clipping sums them over the replicas too). A checkpoint stays
+in the baseline model's coordinates: each replica writes its slices only, each piece of a parameter as
+the flat range of it that the slice holds (saved_pieces, mp.checkpoint's `#first:count:shape` keys: a
+sharded state, nothing gathered), and resuming, in any layout, cuts this replica's slice out of the
+pieces put back together (docs/optimizers.md).
 
 --zero 3 (mp.param_shards.ParamShards, `shards`): the slices are tensors of their own, not views of the
 whole weights, which exist only while a block runs; so the step ends after the update, without the
-all-gather (the next forward gathers each block), and a checkpoint reads the weights inside
-shards.whole().
+all-gather (the next forward gathers each block); a save writes each replica's slice of the weights
+too, and a resume loads them inside shards.whole().
 """
 import contextlib
 
@@ -50,7 +53,6 @@ class ZeroOptimizer:
             s.grad = g
         self.inner = optim.make_optimizer(self.slices, args)
         self.state, self.param_groups = self.inner.state, self.inner.param_groups
-        self.gathered = None          # each bucket's whole state, gathered for a save (until it is written)
 
     def zero_grad(self, set_to_none=True):
         self.grads.zero_grad()
@@ -58,7 +60,6 @@ class ZeroOptimizer:
     def step(self):
         """My slices' update, then every replica's slices into every replica's parameters."""
         self.inner.step()
-        self.gathered = None
         if self.shards:                   # --zero 3: each block's next forward gathers its weights
             return
         group, works = self.grads.group, []
@@ -91,29 +92,21 @@ class ZeroOptimizer:
         i = self.grads.buckets.index(b)
         return i, b, b.offsets[next(j for j, q in enumerate(b.params) if q is p)]
 
-    def param_state(self, p):
-        """p's whole state in p's shape (a collective over the replicas, made once per save)."""
-        if self.gathered is None:
-            self.gathered = [self._gather(i, b) for i, b in enumerate(self.grads.buckets)]
-        i, _, offset = self.where(p)
-        return {kind: t if kind == "step" else t[offset:offset + p.numel()].view_as(p)
-                for kind, t in self.gathered[i].items()}
-
-    def _gather(self, i, b):
-        state, whole = optim.param_state(self.inner, self.slices[i]), {}
-        with awaiting(*self.grads.waiting):
-            for kind, mine in state.items():
-                if kind == "step":
-                    whole[kind] = mine
-                    continue
-                whole[kind] = torch.empty_like(b.param)
-                ALL_GATHER(whole[kind], mine.detach().contiguous(), group=self.grads.group)
-        return whole
-
-    def drop_gathered(self):
-        """After the save: let go of the whole state, or every replica would hold all of it (what ZeRO-1
-        saves) until the next step, through its forward and backward."""
-        self.gathered = None
+    def saved_pieces(self, params):
+        """[(kind, parameter, flat, tensor)]: what this replica writes in a checkpoint (mp.checkpoint), its
+        slices only, nothing gathered: of each parameter its share of a bucket holds, the weights (--zero 3:
+        its own copy, `mine`) and each kind of optimizer state as the flat range (first, count, shape) of
+        the parameter; AdamW's step whole (every replica writes the same: DCP keeps one). A weight in no
+        bucket (not trained) whole."""
+        out, rank = [], self.grads.rank
+        for b, mine in zip(self.grads.buckets, self.slices):
+            state = optim.param_state(self.inner, mine)
+            for p, start, first, n in b.segments(rank):
+                flat = (first, n, tuple(p.shape))
+                out.append(("param", p, flat, mine.detach()[start:start + n]))
+                out += [(kind, p, None, t) if kind == "step" else (kind, p, flat, t[start:start + n])
+                        for kind, t in state.items()]
+        return out + [("param", p, None, p.detach()) for p in params if id(p) not in self.grads.where]
 
     def load_param_state(self, p, state):
         """Set my slice's state where it holds p (from p's whole state, as param_state gives it)."""
@@ -129,7 +122,6 @@ class ZeroOptimizer:
                 if q is p:
                     mine[kind][start:start + n].copy_(value.reshape(-1)[first:first + n])
         optim.load_param_state(self.inner, self.slices[i], mine)
-        self.gathered = None
 
     def state_mb(self):
         return optim.optimizer_state_mb(self.inner)

@@ -3,12 +3,15 @@ calls GradBuckets.final once it is done with a parameter. A parameter accumulate
 of times from one step to the next (a branch taken by more microbatches, an expert of a mixture) gets
 exactly the update a plain all-reduce after the backward gives; a bucket said final too early, or
 never, stops with one error naming the parameter, never a silently different mean."""
+import contextlib
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from helpers import run_ranks
+from helpers import FAST, launch, run_ranks
 from mp.buckets import BucketError, GradBuckets
 from mp.pp.zero_bubble import has_grad_hooks, split_weight_grads
 
@@ -104,3 +107,87 @@ def _zb_in_place_case(rank, world, group):
 
 def test_zb_keeps_its_in_place_weight_gradients_under_data_parallelism(tmp_path):
     run_ranks(_zb_in_place_case, 2, tmp_path)
+
+
+# ----------------------------------------------------------------------------- overlap, on the timeline
+
+# one chunk a rank (--dp 2 on 2 ranks: the data axis alone); the mlp's 14 layers of 300 fill two 4 MB
+# buckets, the first (the last layers) full after 11 of the 14 layers' backward, the second at its end
+OVERLAP = FAST + ["--model", "mlp", "--layers", "14", "--hidden", "300", "--batch-size", "16", "--steps", "2",
+                  "--dp", "2", "--microbatches", "2", "--schedule", "1f1b"]
+
+
+@pytest.mark.parametrize("zero", ["0", "2"])
+def test_a_bucket_starts_inside_the_backward_that_finishes_it(zero, tmp_path):
+    """Issue 58, item 2: readiness per bucket, not per chunk. On the default 1f1b with one chunk a rank,
+    a bucket's collective starts while the chunk's last B still runs (the earlier layers' backward still
+    to come), not after it; --zero 2 reduce-scatters in every microbatch's backward: a collective starts
+    inside each B, two buckets a microbatch."""
+    trace = tmp_path / "trace.json"
+    run = launch("pipeline_dp_joint.py", OVERLAP + ["--zero", zero, "--timeline", str(trace)], tmp_path, nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["pid"] == 0]
+    backwards = [e for e in events if e["cat"] == "backward"]
+    collectives = [e for e in events if e["cat"] == "collective"]
+    assert [b["name"] for b in backwards] == ["B0", "B1"], events
+    for b in backwards if zero == "2" else backwards[-1:]:
+        assert any(b["ts"] <= c["ts"] < b["ts"] + b["dur"] for c in collectives), (b, collectives)
+    if zero == "2":
+        assert sorted(c["name"] for c in collectives) == ["reduce-scatter 0"] * 2 + ["reduce-scatter 1"] * 2
+
+
+class FakeEvent:
+    """torch.cuda.Event on the CPU: record() stamps the next time of a fake GPU clock (ms), which
+    advances 5 ms at each record; elapsed_time is the difference of the stamps."""
+    clock = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self, stream=None):
+        FakeEvent.clock += 5.0
+        self.at = FakeEvent.clock
+
+    def synchronize(self):
+        assert self.at is not None, "an event waited for before it was recorded"
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+class FakeWork:
+    """An nccl Work as the host sees it: its future completes when the collective is enqueued."""
+    def __init__(self):
+        self.waited_on = []
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(None)           # at enqueue: what nccl's futures do
+        return future
+
+    def wait(self):
+        self.waited_on.append(torch.cuda.current_stream())
+
+
+def test_on_a_gpu_the_timeline_clocks_a_collective_with_cuda_events(monkeypatch):
+    """Issue 57: on nccl a Work's future completes when the collective is enqueued, so its callback
+    would draw a span of nothing. On a GPU the span comes from CUDA events: one recorded on the current
+    stream as the collective is enqueued, one on a side stream made to wait for the Work; the span ends
+    where that event says, read when the step waits for the collective (faked here on the CPU: each
+    record moves the fake GPU clock 5 ms)."""
+    from mp.buckets import CollectiveSpans
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: "side stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the current stream")
+    recorder = type("Recorder", (), {"events": []})()
+    spans, work = CollectiveSpans(recorder), FakeWork()
+    spans.begin(work, "reduce-scatter 0", torch.device("cuda", 0))
+    assert recorder.events == [] and work.waited_on, "no span before the collective is waited for"
+    spans.end(work)
+    (cat, name, _, _, start, end), = recorder.events
+    assert (cat, name) == ("collective", "reduce-scatter 0")
+    # reference at 5 ms, start at 10, end at 15: the span is 5 ms from the events, not 0 from the future
+    assert end - start == pytest.approx(5e-3), (start, end)
+    spans.begin(FakeWork(), "all-reduce 1", torch.device("cpu"))   # the CPU: the future's callback ends it
+    assert [e[1] for e in recorder.events] == ["reduce-scatter 0", "all-reduce 1"]

@@ -34,14 +34,16 @@ def saved_run(program, extra, nproc, directory, save_every=STEPS):
 
 def full_tensors(step_dir, scratch):
     """{key without its slice: the full tensor} of a DCP checkpoint: the slices of a tensor (the
-    @dim:start:length of their keys) put back together, as the baseline would have saved it."""
+    @dim:start:length of their keys, and --zero's flat #first:count:shape ranges) put back together, as
+    the baseline would have saved it."""
     dcp_to_torch_save(str(step_dir), str(scratch))
-    pieces = {}
-    for k, t in torch.load(scratch, weights_only=True).items():
-        kind, name, spec = checkpoint.parse_key(k)
-        pieces.setdefault(f"{kind}/{name}", []).append((spec, t))
+    pieces, tensors = {}, torch.load(scratch, weights_only=True)
+    for k in tensors:
+        kind, name, spec, flat = checkpoint.parse_key(k)
+        pieces.setdefault(f"{kind}/{name}", []).append((spec, k, None, None, flat))
     out = {}
     for k, parts in pieces.items():
+        parts = checkpoint.joined(parts, tensors)
         if parts[0][0] is None:
             out[k] = parts[0][1]
         else:

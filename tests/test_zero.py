@@ -35,10 +35,16 @@ def _identity_case(rank, world, group):
     whole = torch.empty_like(grad)
     ALL_GATHER(whole, mine, group=None)
     assert torch.equal(whole, summed)
+    in_place = grad.clone()                  # mp.buckets: into my slice of the buffer itself, no buffer of its own
+    REDUCE_SCATTER(in_place[rank * mine.numel():(rank + 1) * mine.numel()], in_place, group=None)
+    assert torch.equal(in_place[rank * mine.numel():(rank + 1) * mine.numel()], mine)
 
 
-def test_reduce_scatter_then_all_gather_is_an_all_reduce(tmp_path):
-    run_ranks(_identity_case, 2, tmp_path)
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_then_all_gather_is_an_all_reduce(world, tmp_path):
+    """At D = 2 a sum of two terms has one order; at D = 4 gloo's reduce-scatter and all-reduce add the
+    four in the same order too: bit for bit (issue 57)."""
+    run_ranks(_identity_case, world, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +107,8 @@ def test_zero2_as_plain_data_parallelism_with_sgd_matches_the_baseline(baseline,
 
 @pytest.mark.parametrize("zero", [slow(["--zero", "1"]), ["--zero", "3", "--zero3-gather", "microbatch"]], ids=["zero1", "zero3"])
 def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, unsharded, zero, tmp_path):
-    """A --zero 1 (--zero 3) run saves after step 10 (each parameter's whole state, gathered; under
-    --zero 3 the weights too); the run without --zero and single_baseline.py resume from it, and a run
+    """A --zero 1 (--zero 3) run saves after step 10 (each replica its slices of the state, under --zero 3 of the
+    weights too: a sharded state); the run without --zero and single_baseline.py resume from it, and a run
     with the same --zero resumes from the checkpoint the run without --zero saved after step 10 (each
     replica cuts its slice out): each logs the uninterrupted baseline's losses for steps 10..19."""
     want = {r["step"]: r["loss"] for r in reference[0].events("train")}
@@ -119,6 +125,31 @@ def test_a_zero_checkpoint_resumes_without_zero_and_in_the_baseline(reference, u
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert resumed.events("resume")[0]["step"] == STEPS // 2, name
         assert resumed.events("resume")[0]["from"]["program"] == "pipeline_dp_joint", name
+        got = {r["step"]: r["loss"] for r in resumed.events("train")}
+        assert sorted(got) == list(range(STEPS // 2, STEPS)), name
+        assert max(abs(got[k] - want[k]) for k in got) <= 1e-4, name
+
+
+@pytest.mark.slow
+def test_a_3d_zero_checkpoint_of_slices_resumes_in_other_layouts(reference, tmp_path):
+    """Issue 58, item 4: parallel_3d.py --dp 2 --tp 2 --zero 2 saves after step 10, each replica its flat
+    slices of its tp shards (keys `@dim:start:length#first:count:shape`, nothing gathered);
+    single_baseline.py and pipeline_dp_joint.py --dp 2 --zero 3 (2 stages) resume from it on the
+    uninterrupted baseline's losses for steps 10..19."""
+    want = {r["step"]: r["loss"] for r in reference[0].events("train")}
+    (tmp_path / "first").mkdir()
+    first = saved_run("parallel_3d.py", ["--dp", "2", "--tp", "2", "--microbatches", "2", "--zero", "2"], 4,
+                      tmp_path / "first", save_every=STEPS // 2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    from mp.checkpoint import dcp, parse_key
+    keys = dcp().FileSystemReader(str(tmp_path / "first" / "ck" / f"step-{STEPS // 2:08d}")).read_metadata()
+    assert any(parse_key(k)[2] and parse_key(k)[3] for k in keys.state_dict_metadata), "no flat slice of a tp shard"
+    for name, (program, extra, nproc) in {"baseline": ("single_baseline.py", [], 1),
+                                          "joint": (JOINT[0], JOINT[1] + ["--zero", "3"], JOINT[2])}.items():
+        shutil.copytree(tmp_path / "first" / "ck", tmp_path / name / "ck")
+        shutil.rmtree(tmp_path / name / "ck" / f"step-{STEPS:08d}")    # resume from step 10
+        resumed = saved_run(program, extra, nproc, tmp_path / name)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
         got = {r["step"]: r["loss"] for r in resumed.events("train")}
         assert sorted(got) == list(range(STEPS // 2, STEPS)), name
         assert max(abs(got[k] - want[k]) for k in got) <= 1e-4, name
@@ -164,23 +195,21 @@ def test_zero_where_it_cannot_run_is_one_error_line(parse, argv, world, message,
 
 
 def state_bytes(optimizer):
-    """The bytes of optimizer state a ZeroOptimizer holds: its slices' state, and any whole state it
-    gathered for a save."""
-    inner = sum(t.numel() * t.element_size() for s in optimizer.inner.state.values() for t in s.values()
-                if torch.is_tensor(t) and t.dim())
-    gathered = sum(t.numel() * t.element_size() for g in optimizer.gathered or [] for t in g.values() if t.dim())
-    return inner + gathered
+    """The bytes of optimizer state a ZeroOptimizer holds: its slices' state."""
+    return sum(t.numel() * t.element_size() for s in optimizer.inner.state.values() for t in s.values()
+               if torch.is_tensor(t) and t.dim())
 
 
 def _save_keeps_the_slice_case(rank, world, group):
-    """Issue 43, item 6: a --zero 1 save gathers each bucket's whole state, writes it, and lets it go:
-    afterwards the replica holds its slice's state only, as before the save."""
+    """Issue 43, item 6, and issue 58, item 4: a --zero 1 save writes each replica's slices (a sharded
+    state: no all-gather, no whole copy): afterwards the replica holds its slice's state only, as before
+    the save, and the checkpoint holds the whole state, put together from the replicas' pieces."""
     import argparse
     import os
 
     import torch.nn as nn
 
-    from mp import checkpoint
+    from mp import checkpoint, zero
     from mp.buckets import GradBuckets
     from mp.zero import ZeroOptimizer
     torch.manual_seed(0)
@@ -197,8 +226,17 @@ def _save_keeps_the_slice_case(rank, world, group):
     before = state_bytes(optimizer)
     whole = 2 * 4 * sum(p.numel() for p in model.parameters())   # AdamW's two moments, float32
     assert before <= whole / world + 2 * 4 * world * len(grads.buckets)   # my slice (padding aside)
-    checkpoint.save(args, 1, model, optimizer, {"program": "test"}, rank)
-    assert optimizer.gathered is None and state_bytes(optimizer) == before, (state_bytes(optimizer), before)
+    gathers = []
+    with pytest.MonkeyPatch.context() as patch:     # a save gathers nothing
+        patch.setattr(zero, "ALL_GATHER", lambda *a, **k: gathers.append(a))
+        checkpoint.save(args, 1, model, optimizer, {"program": "test"}, rank)
+    assert not gathers and state_bytes(optimizer) == before, (state_bytes(optimizer), before)
+    if rank == 0:                                   # every element of every tensor, from the two replicas' pieces
+        step = os.path.join(args.checkpoint_dir, "step-00000001")
+        got = full_tensors(step, os.path.join(args.checkpoint_dir, "x.pt"))
+        for name, p in model.named_parameters():
+            assert torch.equal(got[f"param/{name}"], p.detach()), name
+            assert got[f"exp_avg/{name}"].shape == p.shape and got[f"exp_avg/{name}"].abs().sum() > 0, name
 
 
 def test_a_zero_save_leaves_each_replica_its_slice_only(tmp_path, monkeypatch):
@@ -219,10 +257,11 @@ def test_zero3_trains_as_without_it_with_half_the_weights(unsharded, reference, 
     """Issue 44, items 2-4: pipeline_dp_joint.py --zero 3 (2 replicas x 2 stages, AdamW, dropout and
     clipping; the weights gathered once a step, or for every microbatch's forward and backward) logs the
     run without it to float32 rounding and the baseline within the contract, saves the same checkpoint
-    (the weights gathered whole for it); between steps each replica holds half of its stage's weights,
-    gradients and state; it sends per step the bytes the formula says: (D-1)/D of the gradients (the
-    reduce-scatter) plus (D-1)/D of the weights once a step (step) or twice a microbatch (microbatch),
-    where plain data parallelism's all-reduce sends 2(D-1)/D of the gradients."""
+    (each replica its slices of the weights and state); between steps each replica holds half of its stage's weights,
+    gradients and state; it sends per step the bytes the formula says: (D-1)/D of the gradients a
+    microbatch (a reduce-scatter in each one's backward) plus (D-1)/D of the weights once a step (step)
+    or twice a microbatch (microbatch), where plain data parallelism's all-reduce sends 2(D-1)/D of the
+    gradients."""
     flags = JOINT[1] + ["--zero", "3", "--zero3-gather", gather]
     run = saved_run(JOINT[0], flags, JOINT[2], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -242,7 +281,8 @@ def test_zero3_trains_as_without_it_with_half_the_weights(unsharded, reference, 
         weights = plain["param_mb"][rank]
         assert abs(plain["dp_sent_mb_per_step"][rank] - ring_mb(weights, 2, 2)) <= 1e-3, plain
         gathers = 1 if gather == "step" else 2 * m
-        assert abs(zero["dp_sent_mb_per_step"][rank] - ring_mb(weights, 2, 1 + gathers)) <= 1e-3, zero
+        # issue 58: a reduce-scatter of the gradients in every microbatch's backward
+        assert abs(zero["dp_sent_mb_per_step"][rank] - ring_mb(weights, 2, m + gathers)) <= 1e-3, zero
         # at the peak: my slices and, gathered, at most the whole stage (step) or a block and the next
         assert zero["param_mb"][rank] < zero["peak_param_mb"][rank] <= zero["param_mb"][rank] + weights + 1e-3
 
@@ -310,3 +350,38 @@ def test_the_timeline_draws_the_sharded_collectives(tmp_path):
             f0 = next(e for e in events if e["name"] == "F0")
             during = [e for e in events if e["name"].startswith("all-gather") and f0["ts"] <= e["ts"] <= f0["ts"] + f0["dur"]]
             assert len(during) >= 2, (f0, names)
+
+
+# ----------------------------------------------------------------------------- the peak, counted and measured
+
+PEAK = FAST + ["--model", "mlp", "--layers", "4", "--batch-size", "16", "--steps", "3", "--dp", "2",
+               "--microbatches", "2", "--optimizer", "adamw"]
+
+
+@pytest.mark.slow
+def test_the_counted_peak_is_the_measured_one(tmp_path, monkeypatch):
+    """Issue 58, item 5: peak_grad_mb and peak_param_mb count the gradients' and weights' bytes where
+    buckets and gathers are made and let go. With glibc's mmap threshold pinned (a freed tensor's pages go
+    back at once) a rank's peak resident set above its floor (the same run with 8-wide layers) is what
+    they count with the optimizer state, plus what they leave out: AdamW's two temporaries the size of
+    its largest tensor (torch's single-tensor path on the CPU), or autograd's weight gradient before it
+    is added into its bucket, and the activations. Plain data parallelism, --zero 2 and --zero 3 (the
+    weights gathered for every microbatch) on 2 replicas of the mlp's 4 layers of 1024 (20 MB of
+    weights, the first layer 12 MB): each within that, and the differences between them as counted."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    counted, measured = {}, {}
+    for zero in (["0"], ["2"], ["3", "--zero3-gather", "microbatch"]):
+        runs = [launch("pipeline_dp_joint.py", PEAK + ["--hidden", hidden, "--zero", *zero], tmp_path, nproc=2,
+                       real=True, log_name=f"z{zero[0]}-{hidden}.jsonl") for hidden in ("1024", "8")]
+        assert all(run.returncode == 0 for run in runs), runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
+        big, tiny = (run.events("summary")[0] for run in runs)
+        counted[zero[0]] = big["peak_param_mb"]["0"] + big["peak_grad_mb"]["0"] + big["optimizer_state_mb"]["0"]
+        measured[zero[0]] = big["peak_memory_mb"]["0"] - tiny["peak_memory_mb"]["0"]
+    layer = 3072 * 1024 * 4 / 2**20            # the largest tensor, 12 MB
+    # measured 2026-11-27: 18-24 MB above the count, the differences within 6 MB; 1 of 10 runs on the 2
+    # shared cores failed bounds 4 MB tighter than these
+    for zero in counted:
+        assert counted[zero] - 4 <= measured[zero] <= counted[zero] + 2 * layer + 8, (zero, counted, measured)
+    for a, b in (("0", "2"), ("0", "3"), ("2", "3")):
+        assert abs((measured[a] - measured[b]) - (counted[a] - counted[b])) <= 10, (a, b, counted, measured)
+    assert counted["0"] - counted["2"] > 10, counted

@@ -184,12 +184,16 @@ class SplitShardOp:
 SPLIT = {nn.Linear: SplitLinear, nn.Conv2d: SplitConv2d}
 
 
-def split_for(schedule):
+def split_for(schedule, zero=0):
     """Where a schedule's weight gradients are taken (pipeline_microbatch.StageRunner's split): "W", in
     W actions of their own (zb, zbv); None, by autograd in B (2bw, whose two weight versions share the
-    layers); "B", every other schedule: its large linear layers split too (split_weight_grads's
-    fused), each W run in the exchange after its B (run_weight_grads)."""
-    return "W" if schedule in ("zb", "zbv") else None if schedule == "2bw" else "B"
+    layers; and --zero 2 and 3, which reduce-scatter each layer's gradient bucket as soon as the
+    microbatch's backward has filled it: a W after the whole B would keep every bucket of the chunk
+    alive from its bias's gradient to its weight's); "B", every other schedule: its large linear layers
+    split too (split_weight_grads's fused), each W run in the exchange after its B (run_weight_grads)."""
+    if schedule in ("zb", "zbv"):
+        return "W"
+    return None if schedule == "2bw" or zero >= 2 else "B"
 
 
 def split_weight_grads(chunk, fused=False):
@@ -259,8 +263,8 @@ class WeightGradStash:
         hooks (data parallelism's, a replica's average) takes dA through autograd, which fires them;
         any other weight takes it directly: A.grad set, or dA added in place by one GEMM (what
         autograd's accumulation does, less its temporary and its autograd function per layer).
-        buckets: data parallelism's (mp.buckets), told of each gradient written directly (no hook runs
-        on those weights, so W says it: GradBuckets.arrived)."""
+        buckets: data parallelism's (mp.buckets), told of each gradient written directly, before and after
+        (no hook runs on those weights, so W says it: GradBuckets.arriving and arrived)."""
         hooked = []
         for layer, x, dy in self.pending.pop(mb, []):
             weight = layer.weight
@@ -269,6 +273,8 @@ class WeightGradStash:
             if has_grad_hooks(weight):
                 hooked.append(_DeferredWeightGrad.apply(weight, x, dy, layer))
                 continue
+            if buckets is not None:
+                buckets.arriving(weight)          # --zero 2, 3: its bucket's memory, made for this microbatch
             if weight.grad is None:               # the step's first W (the optimizer set grads to None)
                 weight.grad = layer.math.weight_grad(x, dy, weight.shape)
             else:
@@ -279,12 +285,12 @@ class WeightGradStash:
             torch.autograd.backward(hooked)
 
 
-def run_weight_grads(runner, grads=None, finals=()):
+def run_weight_grads(runner, grads=None):
     """split "B" (runner.fused): every W whose B has run and whose W has not, oldest first, each on
     runner's timeline; the next exchange runs them once their Bs' input gradients are sent (the stage
-    before waits for those, not for W). Then grads (data parallelism's buckets) is told the
-    parameters in finals (lists, emptied) are final. True if a W ran. Under split "W" (zb, zbv) no
-    W runs here: theirs wait for W actions of their own."""
+    before waits for those, not for W). Then grads (data parallelism's buckets) is told that every
+    gradient it expects (a chunk's last B has run, GradBuckets.expect) is final. True if a W ran. Under
+    split "W" (zb, zbv) no W runs here: theirs wait for W actions of their own."""
     ran = False
     for chunk, stash in enumerate(runner.stashes if runner.fused else ()):
         for mb in list(stash.pending):
@@ -292,10 +298,32 @@ def run_weight_grads(runner, grads=None, finals=()):
             stash.weight_grads(mb, grads)
             runner.record("weight", f"W{mb}", mb, start, chunk)
             ran = True
-    for params in finals:
-        grads.final(params)
-    finals.clear()
+    if grads is not None:
+        grads.final_expected()
     return ran
+
+
+def bucket_plan(actions, final_after, fused):
+    """What the executor tells the data-parallel buckets (mp.buckets) in one step: ({the index of each
+    chunk's last B (zb: last W): the parameters whose gradients it makes final}, {the indices after
+    which run_weight_grads runs at once}). Split "B": the Bs that no exchange follows before the rank's
+    next B (a stage alone: no exchange at all), so every B's Ws have run before the next B starts: the
+    gradients that arrive once a chunk's last B begins are that B's (GradBuckets.expect), and under
+    --zero 2 and 3 each microbatch's are complete, to be reduce-scattered, before the next one's begin.
+    Otherwise each chunk's last B (W): nothing runs in W, its gradients are told final at once."""
+    last = {(a[0], a[2]): i for i, a in enumerate(actions) if a[0] in ("B", "W")}
+    closing = {i: final_after[key] for key, i in last.items()}
+    if not fused:
+        return closing, set(closing)
+    now, previous = set(), None
+    for i, action in enumerate(actions):
+        if action[0] == "comm":
+            previous = None
+        elif action[0] == "B":
+            if previous is not None:
+                now.add(previous)
+            previous = i
+    return closing, now
 
 
 def final_after(chunks, stashes, split):
