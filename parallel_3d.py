@@ -50,14 +50,12 @@ import torch
 import torch.distributed as dist
 
 from mp import checkpoint
-from mp.check import report_replicas
 from mp.cli import grid_args
 from mp.data import agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import note_one_rank
-from mp.loop import train
+from mp.loop import Replicas, train
 from mp.models import num_blocks
-from mp.optim import whole_params
 from mp.pp.balance import resolve_balance
 from mp.pp.schedules import placement_of
 from mp.pp.training import pipeline_check, stage_batch
@@ -280,17 +278,12 @@ def main(argv=None):
         else:   # the loss is logged by tp rank 0 of replica 0's last stage
             timeline, job = train_job(args, env, grid, runner, model, data, grads, shards, PROGRAM,
                                       step=partial(train_step, tp_sums=tp_sums))
+            # two kinds of replica to compare after the run: the stage's over dp (train_job's), and the
+            # tensors every tp rank holds whole
+            job.replicas.append(Replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
+                                         f"bit-identical across the {grid.tp_size} tensor-parallel ranks"))
             status = train(args, env, job)
             timeline.write()
-            # both reports are collectives: every rank runs both (--zero 3: on the weights gathered whole)
-            with whole_params(job.optimizer):
-                data_replicas = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical "
-                                                f"across the {grid.dp_size} replicas of every stage", env,
-                                                args.timeout_s, args.zero)
-                tp_replicas = report_replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
-                                              f"bit-identical across the {grid.tp_size} tensor-parallel ranks", env,
-                                              args.timeout_s)
-            status = status or data_replicas or tp_replicas
     exit_now(status)
 
 

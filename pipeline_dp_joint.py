@@ -41,13 +41,12 @@ import torch.distributed as dist
 
 from mp import checkpoint
 from mp.buckets import GradBuckets
-from mp.check import report_replicas
 from mp.cli import joint_args
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import note_one_rank
-from mp.loop import Job, Sums, train
+from mp.loop import Job, Replicas, Sums, train
 from mp.optim import make_optimizer, whole_params
 from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
@@ -182,7 +181,11 @@ def train_job(args, env, grid, runner, model, data, grads, shards, program, step
         evaluate=partial(evaluate_replica, runner, grid, data, env, optimizer),
         # logged: the replicas' losses averaged; the norm's squares summed as clip() sums them
         sums=Sums(replicas=grid.dp_group, norm_groups=runner.norm_groups + ([grid.dp_group] if args.zero else [])),
-        versions=runner.versions.weights if runner.versions else None)
+        versions=runner.versions.weights if runner.versions else None,
+        # after the run: the replicas of every stage bit-identical (under --zero the same bytes by
+        # construction: nothing to gather or compare, and the line says so)
+        replicas=[Replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across the "
+                           f"{grid.dp_size} replicas of every stage", args.zero)])
 
 
 def evaluate_replica(runner, grid, data, env, optimizer):
@@ -209,12 +212,8 @@ def main(argv=None):
                                     grads)
         else:
             timeline, job = train_job(args, env, grid, runner, model, data, grads, shards, PROGRAM)
-            status = train(args, env, job)
+            status = train(args, env, job)   # the loop (mp/loop.py), then the replicas compared
             timeline.write()
-            # under --zero the replicas' weights are the same bytes by construction: nothing to gather or compare
-            same = report_replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across "
-                                   f"the {grid.dp_size} replicas of every stage", env, args.timeout_s, args.zero)
-            status = status or same
     exit_now(status)
 
 

@@ -36,9 +36,11 @@ def axis_of(ranks, dp, tp, world):
 
 
 def traffic_worker(argv):
-    """Run parallel_3d.main(argv) on this rank with the collectives counted during train()."""
+    """Run parallel_3d.main(argv) on this rank with the collectives counted during train(), up to its
+    comparison of the replicas after the last step."""
     import torch.distributed as dist
 
+    from mp import loop
     from mp.dist import exit_now
     from mp.tp import collectives
     import parallel_3d
@@ -68,6 +70,10 @@ def traffic_worker(argv):
         finally:
             counting[0] = False
 
+    def report_replicas(*a, **kw):   # the loop's comparison of the replicas after the run: not the steps' traffic
+        counting[0] = False
+        return real_report(*a, **kw)
+
     def leave(status):
         with open(os.path.join(os.environ["TRAFFIC_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump(counts, f)
@@ -82,6 +88,7 @@ def traffic_worker(argv):
     batch_isend_irecv, dist.batch_isend_irecv = dist.batch_isend_irecv, batch
     assert callable(parallel_3d.train) and callable(parallel_3d.exit_now), "the names patched here moved"
     real_train, parallel_3d.train = parallel_3d.train, train
+    real_report, loop.report_replicas = loop.report_replicas, report_replicas
     real_exit, parallel_3d.exit_now = exit_now, leave
     parallel_3d.main(argv)
 

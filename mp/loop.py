@@ -24,7 +24,7 @@ from mp.dist import awaiting, settle
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
 from mp.models import param_mb
 from mp.moe import expert_load
-from mp.optim import grad_mb, optimizer_state_mb
+from mp.optim import grad_mb, optimizer_state_mb, whole_params
 
 
 @dataclass
@@ -158,8 +158,9 @@ def train(args, env, job):
     log.close()
     if job.owner:
         print(f"wrote {args.log_file}", flush=True)
-    return max([report_replicas(r.params, r.group, r.claim, env, args.timeout_s, r.zero) for r in job.replicas],
-               default=0)
+    with whole_params(optimizer):         # --zero 3: the weights gathered whole for the comparison (collectives)
+        return max([report_replicas(r.params, r.group, r.claim, env, args.timeout_s, r.zero) for r in job.replicas],
+                   default=0)
 
 
 def waiting_for(job, env, args, what):
