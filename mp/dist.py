@@ -39,7 +39,7 @@ def torchrun_env(backend="auto"):
     if backend == "nccl" and gpus < local_world and not shared:
         fail(f"--backend nccl needs one GPU per local rank: {local_world} local ranks, {gpus} GPUs (ranks share a "
              f"GPU only with NCCL 2.30 or later and {SHARE_SWITCH}=1: {sharing_state()}); use --backend gloo, "
-             f"fewer processes per node, or that NCCL and switch")
+             f"fewer processes per node, or a torch whose NCCL is 2.30+ with the switch (docs/gpu.md)")
     if backend == "nccl" and world > 1 and "LOCAL_RANK" not in os.environ:
         fail(f"--backend nccl at world size {world} needs LOCAL_RANK (which GPU is mine), which this "
              f"launcher did not set: every rank would use cuda:0; launch with torchrun, or set LOCAL_RANK")

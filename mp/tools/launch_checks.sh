@@ -173,7 +173,7 @@ say_written() {   # FILE...: this run's files moved from RUN_STAGE to their name
         mkdir -p "$(dirname "$(final_name "$file")")"
         mv -f "$file" "$(final_name "$file")"
     done
-    rm -rf "$RUN_STAGE"             # what is left there is superseded: this run's partial logs, an earlier attempt's
+    rm -rf "${RUN_STAGE:?}"          # what is left there is superseded: this run's partial logs, an earlier attempt's
     rmdir "$FINAL_LOGS/.unfinished" 2>/dev/null || true
     trap 'exit 130' INT
     if [ ${#replaced[@]} -gt 0 ]; then (IFS=,; echo "replaced the earlier run's files: ${replaced[*]}" | sed 's/,/, /g'); fi
