@@ -48,7 +48,7 @@ class Parser(argparse.ArgumentParser):
         given = [a.split("=")[0] for a in argv if a.split("=")[0] in MODEL_FLAGS["vit"]]
         unused = [flag for flag in dict.fromkeys(given) if flag not in MODEL_FLAGS[parsed.model]]
         if unused:
-            used = ", ".join(MODEL_FLAGS[parsed.model]) or "none of --layers, --hidden, --heads"
+            used = ", ".join(MODEL_FLAGS[parsed.model]) or "no model flag"
             fail(f"--model {parsed.model} does not use {', '.join(unused)} (it reads {used}): "
                  f"drop {'them' if len(unused) > 1 else 'it'}, or choose a model that does")
         return parsed
