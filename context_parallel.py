@@ -151,12 +151,16 @@ class RingAttention(torch.autograd.Function):
         delta = (grad_out * out).sum(dim=-1, keepdim=True)
         grad_q = torch.zeros_like(q)
         kv = torch.stack([k, v])
-        done = None   # the dK, dV of the block I held last tick, summed over every rank it has visited, mine too
+        # The blocks travel the other way round (to the previous rank, from the next), and each block's
+        # dK, dV travels with it, one tick behind: at each tick a rank
+        #   sends    the block it holds (on to the previous rank), and `done`: the dK, dV of the block it
+        #            held last tick, summed over every rank that block has visited, mine included;
+        #   receives the next block, and the sum so far of the block it holds now (the next rank held it
+        #            last tick and sends its `done`);
+        #   computes its part of the block it holds, which it adds to that sum when the batch is done.
+        # Both transfers overlap the tick's compute; after the last tick, one hop takes each sum home.
+        done = None
         for tick in range(n):
-            # one batch a tick, the other way round (to the previous rank, from the next): the block I hold
-            # goes on and the next comes; the last tick's block's gradient (done) follows its block one
-            # tick behind, and the gradient summed so far of the block I hold now comes from the rank that
-            # held it last tick: both transfers overlap this tick's compute
             sends = ([kv] if tick < n - 1 else []) + ([done] if tick > 0 else [])
             incoming, works = ring_exchange(sends, next_rank, prev_rank, group)
             probs = torch.exp(q @ kv[0].transpose(-2, -1) / sqrt_d - lse.unsqueeze(-1))   # recomputed, exact
@@ -195,19 +199,19 @@ def all_to_all(x, group):
 
 
 def tokens_to_heads(x, group):
-    """[..., h, T/N, d] (all heads, my tokens) -> [..., h/N, T, d] (my heads, all tokens)."""
-    n, (*lead, h, t, d) = cp_size(group), x.shape
-    parts = x.reshape(-1, n, h // n, t, d).transpose(0, 1)            # [N, batch, h/N, T/N, d]: part i for rank i
-    got = all_to_all(parts, group)                                     # got[j]: rank j's tokens of my heads
-    return got.permute(1, 2, 0, 3, 4).reshape(*lead, h // n, n * t, d)
+    """[..., heads, T/N, d] (all heads, my tokens) -> [..., heads/N, T, d] (my heads, all tokens)."""
+    n, (*lead, heads, my_tokens, d) = cp_size(group), x.shape
+    parts = x.reshape(-1, n, heads // n, my_tokens, d).transpose(0, 1)    # [N, batch, heads/N, T/N, d]
+    got = all_to_all(parts, group)                 # part i went to rank i; got[j]: rank j's tokens of my heads
+    return got.permute(1, 2, 0, 3, 4).reshape(*lead, heads // n, n * my_tokens, d)
 
 
 def heads_to_tokens(x, group):
-    """[..., h/N, T, d] (my heads, all tokens) -> [..., h, T/N, d] (all heads, my tokens): the inverse."""
-    n, (*lead, h, t, d) = cp_size(group), x.shape
-    parts = x.reshape(-1, h, n, t // n, d).permute(2, 0, 1, 3, 4)     # [N, batch, h/N, T/N, d]: rank i's tokens
-    got = all_to_all(parts, group)                                     # got[j]: my tokens of rank j's heads
-    return got.transpose(0, 1).reshape(*lead, n * h, t // n, d)
+    """[..., heads/N, T, d] (my heads, all tokens) -> [..., heads, T/N, d] (all heads, my tokens): the inverse."""
+    n, (*lead, my_heads, tokens, d) = cp_size(group), x.shape
+    parts = x.reshape(-1, my_heads, n, tokens // n, d).permute(2, 0, 1, 3, 4)   # [N, batch, heads/N, T/N, d]
+    got = all_to_all(parts, group)                 # part i went to rank i; got[j]: my tokens of rank j's heads
+    return got.transpose(0, 1).reshape(*lead, n * my_heads, tokens // n, d)
 
 
 class _TokensToHeads(torch.autograd.Function):
@@ -346,7 +350,10 @@ def sync_cp_grads(partial_sums, replicated):
     """Context parallelism's gradient synchronisation, once a step after the backward: the weights each
     rank applied to its own tokens (all but the classifier) hold that share of the gradient, summed
     over the ranks (not averaged: the loss is already the mean over all tokens' pooled logits); the
-    classifier's is whole on every rank already (averaged on a GPU only, against last-bit drift)."""
+    classifier's is whole on every rank already. On a GPU it is averaged too (replicated is not None):
+    its kernels may sum in another order from run to run, and a last-bit difference would let the
+    ranks' copies drift apart; on the CPU the copies are bit-identical, and the all-reduce is skipped
+    (mp.tp.replicas.ReplicatedGrads)."""
     partial_sums.sum()
     if replicated:
         replicated.average()

@@ -9,11 +9,16 @@ data-parallel ranks: each rank trains its own slice of the batch with its own co
     rank 0: experts 0 1                              rank 1: experts 2 3
     route my tokens: top-k of softmax(x W_r)         route my tokens
     count them per expert  --------- all_gather of the counts [N, K, E] ---------  (every rank, every split)
-    sort by expert: [for 0 | for 1]                  [for 0 | for 1]
+    sort my rows by expert:                          sort my rows by expert:
+      [experts 0 1: to rank 0 | experts 2 3: to rank 1]  [experts 0 1: to rank 0 | experts 2 3: to rank 1]
                  \\--------- dispatch: all_to_all_single, rows split by rank ---------/
     run experts 0, 1 on the rows from ranks 0 and 1  run experts 2, 3 on the rows from ranks 0 and 1
                  /--------- combine: all_to_all_single back, the splits swapped ---------\\
     sum each token's outputs times its weights       sum each token's outputs times its weights
+
+Each rank's experts are consecutive (expert e lives on rank e // (E/N)), so rows sorted by expert are
+also sorted by the rank they go to: the dispatch needs no second sort. One value is read back from the
+device a block a forward: how many rows go where, which all_to_all_single takes as Python ints.
 
 The backward runs the two exchanges the other way (an all-to-all's conjugate is the inverse one). Why
 exact: the counts of every rank give every rank the global batch's numbers (the load-balancing loss's
@@ -50,8 +55,8 @@ from mp.ep.evaluate import Traffic, sliced_run
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, evaluate, train
 from mp.models import build_model
-from mp.moe import (MixtureOfExperts, aux_loss, capacity_of, combine, kept_counts, kept_mask, route, slot_counts,
-                    sorted_by_expert)
+from mp.moe import (MixtureOfExperts, aux_loss, capacity_of, combine, kept_counts, kept_mask, route, rows_per_expert,
+                    slot_counts, sorted_by_expert)
 from mp.optim import make_optimizer
 from mp.tp.replicas import SummedGradients
 
@@ -121,9 +126,10 @@ class ExpertParallelMoE(MixtureOfExperts):
         nn.Module.__init__(self)   # not MixtureOfExperts.__init__: the router and the experts are the full block's
         n = ep_size(group)
         self.per_rank = full.num_experts // n
-        self.first = ep_rank(group) * self.per_rank                          # my experts: first .. first + E/N - 1
+        self.my_first_expert = ep_rank(group) * self.per_rank     # mine: my_first_expert .. + E/N - 1
         self.router = full.router
-        self.experts = nn.ModuleDict({str(e): full.experts[e] for e in range(self.first, self.first + self.per_rank)})
+        self.experts = nn.ModuleDict({str(self.my_first_expert + e): full.experts[self.my_first_expert + e]
+                                      for e in range(self.per_rank)})
         self.num_experts, self.top_k, self.capacity_factor = full.num_experts, full.top_k, full.capacity_factor
         self.aux_weight, self.keys, self.load, self.aux_loss = full.aux_weight, full.keys, full.load, None
         self.group, self.traffic = group, traffic
@@ -135,36 +141,44 @@ class ExpertParallelMoE(MixtureOfExperts):
         probs, weights, choice = route(self.router, x, self.top_k)
         # 2. count my tokens per (slot, expert), 3. exchange the counts: [N, K, E] on every rank
         counts = exchange_counts(slot_counts(choice, self.num_experts), self.group)
-        self.note(probs, counts)   # my tokens' share of the load-balancing loss (f_i of the global batch)
-        # 4. capacity: which of my choices their expert runs (all, dropless); the rest are dropped here
-        capacity = capacity_of(counts, self.top_k, self.capacity_factor)
-        token, slot, expert = sorted_by_expert(kept_mask(choice, counts, me, capacity), choice)
-        # [source rank, destination rank, expert of the destination]: how many rows go where. The splits go
-        # to the collective as Python ints: the one read from the device a mixture of experts cannot avoid
-        rows = kept_counts(counts, capacity).sum(dim=1).view(n, n, self.per_rank).tolist()
-        send_splits = [sum(rows[me][j]) for j in range(n)]
-        recv_splits = [sum(rows[j][me]) for j in range(n)]
-        traffic = self.traffic if self.keys.step is not None else None   # the bytes of training steps only
+        # 4. capacity: of the global batch's n * b * t tokens (every rank holds an equal slice); how many of
+        # each rank's choices each expert runs (all of them, dropless)
+        capacity = capacity_of(n * b * t, self.num_experts, self.top_k, self.capacity_factor)
+        kept = kept_counts(counts, capacity)                                # [N, K, E]
+        self.record(probs, counts, kept)   # my tokens' share of the load-balancing loss (f_i of the global batch)
+        # rows[j][e]: how many of rank j's rows expert e runs. The one read from the device: the all-to-all
+        # takes its splits as Python ints. Everything below is arithmetic on this table, on the host
+        rows = rows_per_expert(kept)
+        send_splits = [sum(self.on_rank(rows[me], j)) for j in range(n)]     # my rows for rank j's experts
+        recv_splits = [sum(self.on_rank(rows[j], me)) for j in range(n)]     # rank j's rows for my experts
+        token, slot = sorted_by_expert(kept_mask(choice, counts, me, capacity), choice, self.num_experts, sum(rows[me]))
+        traffic = self.traffic if self.training_step is not None else None   # the bytes of training steps only
         # 5. dispatch: my kept rows, sorted by expert and so by rank, to their experts' ranks
         received = AllToAll.apply(x[token], send_splits, recv_splits, self.group, traffic)
         # 6. my experts on every rank's rows
-        y = self.run_my_experts(received, [rows[j][me] for j in range(n)])
+        y = self.run_my_experts(received, [self.on_rank(rows[j], me) for j in range(n)])
         # 7. combine: the outputs back to the ranks their tokens came from, in the order they were sent
         y = AllToAll.apply(y, recv_splits, send_splits, self.group, traffic)
         # 8. weight each output by its router weight and sum a token's outputs
         return combine(y, token, slot, weights, b * t).view(b, t, h)
 
+    def on_rank(self, per_expert, j):
+        """The entries of a per-expert list that belong to rank j's experts (consecutive: j * E/N ...)."""
+        return per_expert[j * self.per_rank:(j + 1) * self.per_rank]
+
     def run_my_experts(self, received, sizes):
-        """received: rank 0's rows (those for my first expert, then my second ...), then rank 1's ...;
-        sizes[j][e]: rank j's rows for my expert e. Each expert runs its rows of every rank at once, in
-        rank order (the baseline's order of tokens); the outputs go back in received's order."""
-        label = torch.arange(self.per_rank, device=received.device).repeat(len(sizes))
-        label = label.repeat_interleave(torch.tensor(sum(sizes, []), device=received.device))
-        order = torch.argsort(label, stable=True)                    # grouped by expert, in rank order
-        chunks = received[order].split([sum(s[e] for s in sizes) for e in range(self.per_rank)])
-        # every expert runs, on no rows too: a zero gradient, as in the baseline (SGD's momentum steps on it)
-        y = torch.cat([self.experts[str(self.first + e)](chunk) for e, chunk in enumerate(chunks)])
-        return torch.empty_like(y).index_copy(0, order, y)          # back in received's order
+        """received: rank 0's rows (those for my first expert, then for my second ...), then rank 1's ...;
+        sizes[j][e]: how many of rank j's rows are for my e-th expert. Each expert runs its rows of every rank
+        at once, in rank order (the baseline's order of tokens); the outputs go back in received's order."""
+        ranks = range(len(sizes))
+        pieces = received.split(sum(sizes, []))              # pieces[j * E/N + e]: rank j's rows for expert e
+        outputs = []                                          # outputs[e][j]: expert e's output for rank j's rows
+        for e in range(self.per_rank):
+            mine = [pieces[j * self.per_rank + e] for j in ranks]
+            # every expert runs, on no rows too: a zero gradient, as in the baseline (SGD's momentum steps on it)
+            y = self.experts[str(self.my_first_expert + e)](torch.cat(mine))
+            outputs.append(y.split([len(piece) for piece in mine]))
+        return torch.cat([outputs[e][j] for j in ranks for e in range(self.per_rank)])
 
 
 def expert_parallel_block(block, group, traffic):
@@ -183,8 +197,8 @@ def build_expert_parallel_model(args, group, device):
     expert_ids = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
     model.replicated_grads = SummedGradients([p for p in model.parameters() if id(p) not in expert_ids], group)
     # the gradient norm counts an expert on its rank, a replicated weight (whole everywhere after the sum) on rank 0
-    first = ep_rank(group) == 0
-    model.counted = lambda p: first or id(p) in expert_ids
+    rank_0 = ep_rank(group) == 0
+    model.counted = lambda p: rank_0 or id(p) in expert_ids
     model.all_to_all = traffic
     return model
 
@@ -215,7 +229,10 @@ def train_step(step, model, optimizer, data, args, device, norm):
     model.replicated_grads.sum()            # the data-parallel sync: the replicated weights' parts summed
     grad_norm = clip_global(model.parameters(), args.clip_grad_norm, *norm)   # the full model's norm
     optimizer.step()
-    # my replica's loss; the loop averages it over the ranks: the mean cross-entropy + the whole aux loss
+    # the loop averages what each rank returns over the N ranks and logs it; the baseline logs its mean
+    # cross-entropy plus the load-balancing loss. The slices are equal, so the average of the ranks' ce is
+    # the batch's; aux is my share of the load-balancing loss, the N shares sum to it, so each rank returns
+    # N times its share and the average of those is the sum
     return (ce + n * aux).detach(), grad_norm
 
 

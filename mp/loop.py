@@ -23,7 +23,7 @@ from mp.data import test_batches
 from mp.dist import awaiting, settle
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
 from mp.models import param_mb
-from mp.moe import expert_load
+from mp.moe import expert_load, read_load
 from mp.optim import grad_mb, optimizer_state_mb, whole_params
 
 
@@ -101,6 +101,7 @@ class StepScalars:
         # the one CPU wait on the device's queue (a GPU), bounded, on every rank: up to after finish()'s
         # collectives, so that a peer lost in the steps or in those (nccl) ends here with a named error
         settle(self.device, self.timeout_s, lambda: f"step {pending[-1][0]}'s queued work and the logged values' sums")
+        read_load(job.model)   # --experts: the steps' routing record to the host (one read), so it never grows there
         if not job.owner:
             return []
         if self.device.type == "cuda":

@@ -10,10 +10,17 @@ token to its top K experts, each the block's own two-layer MLP, and adds their o
     experts    expert e runs its tokens, all at once
     combine    each token's output: the sum of its kept experts' outputs times their router weights
 
-The load-balancing loss of Switch and GShard, E * sum_i f_i * P_i, is 1 when the load is even: f_i is the
+The load-balancing loss of Switch Transformers, E * sum_i f_i * P_i, is 1 when the load is even: f_i is the
 fraction of the routed (token, slot) pairs that chose expert i (counted, no gradient), P_i the mean router
-probability of expert i (its gradient pushes the router toward the experts with less load). Each block
-adds it times --aux-loss to the training loss (training_loss).
+probability of expert i (its gradient pushes the router toward the experts with less load). With K > 1, f_i
+counts every slot, as Megatron-LM does (GShard's counts first choices only). Each block adds it times
+--aux-loss to the training loss (training_loss).
+
+One read of the device a block a forward, and only one: split() and the all-to-all take their sizes as
+Python ints, so how many rows each expert runs (kept_counts, summed over the slots) is read back; the rest
+(the counts, the capacity's order, which choices are kept, the sort by expert) stays on the device, and the
+capacity comes from the number of tokens, which the host knows. The routing record stays on the device too,
+until the loop logs (LoadRecord).
 
 Every function below takes the counts of every rank, [N, K, E] (one process: N = 1), so that
 expert_parallel.py, which routes its slice of the batch and runs E/N experts on tokens from every rank,
@@ -41,16 +48,18 @@ def route(router, x, top_k):
 
 
 def slot_counts(choice, experts):
-    """[K, E]: how many tokens chose each expert as their k-th choice."""
-    return torch.stack([torch.bincount(c, minlength=experts) for c in choice.unbind(dim=1)])
+    """[K, E]: how many tokens chose each expert as their k-th choice. A scatter of ones, not bincount:
+    on a GPU, bincount reads the largest value back to size its output."""
+    counts = torch.zeros(choice.shape[1], experts, dtype=torch.long, device=choice.device)
+    return counts.scatter_add_(1, choice.T, torch.ones_like(choice.T))
 
 
-def capacity_of(counts, top_k, capacity_factor):
-    """The most tokens one expert runs: ceil(C * K * tokens / E) of the global batch (None: dropless)."""
+def capacity_of(tokens, experts, top_k, capacity_factor):
+    """The most tokens one expert runs: ceil(C * K * tokens / E), tokens the number in the global batch
+    (a Python int: the host knows it without asking the device); None: dropless."""
     if capacity_factor is None:
         return None
-    tokens = int(counts[:, 0].sum())          # every token has exactly one first choice
-    return math.ceil(capacity_factor * top_k * tokens / counts.shape[-1])
+    return math.ceil(capacity_factor * top_k * tokens / experts)
 
 
 def ahead_of(counts):
@@ -81,12 +90,22 @@ def kept_mask(choice, counts, rank, capacity):
     return torch.stack(keep, dim=1)
 
 
-def sorted_by_expert(keep, choice):
-    """(token, slot, expert) of the kept choices, grouped by expert; within an expert in the tokens' order."""
-    token, slot = keep.nonzero(as_tuple=True)
-    expert = choice[token, slot]
-    order = torch.argsort(expert, stable=True)
-    return token[order], slot[order], expert[order]
+def rows_per_expert(kept):
+    """[N][E] Python ints: how many of rank n's choices expert e runs (kept, summed over the slots). The one
+    read of the device a mixture of experts makes a forward: split() and all_to_all_single take their sizes
+    as ints (tests/count_reads.py knows it by this name)."""
+    return kept.sum(dim=1).tolist()
+
+
+def sorted_by_expert(keep, choice, experts, kept):
+    """(token, slot) of the kept choices, grouped by expert; within an expert in the tokens' order. kept:
+    how many choices are kept, a Python int (from the one read). Every choice is sorted, a dropped one
+    under the key E, past every expert, and the first `kept` are taken: keep.nonzero() would have to read
+    its length back from the device."""
+    top_k = choice.shape[1]
+    key = torch.where(keep, choice, experts).flatten()          # (token 0, slot 0), (token 0, slot 1), ...
+    order = torch.argsort(key, stable=True)[:kept]               # stable: in each expert, the tokens' order
+    return order // top_k, order % top_k
 
 
 def aux_loss_share(probs, counts, weight):
@@ -105,15 +124,27 @@ def combine(y, token, slot, weights, tokens):
 
 
 class LoadRecord:
-    """What the router did in each training step, kept on the device and read once at the end of the run:
-    the tokens that chose each expert (all slots, before capacity) and the choices dropped."""
+    """What the router did in each training step: the tokens that chose each expert (all slots, before
+    capacity) and the choices dropped over capacity. The steps since the loop last logged stay on the
+    device, one row [routed per expert..., dropped] a step in one buffer written in place (it doubles only
+    until the first log, so nothing grows with the run); read_load moves them to the host lists."""
 
     def __init__(self):
-        self.routed, self.dropped = [], []
+        self.window, self.rows, self.last_step = None, 0, None
+        self.routed, self.dropped = [], []          # on the host, a step each: [E] ints, an int
 
-    def add(self, counts, kept):
-        self.routed.append(counts.sum(dim=(0, 1)))
-        self.dropped.append((counts - kept).sum())
+    def add(self, step, counts, kept):
+        row = torch.cat([counts.sum(dim=(0, 1)), (counts - kept).sum().view(1)])
+        if step == self.last_step and self.rows:    # another microbatch of the same step: its load adds up
+            self.window[self.rows - 1] += row
+            return
+        if self.window is None or self.rows == len(self.window):
+            grown = row.new_zeros(max(16, 2 * self.rows), len(row))
+            if self.rows:
+                grown[:self.rows] = self.window
+            self.window = grown
+        self.window[self.rows] = row
+        self.rows, self.last_step = self.rows + 1, step
 
 
 class MixtureOfExperts(nn.Module):
@@ -132,18 +163,27 @@ class MixtureOfExperts(nn.Module):
         x = x.reshape(b * t, h)
         probs, weights, choice = route(self.router, x, self.top_k)
         counts = slot_counts(choice, self.num_experts)[None]               # [1, K, E]: one rank
-        self.note(probs, counts)
-        keep = kept_mask(choice, counts, 0, capacity_of(counts, self.top_k, self.capacity_factor))
-        token, slot, expert = sorted_by_expert(keep, choice)
-        chunks = x[token].split(torch.bincount(expert, minlength=self.num_experts).tolist())
-        y = torch.cat([run(chunk) for run, chunk in zip(self.experts, chunks)])
+        capacity = capacity_of(b * t, self.num_experts, self.top_k, self.capacity_factor)
+        kept = kept_counts(counts, capacity)
+        self.record(probs, counts, kept)
+        sizes = rows_per_expert(kept)[0]             # the one read: each expert's rows, for split()
+        keep = kept_mask(choice, counts, 0, capacity)
+        token, slot = sorted_by_expert(keep, choice, self.num_experts, sum(sizes))
+        y = torch.cat([run(chunk) for run, chunk in zip(self.experts, x[token].split(sizes))])
         return combine(y, token, slot, weights, b * t).view(b, t, h)
 
-    def note(self, probs, counts):
-        """This forward's share of the load-balancing loss; in training, the load of each expert."""
+    @property
+    def training_step(self):
+        """The step being trained, None in an evaluation's forward (the loop sets it on the model's dropout
+        keys, mp.dropout.DropoutKeys, which every block shares)."""
+        return None if self.keys is None else self.keys.step
+
+    def record(self, probs, counts, kept):
+        """This forward's share of the load-balancing loss, and in a training step the load of each expert
+        (the routing record the summary logs)."""
         self.aux_loss = aux_loss_share(probs, counts, self.aux_weight)
-        if self.keys is not None and self.keys.step is not None:
-            self.load.add(counts, kept_counts(counts, capacity_of(counts, self.top_k, self.capacity_factor)))
+        if self.training_step is not None:
+            self.load.add(self.training_step, counts, kept)
 
 
 def moe_layers(model):
@@ -163,12 +203,27 @@ def plus_aux_loss(model, loss):
     return loss if aux is None else loss + aux
 
 
+def read_load(model):
+    """Moves the routing record of the steps since the last call from the device to the host, one read for
+    every block (none for a dense model). The loop calls it when it logs, on every rank."""
+    loads = [m.load for m in moe_layers(model) if m.load.rows]
+    if not loads:
+        return
+    rows = torch.cat([load.window[:load.rows] for load in loads]).tolist()
+    for load in loads:
+        steps, rows = rows[:load.rows], rows[load.rows:]
+        load.routed += [row[:-1] for row in steps]
+        load.dropped += [row[-1] for row in steps]
+        load.rows = 0
+
+
 def expert_load(model):
     """The summary's routing record: per training step, [block][expert] the tokens routed and the choices
-    dropped over capacity, summed over the blocks (None: a dense model); one read from the device."""
+    dropped over capacity, summed over the blocks (None: a dense model)."""
+    read_load(model)
     layers = [m.load for m in moe_layers(model)]
     if not layers or not layers[0].routed:
         return None
-    routed = torch.stack([torch.stack(load.routed) for load in layers], dim=1)      # [steps, blocks, E]
-    dropped = torch.stack([torch.stack(load.dropped) for load in layers], dim=1).sum(dim=1)
-    return {"tokens_per_expert": routed.tolist(), "dropped_per_step": dropped.tolist()}
+    routed = [list(blocks) for blocks in zip(*(load.routed for load in layers))]      # [steps][blocks][E]
+    dropped = [sum(blocks) for blocks in zip(*(load.dropped for load in layers))]
+    return {"tokens_per_expert": routed, "dropped_per_step": dropped}

@@ -3,6 +3,10 @@ rank what its training steps read back from tensors (.item(), .tolist(), float()
 all-reduces, reduce-scatters and all-gathers they start, and writes the counts to
 COUNT_DIR/rank-<rank>.json when training ends.
 
+A read is a tensor's value taken into Python (.item(), .tolist(), float(), int(), bool()) or an
+operation whose output's size is data, which a GPU must report before the host goes on (nonzero,
+bincount, repeat_interleave with tensor repeats and no output_size).
+
 Counted: inside each step (the program's job.step) and inside the loop's reading of the logged
 scalars (mp.loop.StepScalars.read): everything the training loop does between its set-up and its
 summary, evaluation and checkpoints aside (the tests run without them).
@@ -10,7 +14,15 @@ summary, evaluation and checkpoints aside (the tests run without them).
 SYNC_DEBUG=1 on a CUDA device also runs every step after the first under
 torch.cuda.set_sync_debug_mode("error"): an operation inside a step that makes the CPU wait for the
 GPU (a read, a blocking copy) then raises, naming it. The first step is left out: it sets the
-device's libraries up (and mp.buckets counts its hooks' calls there)."""
+device's libraries up (and mp.buckets counts its hooks' calls there).
+
+A mixture of experts' one declared read (mp.moe.rows_per_expert, which the all-to-all's splits need)
+is counted as a read and also as "declared_reads", and under SYNC_DEBUG it is let through: every other
+wait on the device still raises.
+
+Also written: "alive", the number of tensors alive (gc) after the 3rd and the 25th step, so that a
+test sees whether anything the steps keep grows with the run."""
+import gc
 import json
 import os
 import runpy
@@ -22,8 +34,9 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import mp.loop as loop  # noqa: E402
+import mp.moe as moe  # noqa: E402
 
-counts = {"steps": 0, "reads": 0, "all_reduce": 0, "reduce_scatter": 0, "all_gather": 0,
+counts = {"steps": 0, "alive": {}, "reads": 0, "declared_reads": 0, "all_reduce": 0, "reduce_scatter": 0, "all_gather": 0,
           "step_reads": 0, "step_all_reduce": 0, "step_reduce_scatter": 0, "step_all_gather": 0}
 counting = [False]
 
@@ -40,8 +53,24 @@ def counted(name, real, key):
 
 in_step = [False]
 SYNC_DEBUG = os.environ.get("SYNC_DEBUG") == "1" and torch.cuda.is_available()
-for method in ("item", "tolist", "__float__", "__bool__"):
+for method in ("item", "tolist", "__float__", "__int__", "__bool__", "nonzero", "bincount"):
     setattr(torch.Tensor, method, counted(method, getattr(torch.Tensor, method), "reads"))
+for name in ("nonzero", "bincount"):
+    setattr(torch, name, counted(name, getattr(torch, name), "reads"))
+
+
+def sized_by_data(real):
+    """repeat_interleave counted as a read when its repeats are a tensor and no output_size is given."""
+    def wrapper(input, repeats=None, *args, **kwargs):
+        if counting[0] and isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
+            counts["reads"] += 1
+            counts["step_reads"] += in_step[0]
+        return real(input, repeats, *args, **kwargs)
+    return wrapper
+
+
+torch.repeat_interleave = sized_by_data(torch.repeat_interleave)
+torch.Tensor.repeat_interleave = sized_by_data(torch.Tensor.repeat_interleave)
 dist.all_reduce = counted("all_reduce", dist.all_reduce, "all_reduce")
 # ZeRO's and tensor parallelism's flat collectives (mp.buckets binds them when the program imports it,
 # after this; mp.tp.collectives takes them from there): torch 2.14's
@@ -67,6 +96,22 @@ def around(fn, inside_step):
     return wrapper
 
 
+def declared(real):
+    """mp.moe.rows_per_expert: counted, and allowed to wait for the device (the programs import it after this)."""
+    def wrapper(kept):
+        counts["declared_reads"] += counting[0] and in_step[0]
+        strict = SYNC_DEBUG and torch.cuda.get_sync_debug_mode() != 0
+        if strict:
+            torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real(kept)
+        finally:
+            if strict:
+                torch.cuda.set_sync_debug_mode("error")
+    return wrapper
+
+
+moe.rows_per_expert = declared(moe.rows_per_expert)
 real_train, real_read = loop.train, loop.StepScalars.read
 loop.StepScalars.read = around(real_read, inside_step=False)
 
@@ -76,7 +121,11 @@ def train(args, env, job):
 
     def each(k):
         counts["steps"] += 1
-        return step(k)
+        result = step(k)
+        if counts["steps"] in (3, 25):
+            gc.collect()
+            counts["alive"][counts["steps"]] = sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+        return result
 
     job.step = each
     status = real_train(args, env, job)

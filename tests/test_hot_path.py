@@ -104,3 +104,31 @@ def test_a_run_with_many_buckets_gives_the_baselines_losses(tmp_path, baseline):
     run = launch("pipeline_dp_joint.py", args + ["--dp", "2", "--microbatches", "2", "--schedule", "1f1b"],
                  tmp_path, nproc=4)
     assert_same_losses(run, baseline(args))
+
+
+MOE = ["--model", "vit", "--hidden", "16", "--heads", "4", "--layers", "2", "--batch-size", "8", "--experts", "4",
+       "--steps", "26", "--log-every", "11"]   # logged after steps 11 and 22: 3 steps pending after the 3rd and the 25th
+
+
+@pytest.mark.parametrize("program,nproc,flags", [
+    ("expert_parallel.py", 2, ["--top-k", "1"]),
+    ("expert_parallel.py", 2, ["--top-k", "2", "--capacity-factor", "1.25"]),
+    ("single_baseline.py", 1, ["--top-k", "2", "--capacity-factor", "1.25"])], ids=["ep-top1", "ep-top2-capacity",
+                                                                                    "baseline-top2-capacity"])
+def test_a_mixture_of_experts_reads_once_a_layer_and_keeps_nothing_per_step(program, nproc, flags, tmp_path,
+                                                                            monkeypatch):
+    """Issue 65: a MoE layer reads the device once a forward (the rows per expert, which split() and the
+    all-to-all take as ints), capacity and top-2 included, and its routing record stays one buffer on the
+    device until the loop logs: the tensors alive after the 3rd and the 25th step differ by at most 2."""
+    monkeypatch.setenv("COUNT_PROGRAM", program)
+    monkeypatch.setenv("COUNT_DIR", str(tmp_path))
+    run = launch("tests/count_reads.py", FAST + MOE + flags, tmp_path, nproc=nproc, log_name="log.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.load(open(path)) for path in sorted(glob.glob(str(tmp_path / "rank-*.json")))]
+    assert len(ranks) == nproc and all(r["steps"] == 26 for r in ranks), ranks
+    layers = 2                       # one forward a step, no microbatches: one read a layer a step
+    assert all(r["step_reads"] == layers * 26 for r in ranks), [r["step_reads"] for r in ranks]
+    assert all(r["declared_reads"] == r["step_reads"] for r in ranks), ranks   # each read is mp.moe.rows_per_expert
+    assert all(abs(r["alive"]["25"] - r["alive"]["3"]) <= 2 for r in ranks), [r["alive"] for r in ranks]
+    summary = run.events("summary")[0]           # the routing record still whole: every step, every block
+    assert len(summary["tokens_per_expert"]) == 26 and len(summary["tokens_per_expert"][0]) == layers

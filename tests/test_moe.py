@@ -56,7 +56,7 @@ def test_capacity_drops_the_same_choices_routed_whole_or_in_slices():
     choice = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
     choice[:10, 0] = 2                                           # an overloaded expert
     whole = moe.slot_counts(choice, experts)[None]
-    capacity = moe.capacity_of(whole, top_k, 1.0)
+    capacity = moe.capacity_of(tokens, experts, top_k, 1.0)
     keep = moe.kept_mask(choice, whole, 0, capacity)
     assert capacity == 12 and int(keep.sum()) < tokens * top_k
     for e in range(experts):                                     # the definition: the first `capacity` in order
@@ -64,13 +64,30 @@ def test_capacity_drops_the_same_choices_routed_whole_or_in_slices():
         assert [keep[t, k].item() for k, t in order] == [i < capacity for i in range(len(order))]
     parts = choice.tensor_split(ranks)
     every = torch.stack([moe.slot_counts(p, experts) for p in parts])
-    assert moe.capacity_of(every, top_k, 1.0) == capacity
     assert torch.equal(torch.cat([moe.kept_mask(p, every, r, capacity) for r, p in enumerate(parts)]), keep)
     kept = moe.kept_counts(every, capacity)                      # what every rank computes of every rank's
     for r, p in enumerate(parts):
         mask = moe.kept_mask(p, every, r, capacity)
         assert torch.equal(kept[r], torch.stack([torch.bincount(p[:, k][mask[:, k]], minlength=experts)
                                                  for k in range(top_k)]))
+
+
+def test_the_kept_choices_sorted_by_expert_without_reading_the_mask():
+    """sorted_by_expert takes how many choices are kept from the one read (not nonzero's length): the
+    kept (token, slot) pairs grouped by expert, each expert's in token order, the dropped ones left out."""
+    torch.manual_seed(2)
+    experts, top_k, tokens = 4, 2, 16
+    choice = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    counts = moe.slot_counts(choice, experts)[None]
+    assert torch.equal(counts[0], torch.stack([torch.bincount(c, minlength=experts) for c in choice.T]))
+    capacity = moe.capacity_of(tokens, experts, top_k, 0.75)
+    keep = moe.kept_mask(choice, counts, 0, capacity)
+    sizes = moe.kept_counts(counts, capacity).sum(dim=1)[0].tolist()
+    token, slot = moe.sorted_by_expert(keep, choice, experts, sum(sizes))
+    expected = [(t, k) for e in range(experts) for t in range(tokens) for k in range(top_k)
+                if choice[t, k] == e and keep[t, k]]
+    assert list(zip(token.tolist(), slot.tolist())) == expected
+    assert [sum(1 for t, k in expected if choice[t, k] == e) for e in range(experts)] == sizes
 
 
 def test_the_load_balancing_loss_is_one_times_its_weight_when_the_load_is_even():

@@ -1,8 +1,10 @@
 """On one CUDA device with nccl (skipped where there is none, as in CI): every program at world size 1
 logs the losses of the baseline run on the same device, its --check passes, and the logs say what
 ran where. Where the NCCL loaded is 2.30 or later and NCCL_MULTI_RANK_GPU_ENABLE=1, two nccl ranks also
-share the one GPU (experimental in NCCL): every pipeline schedule, tensor, data (ZeRO 1 and 3), 3-D and
-context parallelism at world size 2 against the same baseline."""
+share the one GPU (experimental in NCCL): every pipeline schedule, tensor, data (ZeRO 1, 2 and 3), 3-D,
+context (ring, Ulysses) and expert parallelism (capacity, top-2) at world size 2 against the same baseline.
+No step waits for the device beyond what it declares: none, or a mixture of experts' one read a block a
+forward (mp.moe.rows_per_expert, the all-to-all's splits)."""
 import json
 
 import pytest
@@ -53,18 +55,31 @@ def test_gpu_losses_stay_near_the_cpu_baseline(tmp_path):
     assert_same_losses(gpu, cpu, atol=1e-2)
 
 
+VIT = GPU + ["--model", "vit", "--layers", "4", "--hidden", "64"]
+MOE = ["--experts", "4", "--top-k", "2", "--capacity-factor", "1.25"]   # the most a MoE layer computes
+VIT_PROGRAMS = [("context_parallel.py", ["--attention", "ring"]), ("context_parallel.py", ["--attention", "ulysses"]),
+                ("tensor_parallel.py", ["--sequence-parallel"])]
+MOE_PROGRAMS = [("single_baseline.py", MOE), ("expert_parallel.py", MOE),
+                ("expert_parallel.py", ["--experts", "4", "--top-k", "1"])]
+
+
 def test_no_step_makes_the_cpu_wait_for_the_gpu(tmp_path, monkeypatch):
     """Issue 35's promise on the device itself: every program's steps (the second on) run under
     torch.cuda.set_sync_debug_mode("error") (tests/count_reads.py, SYNC_DEBUG=1), so a read or a
-    blocking copy inside a step raises; the log's reads every --log-every steps are outside them."""
+    blocking copy inside a step raises; the log's reads every --log-every steps are outside them. A
+    mixture of experts' one declared read a block a forward (mp.moe.rows_per_expert) is let through and
+    counted: 4 blocks, one forward a step."""
     monkeypatch.setenv("SYNC_DEBUG", "1")
     monkeypatch.setenv("COUNT_DIR", str(tmp_path))
-    for i, (program, extra) in enumerate([("single_baseline.py", [])] + PROGRAMS):
+    cases = [(GPU, p, e, 0) for p, e in [("single_baseline.py", [])] + PROGRAMS]
+    cases += [(VIT, p, e, 0) for p, e in VIT_PROGRAMS] + [(VIT, p, e, 4) for p, e in MOE_PROGRAMS]
+    for i, (args, program, extra, declared) in enumerate(cases):
         monkeypatch.setenv("COUNT_PROGRAM", program)
-        run = launch("tests/count_reads.py", GPU + extra + ["--log-every", "10"], tmp_path, log_name=f"s{i}.jsonl")
+        run = launch("tests/count_reads.py", args + extra + ["--log-every", "10"], tmp_path, log_name=f"s{i}.jsonl")
         assert run.returncode == 0, (program, extra, run.stderr[-3000:])
         counts = json.loads((tmp_path / "rank-0.json").read_text())
-        assert counts["steps"] == 20 and counts["step_reads"] == 0, (program, extra, counts)
+        assert counts["steps"] == 20 and counts["step_reads"] == counts["declared_reads"] == declared * 20, (
+            program, extra, counts)
 
 
 SHARED = [("pipeline_microbatch.py", ["--schedule", s]) for s in ("gpipe", "1f1b", "interleaved", "zb", "zbv")] + [
@@ -72,11 +87,11 @@ SHARED = [("pipeline_microbatch.py", ["--schedule", s]) for s in ("gpipe", "1f1b
     ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2"]),
     ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2", "--zero", "1",
                               "--optimizer", "adamw"]),
+    ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2", "--zero", "2"]),
     ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2", "--zero", "3"]),
     ("parallel_3d.py", ["--dp", "1", "--tp", "2", "--batch-size", "64", "--microbatches", "2"])]
-VIT = GPU + ["--model", "vit", "--layers", "4", "--hidden", "64"]
-SHARED_VIT = [("context_parallel.py", ["--attention", "ring"]), ("context_parallel.py", ["--attention", "ulysses"]),
-              ("tensor_parallel.py", ["--sequence-parallel"])]
+SHARED_VIT = VIT_PROGRAMS
+SHARED_MOE = [("expert_parallel.py", [])]
 
 
 NCCL = loaded_nccl_version()
@@ -90,7 +105,7 @@ def test_two_nccl_ranks_on_one_gpu_log_the_baselines_losses(tmp_path, monkeypatc
     the GPU baseline. Gated on the NCCL library loaded (mp.dist.loaded_nccl_version), not on the
     version torch was built with (torch.cuda.nccl.version(), a constant of the build)."""
     monkeypatch.setenv(SHARE_SWITCH, "1")
-    for model, args, cases in (("cnn", GPU, SHARED), ("vit", VIT, SHARED_VIT)):
+    for model, args, cases in (("cnn", GPU, SHARED), ("vit", VIT, SHARED_VIT), ("moe", VIT + MOE, SHARED_MOE)):
         base = launch("single_baseline.py", args, tmp_path, log_name=f"base-{model}.jsonl", real=True)
         for i, (program, extra) in enumerate(cases):
             run = launch(program, args + extra, tmp_path, nproc=2, log_name=f"shared-{model}{i}.jsonl",
