@@ -22,7 +22,7 @@ from mp.data import agree_on_data, load_data, to_device
 from mp.dist import distributed
 from mp.loop import Job, evaluate, train, whole_model_run
 from mp.models import build_model
-from mp.moe import plus_aux_loss
+from mp.moe import moe_layers, plus_aux_loss
 from mp.optim import make_optimizer
 
 PROGRAM = "single_baseline"
@@ -81,6 +81,8 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         model = build_model(args).to(env.device)
+        for layer in moe_layers(model):          # --experts: the batch statistics of each microbatch, as a
+            layer.microbatches = args.microbatches   # pipeline's (1, the default: of the whole batch)
         optimizer = make_optimizer(model.parameters(), args)
         stale = copy.deepcopy(model) if args.delay else None   # --delay 1: W(t-1), W(0) at first
         # a checkpoint holds both weights under --delay 1 (saved as stale/...), one otherwise

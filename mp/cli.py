@@ -33,10 +33,19 @@ def baseline_args(argv, doc):
     p.add_argument("--delay", type=int, choices=(0, 1), default=0,
                    help="1: PipeDream-2BW's rule, the reference of pipeline_microbatch.py --schedule 2bw: "
                         "step t's gradient is taken at the weights before the previous update")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="--experts: route each of M equal microbatches of the batch on its own (its load-balancing "
+                        "loss, capacity and order), as a pipeline does; changes nothing in a dense model")
     args = p.parse_args(argv)
     validate_common(args, "single_baseline")
     if world_size() != 1:
         fail("single_baseline.py runs in one process; launch it with python, or torchrun --nproc-per-node 1")
+    if args.microbatches < 1 or args.batch_size % args.microbatches:
+        divisors = [m for m in range(1, args.batch_size + 1) if args.batch_size % m == 0]
+        near = sorted(divisors, key=lambda m: abs(m - args.microbatches))[:2]
+        fail(f"--microbatches {args.microbatches} must be a positive divisor of --batch-size {args.batch_size} "
+             f"(microbatch m is samples m*B/M .. (m+1)*B/M - 1): use --microbatches "
+             f"{' or '.join(map(str, sorted(near)))}")
     return args
 
 

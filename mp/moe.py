@@ -157,8 +157,23 @@ class MixtureOfExperts(nn.Module):
         self.experts = nn.ModuleList(expert_mlp(dim, act) for _ in range(experts))
         self.num_experts, self.top_k, self.capacity_factor, self.aux_weight = experts, top_k, capacity_factor, aux_weight
         self.keys, self.load, self.aux_loss = keys, LoadRecord(), None
+        self.microbatches = 1    # single_baseline.py --microbatches M: a training batch routed as M microbatches
 
     def forward(self, x):
+        """x: [B, T, H]. In a training step with microbatches = M > 1, microbatch m (samples m*B/M ..
+        (m+1)*B/M - 1) is routed on its own, with its own f_i, capacity and order, as a pipeline routes
+        the microbatch it runs; the load-balancing loss is their mean (each microbatch's loss weighs 1/M)."""
+        if self.microbatches == 1 or self.training_step is None:
+            return self.route_and_run(x)
+        outputs, shares = [], []
+        for part in x.chunk(self.microbatches):
+            outputs.append(self.route_and_run(part))
+            shares.append(self.aux_loss)
+        self.aux_loss = torch.stack(shares).mean()
+        return torch.cat(outputs)
+
+    def route_and_run(self, x):
+        """Route the tokens of x [B, T, H] (their f_i, capacity and order those of x), run the experts, combine."""
         b, t, h = x.shape
         x = x.reshape(b * t, h)
         probs, weights, choice = route(self.router, x, self.top_k)

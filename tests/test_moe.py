@@ -4,6 +4,7 @@ loss, the baseline training it, the dense model untouched, and the bad inputs re
 import argparse
 
 import pytest
+import torch.nn.functional as F
 import torch
 import torch.nn as nn
 from torch.testing import assert_close
@@ -123,6 +124,9 @@ def test_the_baseline_trains_a_mixture_of_experts_and_logs_the_load(tmp_path):
     ("single_baseline", ["--model", "vit", "--experts", "4", "--aux-loss", "-1"],
      "error: --aux-loss -1.0 must be a finite number >= 0"),
     ("single_baseline", ["--model", "vit", "--experts", "-2"], "error: --experts -2 must be >= 0"),
+    ("single_baseline", ["--batch-size", "8", "--microbatches", "3"],
+     "error: --microbatches 3 must be a positive divisor of --batch-size 8 (microbatch m is samples m*B/M .. "
+     "(m+1)*B/M - 1): use --microbatches 2 or 4"),
 ])
 def test_bad_expert_flags_are_one_error_line(monkeypatch, capsys, program, argv, message):
     def parse(a):
@@ -135,3 +139,33 @@ def test_the_combine_weights_the_outputs():
     y = torch.ones(3, 2)
     out = moe.combine(y, torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0]), torch.tensor([[0.25, 0.75], [1.0, 0]]), 2)
     assert_close(out, torch.tensor([[1.0, 1.0], [1.0, 1.0]]))
+
+
+def test_the_baseline_routes_each_microbatch_on_its_own():
+    """single_baseline.py --microbatches M (issue 64): one forward of the whole batch whose MoE layers route
+    each microbatch apart (its f_i, capacity and order) gives the loss and every gradient of M microbatches
+    run one after the other, each loss weighing 1/M, as a pipeline runs them; the load record sums them."""
+    torch.manual_seed(3)
+    args, m = vit_args(capacity_factor=1.0), 2
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    split, apart = build_model(args), build_model(args)
+    for layer in moe.moe_layers(split):
+        layer.microbatches = m
+    with split.dropout_keys.training(0):
+        loss = moe.plus_aux_loss(split, F.cross_entropy(split(x), y))
+    loss.backward()
+    total = 0
+    with apart.dropout_keys.training(0):
+        for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            part = moe.plus_aux_loss(apart, F.cross_entropy(apart(xm), ym)) / m
+            part.backward()
+            total = total + part.detach()
+    assert_close(loss.detach(), total, atol=1e-6, rtol=0)
+    for (name, p), q in zip(split.named_parameters(), apart.parameters()):
+        assert_close(p.grad, q.grad, atol=1e-6, rtol=0, msg=name)
+    whole = build_model(args)                       # the same batch routed whole: another capacity, another loss
+    with whole.dropout_keys.training(0):
+        assert abs(moe.plus_aux_loss(whole, F.cross_entropy(whole(x), y)).item() - loss.item()) > 1e-6
+    moe.read_load(split), moe.read_load(apart)
+    for a, b in zip(moe.moe_layers(split), moe.moe_layers(apart)):
+        assert a.load.routed == [[sum(c) for c in zip(*b.load.routed)]] and a.load.dropped == [sum(b.load.dropped)]
