@@ -3,15 +3,16 @@
 The lesson (Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters
 using Megatron-LM"): the three programs compose, each on its own axis of a 3-D grid of ranks. The
 stages of pipeline_microbatch.py are made of tensor_parallel.py's sharded layers; the pipelines are
-the replicas of pipeline_dp_joint.py. Nothing is copied: this file only wires them together and
-checks the grid, and it still logs the per-step loss of single_baseline.py.
+the replicas of pipeline_dp_joint.py. Nothing is copied: this file only wires them together on
+the groups of mp.mesh, and it still logs the per-step loss of single_baseline.py.
 
     torchrun --standalone --nproc-per-node 8 -- parallel_3d.py --data synthetic --dp 2 --tp 2
     torchrun --standalone --nproc-per-node 8 -- parallel_3d.py --data synthetic --dp 2 --tp 2 --check
     torchrun --standalone --nproc-per-node 4 -- parallel_3d.py --data synthetic --dp 1 --tp 2 --model vit
     torchrun --standalone --nproc-per-node 4 -- parallel_3d.py --data synthetic --dp 1 --tp 2 --model vit --sequence-parallel
 
-The grid for 8 ranks: grid = arange(world).view(dp, pp, tp), so rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
+The grid for 8 ranks: mp.mesh's arange(world).view(dp, pp, cp, tp) with cp 1, that is view(dp, pp, tp), so
+rank = (dp_rank * pp + pp_rank) * tp + tp_rank (tp innermost, on the fastest links: mp/mesh.py says why).
 
                           stage 0                  stage 1
     replica 0:   [ rank 0 | rank 1 ]  ---->  [ rank 2 | rank 3 ]     [ | ]  a tp group: every layer of the
@@ -19,7 +20,9 @@ The grid for 8 ranks: grid = arange(world).view(dp, pp, tp), so rank = (dp_rank 
     replica 1:   [ rank 4 | rank 5 ]  ---->  [ rank 6 | rank 7 ]            inside every layer
                                                                      ---->  pp groups {0,2} {1,3} {4,6} {5,7}:
                                                                             tp rank t sends to tp rank t
-    dp groups (same stage, same tp rank): {0,4} {1,5} {2,6} {3,7}: one gradient all-reduce per step
+    dp groups (same stage, same tp rank): {0,4} {1,5} {2,6} {3,7}: the gradient sync, per bucket one
+                                          all-reduce a step (--zero 1: a reduce-scatter; --zero 2, 3: M of
+                                          them, one a microbatch; pipeline_dp_joint.py lists them all)
 
 What crosses a pipeline cut is what the sending rank holds there, and never the same bytes twice:
 
@@ -55,6 +58,7 @@ from mp.data import agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import note_one_rank
 from mp.loop import Replicas, train
+from mp.mesh import Mesh
 from mp.models import num_blocks
 from mp.pp.balance import resolve_balance
 from mp.pp.schedules import placement_of
@@ -64,8 +68,8 @@ from mp.tp.collectives import all_gather, tp_rank, tp_size
 from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import sum_sequence_parallel_grads
 # the three programs it composes: the grid's replicas, a pipeline's stages, the tensor-parallel layers
-from pipeline_dp_joint import clip, data_parallel_buckets, train_job
-from pipeline_microbatch import Messenger, PipelineRank, forward_backward, partition, setup_stage
+from pipeline_dp_joint import clip, data_parallel_buckets, pipeline, train_job
+from pipeline_microbatch import Messenger, forward_backward, partition, setup_stage
 from tensor_parallel import (ColumnParallelConv2d, ColumnParallelLinear, RowParallelConv2d, RowParallelLinear,
                              parallelize_block, sync_tp_grads)
 
@@ -79,40 +83,10 @@ def parse_args(argv=None):
     return args
 
 
-# ----------------------------------------------------------------------------- the grid
-
-
-class Grid:
-    """Who am I on the dp x pp x tp grid, and the process group of each axis through me (the 2-D
-    program's Grid, pipeline_dp_joint.py, with the third, innermost axis)."""
-
-    AXES = ("dp", "pp", "tp")
-
-    def __init__(self, rank, world, dp, tp, timeout=None):
-        self.ranks = torch.arange(world).view(dp, world // (dp * tp), tp)   # print it: rows are pipelines
-        self.dp_size, self.pp_size, self.tp_size = self.ranks.shape
-        self.dp_rank, self.pp_rank, self.tp_rank = (self.ranks == rank).nonzero()[0].tolist()
-        # new_group is itself a collective over all ranks: every rank creates every group of every
-        # axis, in the same order, even the groups it is not in; otherwise the creations pair up wrongly and hang
-        self.lines, groups = {}, {}
-        for axis, name in enumerate(self.AXES):
-            # the lines of the grid along this axis: the ranks that differ only in this coordinate
-            self.lines[name] = self.ranks.movedim(axis, -1).reshape(-1, self.ranks.shape[axis]).tolist()
-            made = [dist.new_group(line, timeout=timeout) for line in self.lines[name]]   # timeout: as the 2-D grid's
-            groups[name] = next(g for g, line in zip(made, self.lines[name]) if rank in line)
-        self.dp_group, self.pp_group, self.tp_group = (groups[name] for name in self.AXES)
-        self.dp_peers = self.ranks[:, self.pp_rank, self.tp_rank].tolist()   # same stage, same tp rank
-
-    def pipeline(self, virtual, placement="loop"):
-        """My place in my pipeline (my replica, my tp rank), its peers addressed by global rank."""
-        peers = self.ranks[self.dp_rank, :, self.tp_rank].tolist()
-        return PipelineRank(self.pp_rank, self.pp_size, peers, virtual, self.pp_group, placement)
-
-
 # ----------------------------------------------------------------------------- the stage
 
 
-def build_stage(args, env, grid):
+def build_stage(args, env, mesh):
     """Every rank builds the model block by block from --seed, slices each block to its tp rank's
     shards (tensor_parallel.parallelize_block over the tp group), and keeps the shards of its
     stage's blocks only. The zero sample that measures each cut runs through the sliced blocks,
@@ -122,41 +96,41 @@ def build_stage(args, env, grid):
     Returns (my place in my pipeline, my stage's sliced blocks, named as in the full model, the
     runner of my chunks, (the partial gradients to sum over the tp group, the replicated gradients
     to average over it: each None where there are none))."""
-    pos = grid.pipeline(args.virtual_stages, placement_of(args.schedule))   # zbv: its V
-    shard = partial(parallelize_block, model_name=args.model, group=grid.tp_group, n_blocks=num_blocks(args),
+    pos = pipeline(mesh, args.virtual_stages, placement_of(args.schedule))   # zbv: its V (pipeline_dp_joint.py)
+    shard = partial(parallelize_block, model_name=args.model, group=mesh.tp_group, n_blocks=num_blocks(args),
                     sequence_parallel=args.sequence_parallel)
     scattered = set()   # the cuts whose activation is whole on every tp rank: filled while the blocks are built
     if args.scatter_gather and not args.sequence_parallel:   # sequence-parallel cuts are token shards already
-        shard = note_whole_cuts(shard, args, pos, grid.tp_group, scattered)
+        shard = note_whole_cuts(shard, args, pos, mesh.tp_group, scattered)
     # zb: the shards' ops defer their weight gradients to W
-    model, runner = setup_stage(args, env, pos, shard, partial(CutMessenger, group=grid.tp_group, scattered=scattered))
+    model, runner = setup_stage(args, env, pos, shard, partial(CutMessenger, group=mesh.tp_group, scattered=scattered))
     # the norms and the embedding that see my tokens only: summed after the step's last backward
     # (train_step's sync_tp_grads), not after each microbatch's
-    partial_sums = sum_sequence_parallel_grads(model, grid.tp_group)
+    partial_sums = sum_sequence_parallel_grads(model, mesh.tp_group)
     # on a GPU, keep TP-replicated parameters identical (CPU gradients already are): once a step
-    replicated = average_replicated_grads(model, grid.tp_group, env.device)
+    replicated = average_replicated_grads(model, mesh.tp_group, env.device)
     # the gradient norm (mp.clipping): summed over my stage's tp shards (its replicated tensors
     # counted by tp rank 0 only), then over the stages; not over replicas, whose gradients are averaged
-    runner.norm_groups, runner.counted = [grid.tp_group, grid.pp_group], counted_once(model, grid.tp_group)
+    runner.norm_groups, runner.counted = [mesh.tp_group, mesh.pp_group], counted_once(model, mesh.tp_group)
     return pos, model, runner, (partial_sums, replicated)
 
 
-def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeline, tp_sums, shards=None):
-    """One optimizer step on the 3-D grid, in the order it runs: pipeline_dp_joint.train_step with the
+def train_step(step, runner, optimizer, actions, data, args, mesh, grads, timeline, tp_sums, shards=None):
+    """One optimizer step on the 3-D mesh, in the order it runs: pipeline_dp_joint.train_step with the
     tensor-parallel sums between the backward and the data-parallel average."""
     timeline.begin(step)
-    samples = args.batch_size // grid.dp_size     # my replica's contiguous slice of the global batch
-    x, y = stage_batch(data, step, args, runner, runner.messenger.device, (grid.dp_rank, grid.dp_size))
+    samples = args.batch_size // mesh.dp_size     # my replica's contiguous slice of the global batch
+    x, y = stage_batch(data, step, args, runner, runner.messenger.device, (mesh.dp_rank, mesh.dp_size))
     grads.zero_grad()                     # the buckets zeroed, each .grad a view into its bucket again
     with runner.keys.training(step):      # tp collectives inside every layer; dp buckets start in the backward
-        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, grid.dp_rank * samples, grads=grads)
+        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, mesh.dp_rank * samples, grads=grads)
     if shards:
         shards.release()                  # --zero 3: the whole weights gathered for this step go
     sync_tp_grads(*tp_sums)               # tensor parallelism first: its partial gradients made whole,
     grads.final_late()                    # then their buckets start too
     grads.wait()                          # data parallelism: every bucket's all-reduce, then / D
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
-        norm = clip(runner, optimizer, args, grid)   # over tp shards, stages (--zero 1, 2, 3: and replicas)
+        norm = clip(runner, optimizer, args, mesh)   # over tp shards, stages (--zero 1, 2, 3: and replicas)
     runner.update(optimizer)              # --zero 1, 2: my slices, then the all-gather (3: my slices only)
     timeline.end(step)
     return loss, norm
@@ -241,15 +215,15 @@ def note_whole_cuts(shard, args, pos, group, scattered):
     return shard_and_note
 
 
-def describe(grid, messenger):
+def describe(mesh, messenger):
     """The grid with the three kinds of group marked, and what each tp rank sends at each cut."""
-    lines = [f"grid = arange({grid.ranks.numel()}).view(dp {grid.dp_size}, pp {grid.pp_size}, tp {grid.tp_size}):",
-             str(grid.ranks)]
+    dp, pp, tp = mesh.dp_size, mesh.pp_size, mesh.tp_size
+    lines = [f"grid = arange({mesh.ranks.numel()}).view(dp {dp}, pp {pp}, tp {tp}):", str(mesh.ranks.view(dp, pp, tp))]
     what = {"tp": "one stage's layers split, collectives in every layer",
             "pp": "one pipeline, point-to-point between neighbouring stages",
-            "dp": "same stage and tp rank, one gradient all-reduce per step"}
+            "dp": "same stage and tp rank, the gradient sync: a collective per bucket, M a step under --zero 2/3"}
     for name in ("tp", "pp", "dp"):
-        lines.append(f"{name} groups ({what[name]}): " + " ".join(map(str, grid.lines[name])))
+        lines.append(f"{name} groups ({what[name]}): " + " ".join(map(str, mesh.lines[name])))
     cuts = ", ".join(str(messenger.message_shape(c)) for c in range(1, len(messenger.shapes))) or "none (one stage)"
     lines.append(f"per-sample message at each cut, on tp rank 0: {cuts}")
     return "\n".join(lines)
@@ -264,24 +238,26 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        grid = Grid(env.rank, env.world_size, args.dp, args.tp, timeout=group_timeout(env, args.timeout_s))
-        pos, model, runner, tp_sums = build_stage(args, env, grid)
+        # every group of the mesh, made once and in the same order on every rank (mp/mesh.py): the dp, pp
+        # and tp axes here, cp of 1
+        mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, tp=args.tp, timeout=group_timeout(env, args.timeout_s))
+        pos, model, runner, tp_sums = build_stage(args, env, mesh)
         if env.rank == 0:
-            print(describe(grid, runner.messenger), flush=True)
+            print(describe(mesh, runner.messenger), flush=True)
         # the data-parallel buckets of the 2-D program over the ranks with my (pp, tp) coordinates; the
         # gradients the tp sums complete start their buckets after those sums (late)
         late = [p for sums in tp_sums if sums for p in sums.params]
-        grads, shards = data_parallel_buckets(model, runner, grid, args, late)
+        grads, shards = data_parallel_buckets(model, runner, mesh, args, late)
         if args.check:   # my shards against the matching slices of a full model in this process
-            status = pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
+            status = pipeline_check(env, args, model, runner, data, forward_backward, (mesh.dp_rank, mesh.dp_size),
                                     grads, sum_first=partial(sync_tp_grads, *tp_sums))
         else:   # the loss is logged by tp rank 0 of replica 0's last stage
-            timeline, job = train_job(args, env, grid, runner, model, data, grads, shards, PROGRAM,
+            timeline, job = train_job(args, env, mesh, runner, model, data, grads, shards, PROGRAM,
                                       step=partial(train_step, tp_sums=tp_sums))
             # two kinds of replica to compare after the run: the stage's over dp (train_job's), and the
             # tensors every tp rank holds whole
-            job.replicas.append(Replicas(replicated_parameters(model), grid.tp_group, "replicated parameters "
-                                         f"bit-identical across the {grid.tp_size} tensor-parallel ranks"))
+            job.replicas.append(Replicas(replicated_parameters(model), mesh.tp_group, "replicated parameters "
+                                         f"bit-identical across the {mesh.tp_size} tensor-parallel ranks"))
             status = train(args, env, job)
             timeline.write()
     exit_now(status)

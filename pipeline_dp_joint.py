@@ -3,32 +3,38 @@
 The lesson: a pipeline is a row of the grid, the ranks that hold the same stage are a column.
 Each pipeline takes its own contiguous slice of every global batch and runs a schedule of
 pipeline_microbatch.py on it (imported, not copied); after its last backward, each stage averages
-its gradients with the same stage of the other pipelines (one flattened all-reduce in its column's
-process group), then every rank steps its optimizer. The default is 2 pipelines
-x 3 stages, each stage working through 3 sequential microbatches.
+its gradients with the same stage of the other pipelines (in its column's process group), then every
+rank steps its optimizer. The default is 2 pipelines x 3 stages, each stage working through 3
+sequential microbatches.
 
-What this adds to pipeline_microbatch.py (itself the baseline plus a pipeline): the Grid of ranks
-and its row and column process groups, and in its train_step the replica's slice of the batch and
-the gradients averaged over the column (in flat buckets during the backward, mp.buckets); the logged
-loss is averaged over the column when the loop logs it (mp.loop.Sums).
+What this adds to pipeline_microbatch.py (itself the baseline plus a pipeline): the grid of ranks
+(mp.mesh, the one layout every program takes its groups from: here its dp and pp axes) with its row and
+column process groups, and in its train_step the replica's slice of the batch and the gradients averaged
+over the column (in flat buckets during the backward, mp.buckets); the logged loss is averaged over the
+column when the loop logs it (mp.loop.Sums).
 
     torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic
     torchrun --standalone --nproc-per-node 6 -- pipeline_dp_joint.py --data synthetic --check
 
-The grid for 6 ranks: grid = arange(world).view(dp, pp), so rank = dp_rank * pp + pp_rank.
+The grid for 6 ranks: mesh.ranks = arange(world).view(dp, pp) (cp and tp of 1), so rank = dp_rank * pp + pp_rank.
 
                   stage 0   stage 1   stage 2
     pipeline 0:   rank 0 -> rank 1 -> rank 2      a row: point-to-point, every microbatch
     pipeline 1:   rank 3 -> rank 4 -> rank 5
                     |         |         |
-                 dp group  dp group  dp group     a column: one gradient all-reduce per step
+                 dp group  dp group  dp group     a column: the gradient sync of the step
 
 A pipeline's ranks are consecutive, so torchrun puts a whole pipeline on one node when
 --nproc-per-node is a multiple of the stage count: the chatty point-to-point traffic (activations
-and gradients of every microbatch) stays inside the machine, and only the once-per-step gradient
-all-reduce crosses nodes. Adding tensor parallelism makes a third, innermost axis
-(arange(world).view(dp, pp, tp), parallel_3d.py, whose Grid adds it): the tp ranks of one
-stage exchange activations inside every layer, so they belong on the fastest links of all.
+and gradients of every microbatch) stays inside the machine, and only the gradient sync crosses nodes.
+What that sync is, per bucket of gradients (mp.buckets) and step: --zero 0 one all-reduce, started in
+the last microbatch's backward (2bw: one flat all-reduce after the backward); --zero 1 one reduce-scatter,
+then an all-gather of the updated slices; --zero 2 a reduce-scatter in every microbatch's backward (M a
+step), then the all-gather; --zero 3 the M reduce-scatters, and each block's weights all-gathered once a
+step, or before every forward and every backward (2M) with --zero3-gather microbatch.
+Adding tensor parallelism makes a third, innermost axis (arange(world).view(dp, pp, tp), parallel_3d.py):
+the tp ranks of one stage exchange activations inside every layer, so they belong on the fastest links of
+all (mp/mesh.py draws every axis).
 """
 from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
 if __name__ == "__main__":
@@ -36,7 +42,6 @@ if __name__ == "__main__":
 
 from functools import partial
 
-import torch
 import torch.distributed as dist
 
 from mp import checkpoint
@@ -47,6 +52,7 @@ from mp.data import agree_on_data, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
+from mp.mesh import Mesh
 from mp.optim import make_optimizer, whole_params
 from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
@@ -67,33 +73,17 @@ def parse_args(argv=None):
     return args
 
 
-# ----------------------------------------------------------------------------- the grid
+# ----------------------------------------------------------------------------- the mesh's pipelines
 
 
-class Grid:
-    """Who am I on the dp x pp grid, and the process group of each axis through me."""
-
-    def __init__(self, rank, world, dp, timeout=None):
-        self.ranks = torch.arange(world).view(dp, world // dp)   # print it: rows are pipelines
-        self.dp_size, self.pp_size = self.ranks.shape
-        self.dp_rank, self.pp_rank = divmod(rank, self.pp_size)
-        self.tp_rank = 0                      # no tensor parallelism here (parallel_3d.py adds that axis)
-        pipelines, columns = self.ranks.tolist(), self.ranks.T.tolist()
-        # new_group is itself a collective over all ranks: every rank creates every group, in the same
-        # order, even the groups it is not in; otherwise the creations pair up wrongly and hang.
-        # timeout: the default group's (mp.dist.group_timeout); new_group's own default is 30 minutes,
-        # so a rank waiting on a stopped peer in its data-parallel all-reduce would hang that long
-        self.pp_group = [dist.new_group(ranks, timeout=timeout) for ranks in pipelines][self.dp_rank]
-        self.dp_group = [dist.new_group(ranks, timeout=timeout) for ranks in columns][self.pp_rank]
-        self.dp_peers = columns[self.pp_rank]  # my stage's replicas: the gradient all-reduce's ranks
-
-    def pipeline(self, virtual, placement="loop"):
-        """My place in my pipeline, its peers addressed by global rank (placement: zbv's V, or the loop)."""
-        return PipelineRank(self.pp_rank, self.pp_size, self.ranks[self.dp_rank].tolist(), virtual, self.pp_group,
-                            placement)
+def pipeline(mesh, virtual, placement="loop"):
+    """My place in my pipeline: the mesh's pp line through me, its peers addressed by global rank, on
+    the pp group (placement: zbv's V, or the loop). Here, not in mp/mesh.py: PipelineRank is
+    pipeline_microbatch.py's, and the package never imports a program."""
+    return PipelineRank(mesh.pp_rank, mesh.pp_size, mesh.peers("pp"), virtual, mesh.pp_group, placement)
 
 
-def data_parallel_buckets(model, runner, grid, args, late=()):
+def data_parallel_buckets(model, runner, mesh, args, late=()):
     """The gradients as views into flat buckets (mp.buckets), each all-reduced (--zero 1, 2, 3: reduce-
     scattered) over my column of the grid as soon as its own gradients are final, so that it overlaps
     the backward of the layers before it (--zero 2, 3: in every microbatch's backward, the whole bucket
@@ -104,7 +94,7 @@ def data_parallel_buckets(model, runner, grid, args, late=()):
     if runner.versions:
         return None, None
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # zb's W writes these in place itself
-    grads = GradBuckets(runner.parameters(), grid.dp_group, waiting(grid, args), shard=args.zero >= 1,
+    grads = GradBuckets(runner.parameters(), mesh.dp_group, waiting(mesh, args), shard=args.zero >= 1,
                         recorder=runner, late=late, direct=direct, free=args.zero >= 2,
                         groups=weights_by_block(runner.chunks) if args.zero == 3 else None)
     grads.name_params(model.named_parameters())   # for its error lines
@@ -113,20 +103,20 @@ def data_parallel_buckets(model, runner, grid, args, late=()):
     return grads, shards
 
 
-def waiting(grid, args):
+def waiting(mesh, args):
     """What a wait on my data-parallel group says when it gives up (mp.dist.awaiting's arguments)."""
-    return (f"stage {grid.pp_rank} of pipeline {grid.dp_rank} waited for the all-reduce with its data-parallel "
-            f"group, ranks {grid.dp_peers}", args.timeout_s)
+    return (f"stage {mesh.pp_rank} of pipeline {mesh.dp_rank} waited for the all-reduce with its data-parallel "
+            f"group, ranks {mesh.peers('dp')}", args.timeout_s)
 
 
-def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeline, shards=None):
+def train_step(step, runner, optimizer, actions, data, args, mesh, grads, timeline, shards=None):
     """One optimizer step of D pipelines, in the order it runs; pipeline_microbatch.train_step with
     the replicas' slice of the batch and their gradient average. The loss (my slice's mean, on the
     last stages) is averaged over the replicas when the loop logs it (Sums), not in the step.
     shards (--zero 3): each block's weights are all-gathered by the block's own hooks as it runs."""
     timeline.begin(step)
-    samples = args.batch_size // grid.dp_size     # my replica's contiguous slice of the global batch
-    x, y = stage_batch(data, step, args, runner, runner.messenger.device, (grid.dp_rank, grid.dp_size))
+    samples = args.batch_size // mesh.dp_size     # my replica's contiguous slice of the global batch
+    x, y = stage_batch(data, step, args, runner, runner.messenger.device, (mesh.dp_rank, mesh.dp_size))
     if grads:
         grads.zero_grad()                 # the buckets zeroed, each .grad a view into its bucket again
                                           # (--zero 2, 3: made as the backward's gradients arrive)
@@ -135,64 +125,63 @@ def train_step(step, runner, optimizer, actions, data, args, grid, grads, timeli
     if runner.versions:                   # 2bw: its first step warms up, its last drains
         actions = runner.versions.actions(step)
     with runner.keys.training(step):      # buckets start during the backward, as the executor says
-        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, grid.dp_rank * samples, grads=grads)
+        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, mesh.dp_rank * samples, grads=grads)
     if shards:
         shards.release()                  # --zero 3: the whole weights gathered for this step go
     # data parallelism: each replica's gradient is its slice's mean; the batch's is their average
     if grads:
         grads.wait()                      # every bucket's all-reduce (or reduce-scatter), then / D
-    elif grid.dp_size > 1:                # 2bw: one flat all-reduce after the backward
-        with awaiting(*waiting(grid, args)):
-            all_reduce_flat([p.grad for p in runner.parameters()], grid.dp_group, divide_by=grid.dp_size)
+    elif mesh.dp_size > 1:                # 2bw: one flat all-reduce after the backward
+        with awaiting(*waiting(mesh, args)):
+            all_reduce_flat([p.grad for p in runner.parameters()], mesh.dp_group, divide_by=mesh.dp_size)
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
-        norm = clip(runner, optimizer, args, grid)
+        norm = clip(runner, optimizer, args, mesh)
     runner.update(optimizer)              # --zero 1, 2: my slices, then the all-gather (3: my slices only);
                                           # 2bw: the versions swap
     timeline.end(step)
     return loss, norm
 
 
-def clip(runner, optimizer, args, grid):
+def clip(runner, optimizer, args, mesh):
     """The global gradient norm, and clipping (mp.clipping): over the stages (and parallel_3d.py's tp
     shards); --zero 1, 2, 3: each replica holds the mean gradient of its slices only, so over the slices,
     the replicas' squares summed too."""
     if not args.zero:
         return clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups, runner.counted)
-    return clip_global(optimizer.slices, args.clip_grad_norm, runner.norm_groups + [grid.dp_group],
+    return clip_global(optimizer.slices, args.clip_grad_norm, runner.norm_groups + [mesh.dp_group],
                        squares=optimizer.squares(runner.counted))
 
 
-def train_job(args, env, grid, runner, model, data, grads, shards, program, step=train_step):
+def train_job(args, env, mesh, runner, model, data, grads, shards, program, step=train_step):
     """The loop's Job for D pipelines: the step (this file's, or parallel_3d.py's), the optimizer
     (--zero 1, 2, 3: mp.zero's, over my slices of the buckets), my layout, who logs."""
     optimizer = ZeroOptimizer(grads, args, shards) if args.zero else make_optimizer(runner.parameters(), args)
     # the same every step (zbv on gloo: its sends right after their compute, mp.pp.p2p)
     actions = schedule_actions(args.schedule, runner.pos, args.microbatches,
                                sends_at_once=runner.messenger.sends_at_once)
-    owner = runner.pos.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0   # logs the loss
+    owner = runner.pos.is_last_stage and mesh.dp_rank == 0 and mesh.tp_rank == 0   # logs the loss
     timeline = Timeline(args, runner, runner.pos, owner)
-    tp = env.world_size // (grid.dp_size * grid.pp_size)   # parallel_3d.py's third axis, else 1
-    layout = checkpoint.layout_of(program, env, dp=grid.dp_size, pp=grid.pp_size, tp=tp, schedule=args.schedule,
-                                  virtual_stages=runner.pos.virtual)
+    layout = checkpoint.layout_of(program, env, dp=mesh.dp_size, pp=mesh.pp_size, tp=mesh.tp_size,
+                                  schedule=args.schedule, virtual_stages=runner.pos.virtual)
     return timeline, Job(
-        partial(step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args, grid=grid,
+        partial(step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args, mesh=mesh,
                 grads=grads, timeline=timeline, shards=shards),
         model, optimizer, layout, owner,
-        evaluate=partial(evaluate_replica, runner, grid, data, env, optimizer),
+        evaluate=partial(evaluate_replica, runner, mesh, data, env, optimizer),
         # logged: the replicas' losses averaged; the norm's squares summed as clip() sums them
-        sums=Sums(replicas=grid.dp_group, norm_groups=runner.norm_groups + ([grid.dp_group] if args.zero else [])),
+        sums=Sums(replicas=mesh.dp_group, norm_groups=runner.norm_groups + ([mesh.dp_group] if args.zero else [])),
         versions=runner.versions.weights if runner.versions else None,
         # after the run: the replicas of every stage bit-identical (under --zero the same bytes by
         # construction: nothing to gather or compare, and the line says so)
-        replicas=[Replicas(list(model.parameters()), grid.dp_group, "parameters bit-identical across the "
-                           f"{grid.dp_size} replicas of every stage", args.zero)])
+        replicas=[Replicas(list(model.parameters()), mesh.dp_group, "parameters bit-identical across the "
+                           f"{mesh.dp_size} replicas of every stage", args.zero)])
 
 
-def evaluate_replica(runner, grid, data, env, optimizer):
+def evaluate_replica(runner, mesh, data, env, optimizer):
     """Replica 0's pipeline evaluates (the others hold the same weights). --zero 3: every replica takes
     part in gathering the weights whole first (whole_params: collectives over the replicas)."""
     with whole_params(optimizer):
-        return evaluate_pipeline(runner, runner.pos, data, env.device) if grid.dp_rank == 0 else None
+        return evaluate_pipeline(runner, runner.pos, data, env.device) if mesh.dp_rank == 0 else None
 
 
 def main(argv=None):
@@ -201,17 +190,20 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        grid = Grid(env.rank, env.world_size, args.dp, timeout=group_timeout(env, args.timeout_s))
+        # every group of the mesh, made once and in the same order on every rank (mp/mesh.py); here
+        # dp pipelines of world / dp stages, the cp and tp axes of size 1
+        mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, timeout=group_timeout(env, args.timeout_s))
         if env.rank == 0:
-            print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n{grid.ranks}", flush=True)
-        pos = grid.pipeline(args.virtual_stages, placement_of(args.schedule))   # 1 outside interleaved and zbv
+            print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n"
+                  f"{mesh.ranks.view(mesh.dp_size, mesh.pp_size)}", flush=True)
+        pos = pipeline(mesh, args.virtual_stages, placement_of(args.schedule))   # 1 outside interleaved and zbv
         model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
-        grads, shards = data_parallel_buckets(model, runner, grid, args)
+        grads, shards = data_parallel_buckets(model, runner, mesh, args)
         if args.check:   # each replica checks its slice of the first batch
-            status = pipeline_check(env, args, model, runner, data, forward_backward, (grid.dp_rank, grid.dp_size),
+            status = pipeline_check(env, args, model, runner, data, forward_backward, (mesh.dp_rank, mesh.dp_size),
                                     grads)
         else:
-            timeline, job = train_job(args, env, grid, runner, model, data, grads, shards, PROGRAM)
+            timeline, job = train_job(args, env, mesh, runner, model, data, grads, shards, PROGRAM)
             status = train(args, env, job)   # the loop (mp/loop.py), then the replicas compared
             timeline.write()
     exit_now(status)

@@ -2,6 +2,7 @@
 
     errors dist flags models data optim log   the run: one error line, the process group and its bounded
                                               waits, the shared flags, the three models, the data, the log
+    mesh                                      the ranks on named axes and every process group, made once
     loop check checkpoint                     the one training loop (a program hands it its step), the one
                                               --check, checkpoints in the baseline's coordinates
     dropout clipping                          keyed dropout masks, the global gradient norm

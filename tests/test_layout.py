@@ -141,9 +141,13 @@ def test_each_program_holds_its_own_mechanism():
             "reduce_from_tp_region"} <= defined("tensor_parallel.py")
     # the data-parallel gradient sync: buckets all-reduced as their gradients become final (all_reduce_flat
     # is only the 2bw path's, so it is not the mechanism the lesson teaches)
-    assert {"Grid", "train_step", "data_parallel_buckets"} <= defined("pipeline_dp_joint.py")
-    assert {"dist.new_group", "GradBuckets", "grads.wait", "grads.zero_grad"} <= calls("pipeline_dp_joint.py")
-    assert "dist.new_group" in calls("parallel_3d.py")
+    assert {"pipeline", "train_step", "data_parallel_buckets"} <= defined("pipeline_dp_joint.py")
+    assert {"GradBuckets", "grads.wait", "grads.zero_grad"} <= calls("pipeline_dp_joint.py")
+    # issue 64: the grids' groups come from the one mesh (mp/mesh.py makes every group, in one order);
+    # no program makes a group of its own
+    assert "dist.new_group" in calls("mp/mesh.py")
+    for program in ("pipeline_dp_joint.py", "parallel_3d.py"):
+        assert "Mesh.build" in calls(program) and "dist.new_group" not in calls(program), program
     # the ring written out with batched isend/irecv, its backward, and Ulysses' all-to-all pair
     assert {"RingAttention", "ring_exchange", "_TokensToHeads", "_HeadsToTokens", "_ReduceFromCP",
             "train_step"} <= defined("context_parallel.py")

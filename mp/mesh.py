@@ -1,0 +1,135 @@
+"""One mesh for every program: the world laid out once on named axes, and every process group built from it.
+
+The ranks are numbered in one tensor that anyone can print, ranks = arange(world).view(dp, pp, cp, tp):
+dp outermost, then pp, then cp, tp innermost. Every group is a line of that tensor (or of a plane, for
+dp x cp), so "who talks to whom" is read off one picture. For 16 ranks, dp 2 pp 2 cp 2 tp 2:
+
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
+
+                    stage 0 (pp 0)               stage 1 (pp 1)
+                   cp 0       cp 1              cp 0       cp 1
+    replica 0:   [ 0 | 1 ]  [ 2 | 3 ]  ---->  [ 4 | 5 ]  [ 6 | 7 ]        node 0 (8 ranks a node)
+    replica 1:   [ 8 | 9 ]  [10 |11 ]  ---->  [12 |13 ]  [14 |15 ]        node 1
+
+    tp  [ | ]   neighbours, 1 apart: {0,1}         collectives inside every layer        (most often)
+    cp          2 apart: {0,2}                     the ring / all-to-all of every attention layer
+    pp  ---->   4 apart: {0,4}                     point-to-point, every microbatch, one neighbour
+    dp          8 apart: {0,8}                     the gradient sync, once or M times a step
+    dp x cp     {0,2,8,10}: a stage's ranks that hold the same weights (dense gradients, ZeRO, the loss)
+    ep          folded over dp x cp (Megatron's "MoE parallel folding"): ep 4 = {0,2,8,10};
+                ep 2 = {0,2} {8,10}: consecutive in the dp x cp order, so an expert group stays on a node
+    edp         the dp x cp ranks holding the same experts: ep 2 gives {0,8} {2,10}; ep 4 gives {0}
+
+Why this order: the more often an axis talks, the closer its ranks are numbered, and torchrun gives
+consecutive ranks to one node, so tp (every layer) lands on the fastest links, then cp. dp outermost,
+pp inside it, keeps a whole pipeline on one node and sends only the gradient sync across nodes. Megatron
+puts pp outermost instead (a pipeline's small messages cross nodes and its dp groups stay inside them);
+this order is the one pipeline_dp_joint.py (view(dp, pp)) and parallel_3d.py (view(dp, pp, tp)) always
+had, so every rank keeps its coordinates and every sum its order: their numbers stay bit-identical.
+
+new_group is itself a collective over all ranks, so every rank creates every group, in the order of
+GROUPS, even the groups it is not in. Axes of size 1 get real groups of one rank too: a collective on
+a group of one is a no-op, while None would mean WORLD, and code that runs on WORLD "because it is
+alone" is what composition breaks. They are cheap on gloo (measured on 2 shared CPU cores, 2026-11-28):
+29 groups for pipeline_dp_joint.py's 6 ranks took 48 ms (26 ms for the 11 of its axes larger than one),
+36 for parallel_3d.py's 8 ranks (dp 2 pp 2 tp 2) 33 ms (24 ms), 56 for 16 ranks (dp 2 pp 2 cp 2 tp 2
+ep 4) 154 ms (111 ms): a tenth of a second against the seconds a rank takes to import torch and start.
+Groups with the same members (dp and dp x cp when cp is 1) stay two groups, so that collectives on two
+axes never queue behind each other in one group's order. On nccl with a bound device (mp.dist), torch
+makes each new_group an ncclCommSplit of the world (non-members take part too) and connects the new
+communicator at once: not yet timed on a GPU; if it costs, groups of one are the first to drop there.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+AXES = ("dp", "pp", "cp", "tp")                          # the numbering, outermost first
+GROUPS = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp")  # the order every rank creates them in
+
+
+def layout(world, dp=1, cp=1, tp=1):
+    """ranks = arange(world).view(dp, pp, cp, tp), pp what the world leaves; ValueError if it does not tile."""
+    if min(dp, cp, tp) < 1 or world % (dp * cp * tp):
+        raise ValueError(f"the world size {world} is not divisible by dp {dp} x cp {cp} x tp {tp} = {dp * cp * tp}")
+    return torch.arange(world).view(dp, world // (dp * cp * tp), cp, tp)
+
+
+def lines(ranks, ep=1):
+    """{group name: the member lists of every group of that name}, for every rank, from the layout alone
+    (no process group: tests read it). A line of an axis holds the ranks that differ only in that coordinate."""
+    dp, pp, cp, tp = ranks.shape
+    if ep < 1 or (dp * cp) % ep:
+        raise ValueError(f"ep {ep} does not divide dp {dp} x cp {cp} = {dp * cp}: the experts are folded over "
+                         f"a stage's dp x cp ranks, so use an ep that divides {dp * cp}")
+    found = {name: along(ranks, AXES.index(name)) for name in ("pp", "dp", "cp", "tp")}
+    # a stage's ranks of one tp rank, in (dp, cp) order: [pp, tp, dp x cp]
+    stage = ranks.permute(1, 3, 0, 2).reshape(pp, tp, dp * cp)
+    found["dp_cp"] = stage.reshape(-1, dp * cp).tolist()
+    folded = stage.reshape(pp, tp, dp * cp // ep, ep)     # ep innermost: an expert group's ranks are closest
+    found["ep"] = folded.reshape(-1, ep).tolist()
+    found["edp"] = folded.transpose(2, 3).reshape(-1, dp * cp // ep).tolist()   # the same ep rank: same experts
+    return {name: found[name] for name in GROUPS}
+
+
+def along(ranks, axis):
+    """The lines of the tensor along one axis, in row-major order of the other coordinates."""
+    return ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
+
+
+@dataclass
+class Mesh:
+    """Who am I on the mesh: my coordinate and my process group along each axis. Groups are handed to
+    the code that uses them (mesh.dp_group at the call), never kept in a global."""
+    rank: int
+    ranks: torch.Tensor        # arange(world).view(dp, pp, cp, tp): print it
+    lines: dict                # group name -> every group's members along it (not only mine)
+    groups: dict = field(repr=False)   # group name -> my process group along it
+    timeout: object = None     # what every group was made with (mp.dist.group_timeout)
+
+    @classmethod
+    def build(cls, rank, world, dp=1, cp=1, tp=1, ep=1, timeout=None):
+        """Lay the world out and make every group (a collective: every rank calls it, with the same
+        sizes). timeout: the default group's; new_group's own default is 30 minutes, so a rank waiting
+        on a stopped peer would hang that long. Bad sizes raise ValueError before any group is made."""
+        members = lines(layout(world, dp, cp, tp), ep)
+        groups = {}
+        for name in GROUPS:                    # every group of every name, in the same order on every rank
+            made = [dist.new_group(line, timeout=timeout) for line in members[name]]
+            groups[name] = next(g for g, line in zip(made, members[name]) if rank in line)
+        return cls(rank, layout(world, dp, cp, tp), members, groups, timeout)
+
+    def peers(self, name):
+        """The global ranks of my group along `name` (mine among them), in the order of its coordinate."""
+        return next(line for line in self.lines[name] if self.rank in line)
+
+    def coordinate(self, name):
+        return self.peers(name).index(self.rank)
+
+    def size(self, name):
+        return len(self.lines[name][0])
+
+    # my group along each axis, named where a collective runs on it
+    pp_group = property(lambda self: self.groups["pp"])         # my pipeline: point-to-point between stages
+    dp_group = property(lambda self: self.groups["dp"])         # my stage's replicas at my cp and tp coordinates
+    cp_group = property(lambda self: self.groups["cp"])         # the ranks that split my sequences
+    tp_group = property(lambda self: self.groups["tp"])         # the ranks that split my stage's layers
+    dp_cp_group = property(lambda self: self.groups["dp_cp"])   # every rank holding my dense weights
+    ep_group = property(lambda self: self.groups["ep"])         # the ranks my tokens' experts are spread over
+    edp_group = property(lambda self: self.groups["edp"])       # the ranks holding my experts
+
+    dp_rank = property(lambda self: self.coordinate("dp"))
+    pp_rank = property(lambda self: self.coordinate("pp"))
+    cp_rank = property(lambda self: self.coordinate("cp"))
+    tp_rank = property(lambda self: self.coordinate("tp"))
+    ep_rank = property(lambda self: self.coordinate("ep"))
+    edp_rank = property(lambda self: self.coordinate("edp"))
+    dp_cp_rank = property(lambda self: self.coordinate("dp_cp"))   # dp_rank * cp + cp_rank: my (dp, cp) slice
+
+    dp_size = property(lambda self: self.size("dp"))
+    pp_size = property(lambda self: self.size("pp"))
+    cp_size = property(lambda self: self.size("cp"))
+    tp_size = property(lambda self: self.size("tp"))
+    ep_size = property(lambda self: self.size("ep"))
+    edp_size = property(lambda self: self.size("edp"))
+    dp_cp_size = property(lambda self: self.size("dp_cp"))
