@@ -53,14 +53,15 @@ from mp.cli import context_parallel_args
 from mp.cp.memory import SavedActivations
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
-from mp.dist import distributed, exit_now
+from mp.dist import distributed, exit_now, group_timeout
 from mp.dropout import KeyedDropout
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, evaluate, train, whole_model_run
+from mp.mesh import Mesh
 from mp.models import Attention, PatchEmbed, build_model, num_blocks
 from mp.optim import make_optimizer
 from mp.sizes import tokens_of
-from mp.tp.replicas import SummedGradients, average_replicated_grads, counted_once
+from mp.replicas import SummedGradients, average_replicated_grads, counted_once
 
 PROGRAM = "context_parallel"
 
@@ -353,7 +354,7 @@ def sync_cp_grads(partial_sums, replicated):
     classifier's is whole on every rank already. On a GPU it is averaged too (replicated is not None):
     its kernels may sum in another order from run to run, and a last-bit difference would let the
     ranks' copies drift apart; on the CPU the copies are bit-identical, and the all-reduce is skipped
-    (mp.tp.replicas.ReplicatedGrads)."""
+    (mp.replicas.ReplicatedGrads)."""
     partial_sums.sum()
     if replicated:
         replicated.average()
@@ -380,7 +381,9 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        group = dist.group.WORLD
+        # the one mesh (mp/mesh.py) with every rank on its cp axis: the ring and the all-to-alls run on its cp group
+        mesh = Mesh.build(env.rank, env.world_size, cp=env.world_size, timeout=group_timeout(env, args.timeout_s))
+        group = mesh.cp_group
         model = build_context_parallel_model(args, group, env.device)
         cp_grads = (model.partial_grads, average_replicated_grads(model, group, env.device))
         # every weight is whole on every rank after the sum: cp rank 0 counts them all in the norm

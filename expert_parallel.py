@@ -50,15 +50,16 @@ from mp.check import check_and_exit
 from mp.cli import expert_parallel_args
 from mp.clipping import clip_global
 from mp.data import agree_on_data, dp_slice, load_data, to_device
-from mp.dist import distributed, exit_now
+from mp.dist import distributed, exit_now, group_timeout
 from mp.ep.evaluate import Traffic, sliced_run
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, evaluate, train
+from mp.mesh import Mesh
 from mp.models import build_model
 from mp.moe import (MixtureOfExperts, aux_loss, capacity_of, combine, kept_counts, kept_mask, route, rows_per_expert,
                     slot_counts, sorted_by_expert)
 from mp.optim import make_optimizer
-from mp.tp.replicas import SummedGradients
+from mp.replicas import SummedGradients
 
 PROGRAM = "expert_parallel"
 
@@ -217,10 +218,10 @@ def forward_backward(model, x, y, step, n, me):
     return logits, ce, aux
 
 
-def train_step(step, model, optimizer, data, args, device, norm):
+def train_step(step, model, optimizer, data, args, device, group, norm):
     """One optimizer step of single_baseline.py's, on my slice of the batch: the same order, the experts'
     all-to-alls inside the forward and the backward, the replicated gradients summed before the norm."""
-    n, me = ep_size(None), ep_rank(None)
+    n, me = ep_size(group), ep_rank(group)      # my slice of the batch: the experts ride on the data axis
     b = args.batch_size // n
     x = to_device(data.images(step, args.batch_size, me * b, b), device)       # only my samples are drawn
     y = to_device(dp_slice(data.labels(step, args.batch_size), me, n), device)
@@ -242,17 +243,21 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        group = dist.group.WORLD
+        # the one mesh (mp/mesh.py): every rank a data-parallel replica, the experts folded over all of them
+        mesh = Mesh.build(env.rank, env.world_size, dp=env.world_size, ep=env.world_size,
+                          timeout=group_timeout(env, args.timeout_s))
+        group = mesh.ep_group
         model = build_expert_parallel_model(args, group, env.device)
         norm = ([group], model.counted)
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             return check_and_exit(env, args, f"expert parallelism, {args.experts} experts (top-{args.top_k})",
-                                  model, check_step(model, env), x, y, replica=(env.rank, env.world_size), norm=norm)
+                                  model, check_step(model, group), x, y, replica=(mesh.dp_rank, mesh.dp_size),
+                                  norm=norm)
         optimizer = make_optimizer(model.parameters(), args)
 
         def step(k):
-            return train_step(k, model, optimizer, data, args, env.device, norm)
+            return train_step(k, model, optimizer, data, args, env.device, group, norm)
 
         # the loop (mp/loop.py) runs the steps, logs (rank 0), evaluates (every rank: the experts communicate),
         # saves, and at the end checks that the replicated weights stayed bit-identical
@@ -265,11 +270,11 @@ def main(argv=None):
                                     collectives="the expert-parallel exchanges", replicas=[replicas]))
 
 
-def check_step(model, env):
+def check_step(model, group):
     """--check's step (mp.check): my slice's forward and backward on the first batch, the replicated
     gradients summed; the loss compared is my slice's cross-entropy."""
     def step(x, y):
-        logits, ce, _ = forward_backward(model, x, y, 0, env.world_size, env.rank)
+        logits, ce, _ = forward_backward(model, x, y, 0, ep_size(group), ep_rank(group))
         model.replicated_grads.sum()
         return logits, ce
     return step

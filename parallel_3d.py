@@ -65,7 +65,7 @@ from mp.pp.schedules import placement_of
 from mp.pp.training import pipeline_check, stage_batch
 from mp.sizes import split_sizes
 from mp.tp.collectives import all_gather, tp_rank, tp_size
-from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
+from mp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import sum_sequence_parallel_grads
 # the three programs it composes: the grid's replicas, a pipeline's stages, the tensor-parallel layers
 from pipeline_dp_joint import clip, data_parallel_buckets, pipeline, train_job

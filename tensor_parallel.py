@@ -37,7 +37,7 @@ reduce-scatter after the row-parallel layer, so that LayerNorm, dropout and the 
 on 1/t of the tokens, and an all-gather before the next column-parallel layer. The same bytes,
 those activations t times smaller; f, g and the layers are here, the rest in mp/tp/sequence.py.
 --hybrid (data-parallel convolutions, a tensor-parallel classifier) is mp/tp/hybrid.py; --check is
-mp/check.py, the replicated parameters mp/tp/replicas.py.
+mp/check.py, the replicated parameters mp/replicas.py.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
 """
@@ -57,10 +57,11 @@ from mp.check import check_and_exit, whole_model_step
 from mp.cli import tensor_parallel_args
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
-from mp.dist import distributed, exit_now
+from mp.dist import distributed, exit_now, group_timeout
 from mp.dropout import KeyedDropout
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, evaluate, train, whole_model_run
+from mp.mesh import Mesh
 from mp.models import Attention, build_model, num_blocks
 from mp.optim import make_optimizer
 from mp.sizes import split_sizes
@@ -68,7 +69,7 @@ from mp.tp.collectives import all_reduce, tp_rank, tp_size
 from mp.tp.hybrid import HybridCNN
 from mp.tp.mappings import (gather_from_sequence_parallel_region, gather_from_tp_region,
                             reduce_scatter_to_sequence_parallel_region)
-from mp.tp.replicas import average_replicated_grads, counted_once, replicated_parameters
+from mp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import shard_sequence, sum_sequence_parallel_grads
 
 PROGRAM = "tensor_parallel"
@@ -321,7 +322,7 @@ def sync_tp_grads(partial_sums, replicated):
     """Tensor parallelism's gradient synchronisation, once a step after the last backward: the
     replicated parameters that each rank applied to its part of the data only (--hybrid's
     convolutions, --sequence-parallel's norms) get their partial gradients summed; on a GPU the other
-    replicated gradients are averaged, so that last-bit differences cannot grow (mp.tp.replicas).
+    replicated gradients are averaged, so that last-bit differences cannot grow (mp.replicas).
     Each is None where there is nothing to do (on the CPU the replicated gradients are identical)."""
     if partial_sums:
         partial_sums.sum()
@@ -350,7 +351,9 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        group = dist.group.WORLD
+        # the one mesh (mp/mesh.py) with every rank on its tp axis: the layers' collectives run on its tp group
+        mesh = Mesh.build(env.rank, env.world_size, tp=env.world_size, timeout=group_timeout(env, args.timeout_s))
+        group = mesh.tp_group
         model = build_parallel_model(args, group, env.device, args.hybrid)
         # partial gradients to sum (--hybrid, --sequence-parallel), and on a GPU the replicated ones to average
         tp_grads = (model.partial_grads, average_replicated_grads(model, group, env.device))

@@ -87,7 +87,7 @@ def validate_pipedream(args, stages):
 
 def refuse_pipedream(args, program):
     """parallel_3d.py does not run 2bw: its second weight version would be plain tensors, which
-    the tensor-parallel replicas' sums and averages (mp/tp/replicas.py), made from the module's
+    the tensor-parallel replicas' sums and averages (mp/replicas.py), made from the module's
     parameters, never see."""
     if args.schedule == "2bw":
         fail(f"--schedule 2bw runs in pipeline_microbatch.py and pipeline_dp_joint.py, not {program}.py; use "

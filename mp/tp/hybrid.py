@@ -21,7 +21,7 @@ import torch.nn as nn
 from mp.sizes import split_sizes
 from mp.tp.collectives import tp_rank, tp_size
 from mp.tp.mappings import gather_from_tp_region
-from mp.tp.replicas import SummedGradients
+from mp.replicas import SummedGradients
 
 
 def gather_from_dp_region(x, group, sizes):

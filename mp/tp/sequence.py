@@ -18,7 +18,7 @@ from mp.dropout import KeyedDropout
 from mp.models import PatchEmbed
 from mp.sizes import VIT_TOKENS
 from mp.tp.collectives import tp_rank, tp_size
-from mp.tp.replicas import SummedGradients
+from mp.replicas import SummedGradients
 
 
 

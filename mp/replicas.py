@@ -1,5 +1,6 @@
-"""Which tensor-parallel parameters are shards and which are replicas, and how the replicas stay whole
-and identical: tensor_parallel.py, parallel_3d.py, mp.check, mp.checkpoint and mp.tp.* share it.
+"""Which parameters are shards and which are replicas, and how the replicas stay whole and identical:
+a room of its own, as every axis needs it (tensor, context and expert parallelism, the 3-D program,
+mp.check, mp.checkpoint, mp.tp.*), not only tensor parallelism, which first did.
 
 A sharded layer records, for each parameter it sliced, where the slice lies in the full tensor
 (`shards`: dim, start, length). Every other parameter is replicated: row-parallel biases, norms, the
@@ -8,9 +9,18 @@ whole, identical tensors: ReplicatedGrads keeps a GPU's from drifting by a last 
 partial sum that the ranks add up (SummedGradients: --hybrid's convolutions, the norms under
 --sequence-parallel). The gradient norm counts each replica once (counted_once).
 """
+import torch.distributed as dist
+
 from mp.dist import all_reduce_flat
 from mp.models import shard_of
-from mp.tp.collectives import tp_rank, tp_size
+
+
+def group_rank(group):
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def group_size(group):
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def replicated_parameters(model):
@@ -33,7 +43,7 @@ class ReplicatedGrads:
         self.group = group
 
     def average(self):
-        grads, size = [p.grad for p in self.params if p.grad is not None], tp_size(self.group)
+        grads, size = [p.grad for p in self.params if p.grad is not None], group_size(self.group)
         if grads and size > 1:
             all_reduce_flat(grads, self.group, divide_by=size)
 
@@ -45,9 +55,9 @@ def average_replicated_grads(model, group, device):
 
 def counted_once(model, group):
     """For the gradient norm (clipping.py): a shard counts on the rank that holds it, a replicated
-    tensor on tp rank 0 only (every tp rank holds the same one; under sequence parallelism the
+    tensor on rank 0 of the group only (every rank of it holds the same one; under sequence parallelism the
     LayerNorms' partial gradients are summed before the norm is taken: whole again)."""
-    replicated, first = {id(p) for p in replicated_parameters(model)}, tp_rank(group) == 0
+    replicated, first = {id(p) for p in replicated_parameters(model)}, group_rank(group) == 0
     return lambda p: first or id(p) not in replicated
 
 
@@ -67,5 +77,5 @@ class SummedGradients:
 
     def sum(self):
         grads = [p.grad for p in self.params if p.grad is not None]   # the same on every rank of the group
-        if grads and tp_size(self.group) > 1:
+        if grads and group_size(self.group) > 1:
             all_reduce_flat(grads, self.group)
