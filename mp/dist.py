@@ -176,7 +176,8 @@ def distributed(args):
     try:   # no process group yet: a store that never answers is one error line, not a traceback
         store = torchrun_store(args.timeout_s)
         env = torchrun_env(args.backend, store, args.timeout_s)
-        agree_on_backend(env, args.backend, args.timeout_s, None if store is None else dist.PrefixStore("backend-auto", store))
+        agreeing = None if store is None else dist.PrefixStore("backend-auto", store)
+        agree_on_backend(env, args.backend, args.timeout_s, agreeing)
     except CommError as e:
         print_error(e)
         exit_now(1)
@@ -206,7 +207,8 @@ def torchrun_store(timeout_s):
     (--max-restarts), so without the prefix the new ranks would read the dead attempt's gloo addresses
     and hang or be refused in init_process_group. One process, or another launcher: None (the process
     group then takes init_process_group's default, env://)."""
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1 or not {"TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR"} <= set(os.environ):
+    by_torchrun = "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1 or not by_torchrun:
         return None
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     with awaiting(f"rank {os.environ.get('RANK', 0)} waited for torchrun's store at {address}", timeout_s):
