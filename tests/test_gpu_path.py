@@ -573,3 +573,19 @@ def test_the_bounded_wait_backs_off(monkeypatch):
     clock.now = 0.0
     mp_dist.bounded_wait(lambda: clock.now >= 0.003, 2.0, lambda: "a step")
     assert clock.now - 0.003 <= 0.003 / 50 + 1e-6, clock.now
+
+
+def test_a_local_rank_that_never_comes_is_one_error_line(tmp_path):
+    """Under torchrun the local ranks compare their GPUs on its store before any process group exists: a
+    rank whose sibling never writes its answer leaves after --timeout-s with one error line naming that
+    wait (exit 1), not a traceback from inside init_process_group."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(host.port), TORCHELASTIC_RESTART_COUNT="0")
+    script = ("import argparse\nfrom mp import dist as mp_dist\n"
+              "with mp_dist.distributed(argparse.Namespace(threads=1, backend='auto', timeout_s=1.0)):\n    pass\n")
+    proc = subprocess.run([PYTHON, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[W")]   # c10d's own warnings
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: rank 0 waited for the GPUs of its node's 2 local ranks (torchrun's store), "
+                               "and gave up (timeout 1 s)"), lines
