@@ -40,9 +40,12 @@ before autograd accumulates into it; zero-bubble's W says arriving()):
     bucket 1:                                     made, filled | reduce-scatter --> acc += my slice, freed
 
 So a replica holds its accumulators (1/D of the gradients) and the buckets in flight: the ones being
-filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts;
---zero 1 keeps that bound too, since gloo's reduce-scatter holds a copy of its bucket until it is done:
-9 buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces raised it 5).
+filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts).
+Which buckets the bound holds, and why (bounded_by_in_flight): under --zero 2 and 3, a bucket that
+every microbatch reduces, on every backend, since waiting for it is what frees it; on gloo every
+bucket, --zero 1's too, since gloo's reduce-scatter holds a copy of its bucket until it is done (9
+buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces raised it 5).
+nccl reduce-scatters in place, so there --zero 1 keeps every bucket on its way until the step waits.
 The price: M reduce-scatters a step instead of one, (M + 1)(D-1)/D N sent with the all-gather where
 --zero 1 sends 2(D-1)/D N (docs/optimizers.md). A bucket whose gradients other ranks complete after
 the backward (`late`: parallel_3d.py's tensor-parallel sums) is reduced once, after those sums.
@@ -66,7 +69,13 @@ from mp.errors import CommError
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 BUCKET_MB = 4   # small enough that a few-MB stage gets several buckets to overlap; DDP's first is 1 MB
-IN_FLIGHT = 2   # --zero 1-3: reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
+IN_FLIGHT = 2   # reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
+
+
+def reduce_scatter_copies(group):
+    """Does this group's reduce-scatter work on a copy of its bucket, held until it is done? gloo's does
+    (measured: module docstring); nccl's reads and writes the bucket itself."""
+    return dist.get_backend(group) == "gloo"
 
 
 class Bucket:
@@ -146,6 +155,7 @@ class GradBuckets:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.waiting, self.sharded, self.spans = waiting, shard, CollectiveSpans(recorder)
         self.free = free and shard          # --zero 2, 3: reduced in every microbatch, the whole buckets let go
+        self.copies = shard and reduce_scatter_copies(group)   # gloo: every bucket on its way costs a copy
         device = params[0].device if params else torch.device("cpu")
         if groups is None:
             groups = buckets(params, bucket_mb * 2**20)
@@ -272,7 +282,8 @@ class GradBuckets:
             self.start(b)
 
     def start(self, b):
-        """The bucket's collective, without waiting for it (--zero 2, 3: at most IN_FLIGHT on their way)."""
+        """The bucket's collective, without waiting for it (at most IN_FLIGHT on their way where that lowers
+        the peak: bounded_by_in_flight)."""
         b.started = True
         if self.size > 1:
             if self.sharded:              # in place: my slice of the bucket receives the sum of my slice
@@ -281,10 +292,18 @@ class GradBuckets:
                 b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
             self.count(b.grad, 1 if self.sharded else 2)
             self.spans.begin(b.work, f"{self.collective()} {self.buckets.index(b)}", b.grad.device)
-        if self.sharded:   # gloo's reduce-scatter holds a copy of its bucket until it is done (measured)
+        if self.bounded_by_in_flight(b):
             self.in_flight.append(b)
             while len(self.in_flight) > IN_FLIGHT:
                 self.retire(self.in_flight[0])
+
+    def bounded_by_in_flight(self, b):
+        """Does bucket b count against IN_FLIGHT? Where waiting for it sooner lowers the peak: a bucket
+        that every microbatch reduces (--zero 2, 3) is let go once waited for (retire), and on gloo each
+        reduce-scatter on its way holds a copy. Elsewhere (--zero 1 on nccl, and --zero 2's late buckets
+        there) the bucket stays whole through the step anyway and nccl copies nothing, so all of them
+        stay on their way, overlapping the backward, until wait()."""
+        return b.every_microbatch or self.copies
 
     def retire(self, b):
         """Bucket b's reduce-scatter waited for; --zero 2, 3: my slice added into my accumulator and the

@@ -4,6 +4,7 @@ import ctypes
 import datetime
 import os
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -27,28 +28,64 @@ class Env:
     timeout_s: float = None     # --timeout-s: how long a read after collectives may wait (settle)
 
 
-def torchrun_env(backend="auto"):
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+def torchrun_env(backend="auto", store=None, timeout_s=None, environ=None):
+    """Who this process is, and its backend and device. Each local rank takes GPU local_rank % (GPUs it
+    sees): cuda:local_rank when every rank sees all of the node's, cuda:0 when a launcher hands each its
+    own through CUDA_VISIBLE_DEVICES. Whether two local ranks share one is read from what they hold, not
+    from counts: with a store (torchrun's), each writes its GPU's UUID and reads the others' (local_gpus)."""
+    environ = os.environ if environ is None else environ
+    rank, world = int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(environ.get("LOCAL_RANK", 0)), int(environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    shared = 0 < gpus < local_world and gpus_can_be_shared()   # several local ranks a GPU (NCCL 2.30+)
+    index = local_rank % gpus if gpus else None                # round-robin over the GPUs this rank sees
+    if store is not None and local_world > 1 and backend != "gloo":
+        held = local_gpus(store, rank, local_rank, local_world, gpu_uuid(index) if gpus else "", timeout_s)
+        every, distinct = "" not in held, len(set(held) - {""})
+    else:   # nothing to ask (one local rank, or a launcher without torchrun's store): as if all see the same GPUs
+        every, distinct = gpus > 0, min(gpus, local_world)
+    own = every and distinct == local_world                    # no two local ranks on one GPU
+    shared = every and not own and gpus_can_be_shared()        # several local ranks a GPU (NCCL 2.30+)
     if backend == "auto":  # nccl when each local rank has a GPU, its own or a shared one; else gloo on the CPU
-        backend = "nccl" if gpus >= local_world or shared else "gloo"
-    if backend == "nccl" and gpus < local_world and not shared:
-        fail(f"--backend nccl needs one GPU per local rank: {local_world} local ranks, {gpus} GPUs (ranks share a "
+        backend = "nccl" if own or shared else "gloo"
+    if backend == "nccl" and not (own or shared):
+        fail(f"--backend nccl needs one GPU per local rank: {local_world} local ranks, {distinct} GPUs (ranks share a "
              f"GPU only with NCCL 2.30 or later and {SHARE_SWITCH}=1: {sharing_state()}); use --backend gloo, "
              f"fewer processes per node, or a torch whose NCCL is 2.30+ with the switch (docs/gpu.md)")
-    if backend == "nccl" and world > 1 and "LOCAL_RANK" not in os.environ:
+    if backend == "nccl" and world > 1 and "LOCAL_RANK" not in environ:
         fail(f"--backend nccl at world size {world} needs LOCAL_RANK (which GPU is mine), which this "
              f"launcher did not set: every rank would use cuda:0; launch with torchrun, or set LOCAL_RANK")
     if backend == "nccl" and shared and local_rank == 0:
-        print(f"note: {local_world} local ranks share {gpus} GPU{'s' if gpus > 1 else ''} (rank r on cuda:r % "
-              f"{gpus}; {sharing_state()}): right for checking results, not for timing them, since the ranks "
-              f"share the GPU's cores", flush=True)
-    device = torch.device(f"cuda:{local_rank % gpus}") if backend == "nccl" else torch.device("cpu")
+        print(f"note: {local_world} local ranks share {distinct} GPU{'s' if distinct > 1 else ''} (rank r on "
+              f"cuda:r % {gpus}; {sharing_state()}): right for checking results, not for timing them, since the "
+              f"ranks share the GPU's cores", flush=True)
+    device = torch.device(f"cuda:{index}") if backend == "nccl" else torch.device("cpu")
     return Env(rank, world, local_rank, local_world, backend, device)
+
+
+def gpu_uuid(index):
+    """The GPU's UUID: the same physical GPU gives the same one whatever index a process sees it under."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_gpus(store, rank, local_rank, local_world, mine, timeout_s):
+    """The UUID of the GPU each local rank of my node takes ("" where it has none), in local-rank order:
+    each writes its own, then reads all of them in one call. torchrun numbers a node's ranks
+    consecutively, so rank - local_rank names the node."""
+    node = rank - local_rank
+    store.set(f"gpu/{node}/{local_rank}", mine)
+    return read_all(store, [f"gpu/{node}/{r}" for r in range(local_world)], timeout_s,
+                    f"rank {rank} waited for the GPUs of its node's {local_world} local ranks (torchrun's store)")
+
+
+def read_all(store, keys, timeout_s, what):
+    """The values of keys, as str, in one request: Store.multi_get waits until every key is set (one
+    get per key would make W ranks send W^2 requests to the one store). A torch without multi_get: wait
+    for them all, then get each. A key that never comes ends in a CommError naming `what`."""
+    with awaiting(what, timeout_s):
+        if not hasattr(store, "multi_get"):
+            store.wait(keys)
+            return [store.get(k).decode() for k in keys]
+        return [v.decode() for v in store.multi_get(keys)]
 
 
 SHARE_SWITCH = "NCCL_MULTI_RANK_GPU_ENABLE"   # NCCL's own switch (experimental in 2.30) for ranks sharing a GPU
@@ -88,21 +125,18 @@ def loaded_nccl_version():
 
 
 def agree_on_backend(env, requested, timeout_s, store=None):
-    """--backend auto is decided from this node's GPU count, so nodes with different counts would
-    pick different backends and hang in the first collective. On one node the choice is the same
+    """--backend auto is decided from each node's GPUs, so nodes with different GPUs would pick
+    different backends and hang in the first collective. On one node the choice is the same
     everywhere; across nodes the ranks compare choices on torchrun's store before any process group
-    exists, and all refuse with the numbers if they differ."""
+    exists (each reads every rank's in one request), and all refuse with the numbers if they differ."""
     if requested != "auto" or env.world_size == env.local_world_size:
         return
     if store is None:
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            fail(f"--backend auto on {env.world_size // env.local_world_size} nodes needs torchrun (its store "
-                 f"lets the nodes agree on one backend); use --backend gloo or --backend nccl")
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        store = dist.PrefixStore(f"backend-auto/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        fail(f"--backend auto on {env.world_size // env.local_world_size} nodes needs torchrun (its store "
+             f"lets the nodes agree on one backend); use --backend gloo or --backend nccl")
     store.set(str(env.rank), env.backend)
-    choices = [store.get(str(r)).decode() for r in range(env.world_size)]
+    choices = read_all(store, [str(r) for r in range(env.world_size)], timeout_s,
+                       f"rank {env.rank} waited for the {env.world_size} ranks' backend choices (torchrun's store)")
     if len(set(choices)) > 1:
         nccl = [r for r, c in enumerate(choices) if c == "nccl"]
         fail(f"--backend auto chose nccl on ranks {nccl} and gloo on the others (nodes with different GPU "
@@ -139,15 +173,22 @@ def distributed(args):
     (world size 1, `python prog.py`) gets a process group of its own too, so every collective of
     --check, --timeline and the summary runs unchanged."""
     torch.set_num_threads(args.threads)
-    env = torchrun_env(args.backend)
+    try:   # no process group yet: a store that never answers is one error line, not a traceback
+        store = torchrun_store(args.timeout_s)
+        env = torchrun_env(args.backend, store, args.timeout_s)
+        agreeing = None if store is None else dist.PrefixStore("backend-auto", store)
+        agree_on_backend(env, args.backend, args.timeout_s, agreeing)
+    except CommError as e:
+        print_error(e)
+        exit_now(1)
     env.timeout_s = args.timeout_s
-    agree_on_backend(env, args.backend, args.timeout_s)
     if env.device.type == "cuda":
         # no TORCH_NCCL_BLOCKING_WAIT: it would turn every wait into a CPU spin, so the host could
         # never queue work ahead of the GPU. A hang ends at the step's one bounded wait (clock).
         torch.cuda.set_device(env.device)
     dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size,
-                            store=process_group_store(env, args), timeout=group_timeout(env, args.timeout_s),
+                            store=dist.HashStore() if env.world_size == 1 else store,
+                            timeout=group_timeout(env, args.timeout_s),
                             device_id=env.device if env.device.type == "cuda" else None)
     try:
         # every rank is up; and on nccl, batch_isend_irecv must not be the first collective
@@ -155,36 +196,61 @@ def distributed(args):
             dist.barrier()
         yield env
     except BaseException as e:  # noqa: BLE001 (every way out must skip the teardown below)
-        leave_without_teardown(e)
+        leave_without_teardown(e, env)
     dist.destroy_process_group()
 
 
-def process_group_store(env, args):
-    """One process: a store of its own. Under torchrun: torchrun's store, with this attempt's keys
-    under a prefix of their own. torch 2.15's torchrun no longer prefixes a restarted attempt's keys
-    (--max-restarts), so without it the new ranks would read the dead attempt's gloo addresses and
-    hang or be refused in init_process_group."""
-    if env.world_size == 1:
-        return dist.HashStore()
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
-        return None    # another launcher: init_process_group's default (env://)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=args.timeout_s))
+def torchrun_store(timeout_s):
+    """Under torchrun: its store (its agent hosts it at MASTER_ADDR:MASTER_PORT), with this attempt's
+    keys under a prefix of their own; the ranks compare their GPUs and backends on it, and the process
+    group is made on it. torch 2.15's torchrun no longer prefixes a restarted attempt's keys
+    (--max-restarts), so without the prefix the new ranks would read the dead attempt's gloo addresses
+    and hang or be refused in init_process_group. One process, or another launcher: None (the process
+    group then takes init_process_group's default, env://)."""
+    by_torchrun = "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1 or not by_torchrun:
+        return None
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    with awaiting(f"rank {os.environ.get('RANK', 0)} waited for torchrun's store at {address}", timeout_s):
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
     return dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
-def leave_without_teardown(e):
+ABORT_WAIT_S = 5   # how long a failed rank gives nccl to abort its communicators before it exits anyway
+
+
+def leave_without_teardown(e, env=None):
     """End this rank after an exception without destroy_process_group: on nccl it drains pending
     work, so a rank that failed outside communication (or stopped with an `error:` line) would
     stall until its peers time out. A communication failure prints one `error:` line (exit 1); an
-    exit keeps its status; anything else is our bug and keeps its traceback (exit 1)."""
+    exit keeps its status; anything else is our bug and keeps its traceback (exit 1). On nccl the
+    communicators are aborted first (abort_communicators)."""
     if isinstance(e, SystemExit):
-        exit_now(e.code if isinstance(e.code, int) else 1)
-    if isinstance(e, RuntimeError) and is_comm_failure(e):
-        print_error(e)
+        status = e.code if isinstance(e.code, int) else 1
     else:
-        traceback.print_exception(e)
-    exit_now(1)
+        status = 1
+        if isinstance(e, RuntimeError) and is_comm_failure(e):
+            print_error(e)
+        else:
+            traceback.print_exception(e)
+    abort_communicators(env)
+    exit_now(status)
+
+
+def abort_communicators(env):
+    """On nccl, abort every communicator (ncclCommAbort) before this rank exits: its queued kernels stop
+    and its connections close, so the peers' collectives fail over the network at once instead of
+    waiting for data that will never come, and each peer then leaves through its own bounded wait
+    (--timeout-s) at the latest, not nccl's watchdog's (twice that, and a margin: group_timeout).
+    Bounded: the abort runs on a thread of its own, given ABORT_WAIT_S, since a wedged GPU can stall it.
+    gloo needs none: its peers see this process's sockets close when it exits."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)   # torch 2.4 and later
+    if env is None or env.backend != "nccl" or abort is None or not dist.is_initialized():
+        return
+    worker = threading.Thread(target=abort, daemon=True)
+    worker.start()
+    worker.join(ABORT_WAIT_S)
 
 
 def exit_now(status):
@@ -248,14 +314,21 @@ def settle(device, timeout_s, awaited):
         clock(device, timeout_s, awaited)
 
 
+POLL_MIN_S, POLL_MAX_S = 20e-6, 2e-3   # bounded_wait's first and longest pause between two polls
+
+
 def bounded_wait(finished, timeout_s, awaited):
-    """Poll finished() until it is true; after timeout_s (None: for ever) raise a CommError."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    """Poll finished() until it is true; after timeout_s (None: for ever) raise a CommError. The pause
+    between polls grows with the time waited (a 50th of it, from 20 us up to 2 ms): a wait of a few ms
+    (a step) is seen within about 2% of its length, as the clock needs, while a long one (a peer lost,
+    waited for minutes) polls some 500 times a second, not the 50,000 that 20 us would."""
+    start = time.monotonic()
     while not finished():
-        if deadline is not None and time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if timeout_s is not None and waited > timeout_s:
             raise CommError(f"waited {timeout_s:g} s for {awaited()} to finish on the device and gave up "
                             f"(a peer is gone or a message was never matched)")
-        time.sleep(20e-6)
+        time.sleep(min(POLL_MAX_S, max(POLL_MIN_S, waited / 50)))
 
 
 def one_work_per_op(works, ops):

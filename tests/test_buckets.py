@@ -109,6 +109,57 @@ def test_zb_keeps_its_in_place_weight_gradients_under_data_parallelism(tmp_path)
     run_ranks(_zb_in_place_case, 2, tmp_path)
 
 
+def _in_flight_case(rank, world, group):
+    """How many reduce-scatters are on their way at once, per backend and --zero, on four one-tensor buckets."""
+    import mp.buckets as buckets
+    real, got = buckets.REDUCE_SCATTER, {}
+    on_way, most = set(), [0]
+
+    class Counted:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            on_way.discard(self)
+            return self.work.wait()
+
+    def counted(*args, **kwargs):
+        work = Counted(real(*args, **kwargs))
+        on_way.add(work)
+        most[0] = max(most[0], len(on_way))
+        return work
+    buckets.REDUCE_SCATTER = counted
+    try:
+        for copies in (True, False):         # gloo's reduce-scatter (a copy a bucket), nccl's (in place) faked
+            buckets.reduce_scatter_copies = lambda group, copies=copies: copies
+            for free in (False, True):       # --zero 1, --zero 2
+                model, most[0] = model_of(), 0
+                grads = GradBuckets(list(model.parameters()), None, ("the test's reduce-scatter", 30), shard=True,
+                                    free=free, bucket_mb=64 / 2**20)
+                assert len(grads.buckets) == 4
+                grads.zero_grad()
+                backwards(model, rank, 0, 1)
+                grads.final(list(model.parameters()))
+                grads.wait()
+                got[copies, free] = most[0], [g.clone() for g in grads.shard_grads]
+    finally:
+        buckets.REDUCE_SCATTER = real
+    # gloo: IN_FLIGHT and the one just started (the oldest is waited for next) under every --zero; nccl:
+    # --zero 1 keeps all four on their way, --zero 2 waits as gloo does (waiting frees the bucket)
+    bound = buckets.IN_FLIGHT + 1
+    assert {k: v[0] for k, v in got.items()} == {(True, False): bound, (True, True): bound, (False, False): 4,
+                                                 (False, True): bound}, got
+    for free in (False, True):               # the same bits whichever waits first
+        assert all(torch.equal(a, b) for a, b in zip(got[True, free][1], got[False, free][1]))
+
+
+def test_nccl_keeps_every_zero1_bucket_on_its_way_and_gloo_two(tmp_path):
+    """Issue 65, item 3: the bound of IN_FLIGHT reduce-scatters on their way is for gloo, whose
+    reduce-scatter holds a copy of its bucket, and for --zero 2 and 3, where waiting is what frees a
+    bucket; nccl's --zero 1 reduce-scatters in place, so it starts every bucket and waits once."""
+    run_ranks(_in_flight_case, 2, tmp_path)
+
+
 # ----------------------------------------------------------------------------- overlap, on the timeline
 
 # one chunk a rank (--dp 2 on 2 ranks: the data axis alone); the mlp's 14 layers of 300 fill two 4 MB

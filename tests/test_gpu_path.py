@@ -3,6 +3,7 @@ GPU here: docs/gpu.md says what was only reasoned). The one-Work-per-batch branc
 exchange, the waits with --timeout-s, the backend agreement, LOCAL_RANK, the teardown after an
 exception, the timeline's device clock, and the averaging of tensor-parallel replicated gradients."""
 import argparse
+import datetime
 import os
 import subprocess
 import sys
@@ -405,3 +406,186 @@ def test_the_summarys_gather_is_read_after_a_bounded_wait(tmp_path, monkeypatch)
     with pytest.raises(errors.CommError, match=r"^waited 0.1 s for the replicas' checksums"):
         mp_dist.settle(torch.device("cuda"), 0.1, lambda: "the replicas' checksums")
     mp_dist.settle(torch.device("cpu"), 0.1, lambda: "nothing")   # the CPU: gloo bounds its collectives
+
+
+def on_one_node(monkeypatch, seen, backend="auto", switch=None, version=NCCL_2_30, store=None):
+    """torchrun_env on one thread per local rank of one node, the ranks sharing a store; local rank r sees
+    the fake GPUs seen[r] (their UUIDs, in the order its CUDA_VISIBLE_DEVICES gives them). Returns each
+    rank's (backend, device), or its exit status."""
+    mine = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: len(mine.gpus) > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(mine.gpus))
+    monkeypatch.setattr(mp_dist, "gpu_uuid", lambda index: mine.gpus[index])
+    monkeypatch.setattr(mp_dist, "loaded_nccl_version", lambda: version)
+    if switch is None:
+        monkeypatch.delenv(mp_dist.SHARE_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(mp_dist.SHARE_SWITCH, switch)
+    store, outcome, n = store or dist.HashStore(), {}, len(seen)
+
+    def rank(r):
+        mine.gpus = seen[r]
+        environ = {"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n)}
+        try:
+            env = mp_dist.torchrun_env(backend, store, 10, environ)
+            outcome[r] = (env.backend, str(env.device))
+        except SystemExit as e:
+            outcome[r] = e.code
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return [outcome.get(r) for r in range(n)]
+
+
+@pytest.mark.parametrize("seen,backend,switch,want", [
+    # a launcher gives each rank its own GPU through CUDA_VISIBLE_DEVICES: each sees one, cuda:0, not the same
+    ([["GPU-a"], ["GPU-b"]], "auto", None, [("nccl", "cuda:0")] * 2),
+    ([["GPU-a"], ["GPU-b"], ["GPU-c"], ["GPU-d"]], "nccl", None, [("nccl", "cuda:0")] * 4),
+    ([["GPU-a", "GPU-b"]] * 2, "auto", None, [("nccl", "cuda:0"), ("nccl", "cuda:1")]),   # both see both
+    # one GPU seen by both: today's rule (NCCL 2.30+ and its switch), else gloo under auto, a refusal under nccl
+    ([["GPU-a"], ["GPU-a"]], "auto", None, [("gloo", "cpu")] * 2),
+    ([["GPU-a"], ["GPU-a"]], "auto", "1", [("nccl", "cuda:0")] * 2),
+    ([["GPU-a"], ["GPU-a"]], "nccl", None, [2, 2]),
+    # two GPUs listed in opposite orders: cuda:local_rank is GPU-a for both, which a count cannot see
+    ([["GPU-a", "GPU-b"], ["GPU-b", "GPU-a"]], "auto", None, [("gloo", "cpu")] * 2),
+    ([["GPU-a"], []], "auto", "1", [("gloo", "cpu")] * 2)])   # a rank with no GPU: gloo on both, not a hang
+def test_sharing_is_read_from_the_gpus_the_local_ranks_hold(monkeypatch, capsys, seen, backend, switch, want):
+    """Each local rank writes the UUID of the GPU it takes to the store and reads all of them: nccl when
+    they are distinct, whatever device_count() each sees against LOCAL_WORLD_SIZE."""
+    assert on_one_node(monkeypatch, seen, backend, switch) == want
+    captured = capsys.readouterr()
+    if 2 in want:
+        assert captured.err.count("error: --backend nccl needs one GPU per local rank: 2 local ranks, 1 GPUs") >= 1
+    assert captured.out.count("note:") == (switch == "1" and want[0][0] == "nccl"), captured.out
+
+
+class CountingStore:
+    """A store that counts its reads; without_multi_get: as a torch whose Store has no multi_get."""
+
+    def __init__(self, without_multi_get=False, timeout_s=10):
+        self.store, self.reads = dist.HashStore(), []
+        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        if not without_multi_get:
+            self.multi_get = lambda keys: self.reads.append(("multi_get", len(keys))) or self.store.multi_get(keys)
+
+    def set(self, key, value):
+        self.store.set(key, value)
+
+    def get(self, key):
+        self.reads.append(("get", 1))
+        return self.store.get(key)
+
+    def wait(self, keys):
+        self.store.wait(keys)
+
+
+@pytest.mark.parametrize("without_multi_get", [False, True])
+def test_the_ranks_read_each_others_answers_in_one_request(monkeypatch, capsys, without_multi_get):
+    """The backend agreement and the GPUs of a node: each rank reads all the others' in one multi_get,
+    not one get per rank (W^2 requests to the one store at W ranks); a torch without multi_get still works."""
+    store = CountingStore(without_multi_get)
+    assert on_one_node(monkeypatch, [["GPU-a"], ["GPU-b"], ["GPU-c"]], store=store) == [("nccl", "cuda:0")] * 3
+    choices = ["gloo", "gloo", "gloo", "gloo"]
+    agreement = CountingStore(without_multi_get)
+    outcome = {}
+
+    def rank(r):
+        mp_dist.agree_on_backend(Env(r, 4, 0, 1, choices[r], torch.device("cpu")), "auto", 10, agreement)
+        outcome[r] = 0
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert outcome == {0: 0, 1: 0, 2: 0, 3: 0}
+    if without_multi_get:
+        assert store.reads == [("get", 1)] * 9 and agreement.reads == [("get", 1)] * 16
+    else:
+        assert store.reads == [("multi_get", 3)] * 3 and agreement.reads == [("multi_get", 4)] * 4
+
+
+def test_a_rank_that_never_answers_the_agreement_is_named(monkeypatch):
+    """A rank missing from the store's exchange: a CommError naming what was awaited, after the store's
+    timeout (distributed() prints it as one error line), not the store's bare DistStoreError."""
+    store = CountingStore(timeout_s=0.3)
+    with pytest.raises(errors.CommError, match=r"^rank 0 waited for the 2 ranks' backend choices"):
+        mp_dist.agree_on_backend(Env(0, 2, 0, 1, "gloo", torch.device("cpu")), "auto", 0.3, store)
+    with pytest.raises(errors.CommError, match=r"^rank 0 waited for the GPUs of its node's 2 local ranks"):
+        mp_dist.local_gpus(store, 0, 0, 2, "GPU-a", 0.3)
+
+
+ABORT_SCRIPT = """
+import time, torch
+from mp import dist as mp_dist, errors
+mp_dist.ABORT_WAIT_S = 1
+mp_dist.dist.is_initialized = lambda: True
+def abort(group=None):
+    print("aborted", flush=True)
+    {then}
+mp_dist.dist.distributed_c10d._abort_process_group = abort
+env = mp_dist.Env(0, 2, 0, 2, "{backend}", torch.device("{device}"))
+mp_dist.leave_without_teardown({error}, env)
+"""
+
+
+@pytest.mark.parametrize("backend,device,then,error,status,aborted", [
+    ("nccl", "cuda:0", "pass", "errors.CommError('rank 0 waited for x')", 1, True),
+    ("nccl", "cuda:0", "pass", "SystemExit(2)", 2, True),
+    ("nccl", "cuda:0", "time.sleep(600)", "ValueError('a bug of ours')", 1, True)])  # a stuck abort: 1 s, then out
+def test_a_failed_rank_aborts_its_nccl_communicators_before_it_exits(backend, device, then, error, status, aborted):
+    """On nccl a rank that leaves on an exception aborts its communicators first (its peers' collectives
+    then fail instead of waiting for the watchdog), after its error line, for at most ABORT_WAIT_S. (gloo
+    aborts nothing: its peers see the sockets close.)"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    start = time.perf_counter()
+    proc = subprocess.run([PYTHON, "-c", ABORT_SCRIPT.format(backend=backend, device=device, then=then, error=error)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == status, proc.stderr[-2000:]
+    assert ("aborted" in proc.stdout) == aborted, proc.stdout
+    assert time.perf_counter() - start < 30
+
+
+class FakeClock:
+    """time for bounded_wait: sleep() moves the clock on at once; every pause is noted."""
+
+    def __init__(self):
+        self.now, self.pauses = 0.0, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, s):
+        self.pauses.append(s)
+        self.now += s
+
+
+def test_the_bounded_wait_backs_off(monkeypatch):
+    """The pause between polls grows with the time waited, to at most 2 ms: a 2 s wait polls about a
+    thousand times (at 20 us, 100,000), and a 3 ms wait still ends within 2% of its length."""
+    clock = FakeClock()
+    monkeypatch.setattr(mp_dist, "time", clock)
+    with pytest.raises(errors.CommError, match=r"^waited 2 s for a lost peer"):
+        mp_dist.bounded_wait(lambda: False, 2.0, lambda: "a lost peer")
+    assert 2.0 < clock.now < 2.01 and len(clock.pauses) < 1500, (clock.now, len(clock.pauses))
+    assert clock.pauses[0] == 20e-6 and max(clock.pauses) == 2e-3 and clock.pauses == sorted(clock.pauses)
+    clock.now = 0.0
+    mp_dist.bounded_wait(lambda: clock.now >= 0.003, 2.0, lambda: "a step")
+    assert clock.now - 0.003 <= 0.003 / 50 + 1e-6, clock.now
+
+
+def test_a_local_rank_that_never_comes_is_one_error_line(tmp_path):
+    """Under torchrun the local ranks compare their GPUs on its store before any process group exists: a
+    rank whose sibling never writes its answer leaves after --timeout-s with one error line naming that
+    wait (exit 1), not a traceback from inside init_process_group."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(host.port), TORCHELASTIC_RESTART_COUNT="0")
+    script = ("import argparse\nfrom mp import dist as mp_dist\n"
+              "with mp_dist.distributed(argparse.Namespace(threads=1, backend='auto', timeout_s=1.0)):\n    pass\n")
+    proc = subprocess.run([PYTHON, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[W")]   # c10d's own warnings
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: rank 0 waited for the GPUs of its node's 2 local ranks (torchrun's store), "
+                               "and gave up (timeout 1 s)"), lines
