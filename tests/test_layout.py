@@ -146,8 +146,10 @@ def test_each_program_holds_its_own_mechanism():
     # issue 64: the grids' groups come from the one mesh (mp/mesh.py makes every group, in one order);
     # no program makes a group of its own
     assert "dist.new_group" in calls("mp/mesh.py")
-    for program in ("pipeline_dp_joint.py", "parallel_3d.py"):
+    for program in ("pipeline_dp_joint.py", "parallel_3d.py", "tensor_parallel.py", "context_parallel.py",
+                    "expert_parallel.py"):
         assert "Mesh.build" in calls(program) and "dist.new_group" not in calls(program), program
+        assert "dist.group.WORLD" not in open(os.path.join(ROOT, program)).read(), program   # a group by axis
     # the ring written out with batched isend/irecv, its backward, and Ulysses' all-to-all pair
     assert {"RingAttention", "ring_exchange", "_TokensToHeads", "_HeadsToTokens", "_ReduceFromCP",
             "train_step"} <= defined("context_parallel.py")
