@@ -22,7 +22,7 @@ from mp import errors
 from mp import log as mp_log
 import pipeline_microbatch as pm
 import tensor_parallel as tp
-from mp.tp import replicas as tp_replicas
+from mp import replicas as replicas_mod
 from mp.dist import Env
 from mp.models import build_model
 from mp.data import SyntheticData
@@ -199,19 +199,19 @@ def _average_case(rank, world, group):
     x, y = SyntheticData(rank).batch(0, 4)          # rank-dependent: the replicated gradients differ
     for model in (plain, averaged):
         F.cross_entropy(model(x), y).backward()
-    tp_replicas.average_replicated_grads(averaged, group, torch.device("cuda")).average()   # once, after the backward
-    assert tp_replicas.average_replicated_grads(averaged, group, torch.device("cpu")) is None
-    for mine, got in zip(tp_replicas.replicated_parameters(plain), tp_replicas.replicated_parameters(averaged)):
+    replicas_mod.average_replicated_grads(averaged, group, torch.device("cuda")).average()   # once, after the backward
+    assert replicas_mod.average_replicated_grads(averaged, group, torch.device("cpu")) is None
+    for mine, got in zip(replicas_mod.replicated_parameters(plain), replicas_mod.replicated_parameters(averaged)):
         mean = mine.grad.clone()
         dist.all_reduce(mean)
         torch.testing.assert_close(got.grad, mean / world)
         every = [torch.empty_like(got.grad) for _ in range(world)]
         dist.all_gather(every, got.grad)
         assert all(torch.equal(every[0], g) for g in every)
-    assert mp_dist.replicas_identical(tp_replicas.replicated_parameters(plain), group)
+    assert mp_dist.replicas_identical(replicas_mod.replicated_parameters(plain), group)
     with torch.no_grad():
-        tp_replicas.replicated_parameters(plain)[0].add_(rank)
-    assert not mp_dist.replicas_identical(tp_replicas.replicated_parameters(plain), group)
+        replicas_mod.replicated_parameters(plain)[0].add_(rank)
+    assert not mp_dist.replicas_identical(replicas_mod.replicated_parameters(plain), group)
 
 
 def test_replicated_gradients_are_averaged_over_the_tp_group(tmp_path):
@@ -224,7 +224,7 @@ def _hybrid_average_case(rank, world, group):
     all-reduce after the backward."""
     args = tp.parse_args(FAST + ["--model", "cnn", "--hybrid"])
     model = tp.parallelize(build_model(args), "cnn", group, hybrid=True)
-    replicated = tp_replicas.ReplicatedGrads(model, group)
+    replicated = replicas_mod.ReplicatedGrads(model, group)
     calls, real = [], dist.all_reduce
     dist.all_reduce = lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k)
     try:
@@ -234,7 +234,7 @@ def _hybrid_average_case(rank, world, group):
     finally:
         dist.all_reduce = real
     conv = sum(p.numel() for block in list(model)[:2] for p in block.parameters())
-    averaged = [p.numel() for p in tp_replicas.replicated_parameters(model) if not getattr(p, "summed_over_ranks", False)]
+    averaged = [p.numel() for p in replicas_mod.replicated_parameters(model) if not getattr(p, "summed_over_ranks", False)]
     # forward: g after fc2 (4 x 84); backward: f before fc3 (4 x 84) and before fc1 (4 x 400), the conv
     # bucket once, and the averaged replicated tensors (fc2's bias)
     assert sorted(calls) == sorted([4 * 84, 4 * 84, 4 * 400, conv] + averaged), calls

@@ -21,15 +21,17 @@ PROGRAMS = {   # program, ranks, its flags
 }
 
 
-def counted(tmp_path, monkeypatch, program, nproc, flags):
+def counted(tmp_path, monkeypatch, program, nproc, flags, steps=STEPS, run_too=False):
+    """Each rank's counts (tests/count_reads.py) of a run of `program`; run_too: (counts, the run)."""
     monkeypatch.setenv("COUNT_PROGRAM", program)
     monkeypatch.setenv("COUNT_DIR", str(tmp_path))
-    run = launch("tests/count_reads.py", FAST + STEPS + flags, tmp_path, nproc=nproc, log_name="log.jsonl")
+    run = launch("tests/count_reads.py", FAST + steps + flags, tmp_path, nproc=nproc, log_name="log.jsonl")
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.load(open(path)) for path in sorted(glob.glob(str(tmp_path / "rank-*.json")))]
-    assert len(ranks) == nproc and all(r["steps"] == 20 for r in ranks), ranks
-    assert len(run.losses()) == 20        # every step still lands in the log
-    return ranks
+    n = int(steps[steps.index("--steps") + 1])
+    assert len(ranks) == nproc and all(r["steps"] == n for r in ranks), ranks
+    assert len(run.losses()) == n         # every step still lands in the log
+    return (ranks, run) if run_too else ranks
 
 
 @pytest.mark.parametrize("name", ["baseline", slow("pipeline"), "joint", slow("tp"), slow("zb"), slow("3d")])
@@ -106,8 +108,8 @@ def test_a_run_with_many_buckets_gives_the_baselines_losses(tmp_path, baseline):
     assert_same_losses(run, baseline(args))
 
 
-MOE = ["--model", "vit", "--hidden", "16", "--heads", "4", "--layers", "2", "--batch-size", "8", "--experts", "4",
-       "--steps", "26", "--log-every", "11"]   # logged after steps 11 and 22: 3 steps pending after the 3rd and the 25th
+MOE = ["--model", "vit", "--hidden", "16", "--heads", "4", "--layers", "2", "--batch-size", "8", "--experts", "4"]
+MOE_STEPS = ["--steps", "26", "--log-every", "11"]   # logged after steps 11 and 22: 3 pending after the 3rd and 25th
 
 
 @pytest.mark.parametrize("program,nproc,flags", [
@@ -120,12 +122,7 @@ def test_a_mixture_of_experts_reads_once_a_layer_and_keeps_nothing_per_step(prog
     """Issue 65: a MoE layer reads the device once a forward (the rows per expert, which split() and the
     all-to-all take as ints), capacity and top-2 included, and its routing record stays one buffer on the
     device until the loop logs: the tensors alive after the 3rd and the 25th step differ by at most 2."""
-    monkeypatch.setenv("COUNT_PROGRAM", program)
-    monkeypatch.setenv("COUNT_DIR", str(tmp_path))
-    run = launch("tests/count_reads.py", FAST + MOE + flags, tmp_path, nproc=nproc, log_name="log.jsonl")
-    assert run.returncode == 0, run.stderr[-3000:]
-    ranks = [json.load(open(path)) for path in sorted(glob.glob(str(tmp_path / "rank-*.json")))]
-    assert len(ranks) == nproc and all(r["steps"] == 26 for r in ranks), ranks
+    ranks, run = counted(tmp_path, monkeypatch, program, nproc, MOE + flags, MOE_STEPS, run_too=True)
     layers = 2                       # one forward a step, no microbatches: one read a layer a step
     assert all(r["step_reads"] == layers * 26 for r in ranks), [r["step_reads"] for r in ranks]
     assert all(r["declared_reads"] == r["step_reads"] for r in ranks), ranks   # each read is mp.moe.rows_per_expert

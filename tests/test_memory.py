@@ -6,7 +6,7 @@ more than the noise of peak RSS (about 15 MB from run to run)."""
 import pytest
 
 import tensor_parallel as tp
-from mp.tp import replicas as tp_replicas
+from mp import replicas as replicas_mod
 from mp.models import build_model, param_mb
 from helpers import FAST, launch
 from pipeline_microbatch import parse_args
@@ -49,7 +49,7 @@ def test_each_pipeline_stage_holds_only_its_blocks(tmp_path):
 def shard_totals(args):
     """(MB of the sharded tensors, MB of the replicated ones) of the full model under tensor parallelism."""
     model = tp.parallelize(build_model(args), args.model, None)   # degree 1: every layer split into one shard
-    replicated = tp_replicas.replicated_parameters(model)
+    replicated = replicas_mod.replicated_parameters(model)
     ids = {id(p) for p in replicated}
     return param_mb(p for p in model.parameters() if id(p) not in ids), param_mb(replicated)
 
