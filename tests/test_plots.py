@@ -96,7 +96,7 @@ def test_matching_runs_get_the_largest_difference_and_a_line_per_window(tmp_path
     assert "warning" not in capsys.readouterr().err
     assert abs(list(diffs.values())[0] - 3e-7) < 1e-9
     loss_ax, diff_ax, acc_ax = kept["fig"].axes
-    assert "largest |loss - baseline| = 3.00e-07" in kept["fig"]._suptitle.get_text()
+    assert "largest |loss - baseline| = 3.0e-7: within the contract (1e-4)" in kept["fig"]._suptitle.get_text()
     line = diff_ax.get_lines()[0]
     assert len(line.get_xdata()) == 40 and list(line.get_xdata())[-1] == 199   # 40 windows of 5 steps
     assert acc_ax.get_xlim() == loss_ax.get_xlim()     # one evaluation: a point on the run's step axis
