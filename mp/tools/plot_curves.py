@@ -371,9 +371,10 @@ def label_axes(ax, note=None):
     ax["loss"].set(xlabel="step", ylabel="training loss", title="training loss")
     if "acc" in ax:
         ax["acc"].axhline(0.1, color="grey", lw=1, ls=":", label="chance")
-        ax["acc"].set(xlabel="step", ylabel="test accuracy", title="test accuracy", ylim=(0, 1),
-                      xlim=ax["loss"].get_xlim())     # one evaluation is a point on the run's step axis
+        ax["acc"].set(xlabel="step", ylabel="test accuracy", title="test accuracy", ylim=(0, 1))
     for name, a in ax.items():
+        if name != "loss":      # one step axis in every panel (a run equal to the baseline draws no difference)
+            a.set_xlim(ax["loss"].get_xlim())
         a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # whole steps: no step 2.5
         a.grid(alpha=0.3)
         a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False,
@@ -408,10 +409,12 @@ def draw_differences(ax, pairs, label, style, i, count):
         return
     maxima, size = window_maxima(pairs)
     steps, worst = zip(*maxima)
-    ax.semilogy(steps, [d if d > 0 else float("nan") for d in worst], label=label,
+    ax.set_yscale("log")
+    ax.set_ylim(1e-10, 1)   # before the curve: a curve of gaps only would leave no range to scale
+    ax.plot(steps, [d if d > 0 else float("nan") for d in worst], label=label,
                 markevery=marks(i, count, len(steps)), **{**style, "lw": 1.2})
     ax.axhline(TOLERANCE, color="red", lw=1, ls=":")
-    ax.set(xlabel="step", ylim=(1e-10, 1),
+    ax.set(xlabel="step",
            ylabel="|loss - baseline loss|" + (f", largest per {size} steps" if size > 1 else ""),
            title=f"difference from the baseline\n(red: the contract, {LIMIT}; a gap: exactly equal)")
 
