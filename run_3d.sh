@@ -70,7 +70,7 @@ PLOT="$PLOTS/3d_loss$(settings_tag MODEL NPROC DP TP MICROBATCHES SCHEDULE BATCH
 check_args parallel_3d "${COMMON[@]}" "${PARALLEL[@]}" --log-file "$GRID_LOG"
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
-mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
+start_stage                            # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
@@ -85,5 +85,5 @@ run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHR
     parallel_3d.py "${COMMON[@]}" "${PARALLEL[@]}" "${CKPT[@]}" --log-file "$GRID_LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-run_python -m mp.tools.plot_curves "$BASELINE_LOG" "$GRID_LOG" -o "$PLOT"
+plot_logs "$BASELINE_LOG" "$GRID_LOG" -o "$PLOT"
 say_written "$BASELINE_LOG" "$GRID_LOG" "$PLOT"

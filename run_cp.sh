@@ -54,7 +54,7 @@ for ATTENTION in $ATTENTION_LIST; do
 done
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
-mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
+start_stage                            # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
@@ -73,5 +73,5 @@ for ATTENTION in $ATTENTION_LIST; do
 done
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-run_python -m mp.tools.plot_curves "${LOGS_TO_PLOT[@]}" -o "$PLOT"
+plot_logs "${LOGS_TO_PLOT[@]}" -o "$PLOT"
 say_written "${LOGS_TO_PLOT[@]}" "$PLOT"

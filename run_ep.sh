@@ -56,7 +56,7 @@ checkpoint_flags "$LOG"                # with CHECKPOINT_DIR, checked as the run
 check_args expert_parallel "${COMMON[@]}" --backend "$BACKEND" "${CKPT[@]}"
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
-mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
+start_stage                            # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process, all $EXPERTS experts"
@@ -69,5 +69,5 @@ run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHR
     expert_parallel.py "${COMMON[@]}" --backend "$BACKEND" "${CKPT[@]}" --log-file "$LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-run_python -m mp.tools.plot_curves "$BASELINE_LOG" "$LOG" -o "$PLOT"
+plot_logs "$BASELINE_LOG" "$LOG" -o "$PLOT"
 say_written "$BASELINE_LOG" "$LOG" "$PLOT"

@@ -65,7 +65,7 @@ check_args pipeline_dp_joint "${COMMON[@]}" --backend "$BACKEND" --dp "$DP" --mi
     --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${ZERO_FLAGS[@]}" --log-file "$JOINT_LOG"
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
-mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
+start_stage                            # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py${DELAY:+ --delay 1})"
 echo "== baseline${DELAY:+ with --delay 1, the 2bw reference}: one process"
@@ -80,5 +80,5 @@ run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHR
     --schedule "$SCHEDULE" "${BALANCE_FLAGS[@]}" "${ZERO_FLAGS[@]}" "${CKPT[@]}" --log-file "$JOINT_LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-run_python -m mp.tools.plot_curves "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
+plot_logs "$BASELINE_LOG" "$JOINT_LOG" -o "$PLOT"
 say_written "$BASELINE_LOG" "$JOINT_LOG" "$PLOT"

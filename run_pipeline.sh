@@ -76,7 +76,7 @@ for SCHEDULE in $SCHEDULE_LIST; do
 done
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
-mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
+start_stage                            # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
@@ -121,11 +121,11 @@ done
 
 STEP="the plot (python -m mp.tools.plot_curves)"
 if [ ${#LOGS_OF[@]} -gt 0 ]; then
-    run_python -m mp.tools.plot_curves "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${PLOT_TAG}.png"
+    plot_logs "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${PLOT_TAG}.png"
     WROTE+=("$PLOTS/pipeline_loss${PLOT_TAG}.png")
 fi
 if [ -n "$PIPEDREAM_LOG" ]; then   # 2bw against its reference; the synchronous baseline beside, not compared
-    run_python -m mp.tools.plot_curves "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png"
+    plot_logs "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png"
     WROTE+=("$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png")
 fi
 run_python -m mp.tools.plot_curves --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${PLOT_TAG}.png"

@@ -53,7 +53,7 @@ check_args tensor_parallel "${COMMON[@]}" --backend "$BACKEND" --log-file "$TP_L
 if [ "$HYBRID" = 1 ]; then check_args tensor_parallel "${COMMON[@]}" --hybrid --backend "$BACKEND"; fi
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
-mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
+start_stage                            # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
@@ -78,5 +78,5 @@ if [ "$HYBRID" = 1 ]; then
 fi
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-run_python -m mp.tools.plot_curves "${LOGS_TO_PLOT[@]}" -o "$PLOT"
+plot_logs "${LOGS_TO_PLOT[@]}" -o "$PLOT"
 say_written "${LOGS_TO_PLOT[@]}" "$PLOT"
