@@ -35,6 +35,17 @@ class Verdict:
         return self.breach is None
 
 
+def series(records, event, key):
+    rows = [r for r in records if r["event"] == event]
+    return [r["step"] for r in rows], [r[key] for r in rows]
+
+
+def differences(base, records):
+    """(steps, |loss - baseline loss|) over the steps both runs logged."""
+    base_loss = dict(zip(*series(base, "train", "loss")))
+    return [(s, abs(loss - base_loss[s])) for s, loss in zip(*series(records, "train", "loss")) if s in base_loss]
+
+
 def first_step(records):
     """The step a run's routing record starts at: 0, or the step a resumed run restarted from (it logs
     the routing of the steps it trained itself)."""

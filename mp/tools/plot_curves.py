@@ -9,8 +9,12 @@ logs/single_baseline.jsonl, and every program takes --log-file and --timeline PA
 
 Curves: the first log is the baseline. One figure: training loss of every log, the largest
 |loss - baseline loss| per window of steps on a log scale with the 1e-4 line of the equivalence
-contract (every parallel program logs the baseline's per-step loss within 1e-4), and test accuracy
-where logged. Each parallel run has a colour and marker of its own in every panel, and the runs take
+contract (every parallel program logs the baseline's per-step loss within 1e-4; a window of exact
+zeros is a gap), test accuracy where logged, and a mixture of experts' load per expert (then the four
+panels are two rows of two). The contract is judged (mp.tools.contract): where a run's routing is
+the baseline's, or there is none, every step within 1e-4; the title and one printed line a run say
+what holds (exact to X until the routing first differs at step S, marked on the difference panel),
+and a run that breaks it is drawn, then named with the step on stderr, exit status 1. Each parallel run has a colour and marker of its own in every panel, and the runs take
 turns along one dash pattern, so runs that lie on one another (every run within the contract is
 within a pixel of the baseline) all show; a run whose per-step losses repeat an earlier run's bit for
 bit says so in the legend ("identical to <run>", "= baseline"), as GPipe's and 1F1B's do. Fewer than
@@ -45,7 +49,8 @@ import sys
 
 import matplotlib.ticker
 
-from mp.tools.contract import LIMIT, TOLERANCE, breach_line, headline, judge, routing, sentence
+from mp.tools.contract import LIMIT, TOLERANCE, breach_line, differences, headline, judge, sentence, series
+from mp.tools.expert_panel import draw_expert_load, expert_loads
 from mp.tools.figure import fail, plt, read_text, save
 from mp.tools.plot_timeline import plot_timelines
 # the settings two runs must share for their losses to be compared step by step
@@ -121,17 +126,6 @@ def setting_differences(runs):
         out += [f"{k} {base.get(k, OFF.get(k))} (baseline) vs {args.get(k, OFF.get(k))} ({label})" for k in keys
                 if args.get(k, OFF.get(k)) != base.get(k, OFF.get(k))]
     return out
-
-
-def series(records, event, key):
-    rows = [r for r in records if r["event"] == event]
-    return [r["step"] for r in rows], [r[key] for r in rows]
-
-
-def differences(base, records):
-    """(steps, |loss - baseline loss|) over the steps both runs logged."""
-    base_loss = dict(zip(*series(base, "train", "loss")))
-    return [(s, abs(loss - base_loss[s])) for s, loss in zip(*series(records, "train", "loss")) if s in base_loss]
 
 
 def largest_differences(runs):
@@ -321,47 +315,6 @@ def few_evaluations(runs):
                 f"nearby evaluations.\nbaseline: test loss {base[0]['test_loss']:.3g} -> {base[-1]['test_loss']:.3g}, "
                 f"accuracy {base[0]['test_acc']:.1%} -> {base[-1]['test_acc']:.1%}")
     return note + "\nFor a curve: more --steps or a smaller --eval-every (EVAL_EVERY)."
-
-
-def expert_loads(runs):
-    """[(label, summary)] of the runs whose summary has the mixture of experts' routing record."""
-    summaries = [(label, next((r for r in recs if r["event"] == "summary"), {})) for label, recs in runs]
-    return [(label, s) for label, s in summaries if s.get("tokens_per_expert")]
-
-
-def draw_expert_load(ax, loads, runs):
-    """Each expert's share of the routed choices per step (summed over the blocks; even: 1/E) in the
-    first run that logged them (the baseline's, where it has them), and the share dropped over capacity.
-    The title says whose routing is drawn and, for each other run, whether its routing is the same
-    at every step or from which step it differs (mp.tools.contract: a near-tie tipped by rounding)."""
-    label, first = loads[0]
-    drawn = dict(runs)[label]
-    table = routing(drawn)
-    steps = sorted(table)
-    per_step = [[sum(col) for col in zip(*table[s])] for s in steps]
-    totals = [sum(step) for step in per_step]
-    for e in range(len(per_step[0])):
-        ax.plot(steps, [step[e] / t for step, t in zip(per_step, totals)], lw=1, label=f"expert {e}")
-    ax.axhline(1 / len(per_step[0]), color="grey", lw=1, ls=":", label="even load (1/E)")
-    if any(first.get("dropped_per_step", [])):
-        ax.plot(steps, [d / t for d, t in zip(first["dropped_per_step"], totals)], color="black",
-                ls="--", lw=1, label="dropped over capacity")
-    same, parted, notes = [], {}, []
-    for other, _ in loads[1:]:
-        records = dict(runs)[other]
-        verdict = judge(other, differences(drawn, records), drawn, records)
-        name = (config_of(records) or {}).get("program", other)
-        if verdict.parted is None:
-            same.append(other)
-            notes.append(f"{name}: the same at every step")
-            continue
-        parted[other] = {"step": verdict.parted, "largest_difference_before": verdict.before}
-        notes.append(f"{name}: the same until step {verdict.parted - 1}, differs from step {verdict.parted}")
-        ax.axvline(verdict.parted, color="black", lw=1, ls="-.", label=f"{name}'s routing first differs")
-    whose = (config_of(drawn) or {}).get("program", label)
-    ax.set(xlabel="step", ylabel="share of the tokens' expert choices",
-           title="\n".join([f"tokens per expert, as {whose} routed them"] + notes[:2]))
-    return {"drawn": label, "same_in": same, "first_differs": parted}
 
 
 def label_axes(ax, note=None):
