@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Context parallelism against the single-process baseline: train the vit in one process, then with its
 # sequence split over NPROC ranks for each attention in ATTENTION, and plot them all into
-# $PLOTS/cp_loss<settings>.png; mp.tools.plot_curves prints the largest per-step |loss difference| (the
-# equivalence contract wants <= 1e-4). The parallel program's arguments are checked first.
+# $PLOTS/cp_loss<settings>.png. The last lines say what the equivalence contract (every step within 1e-4
+# of the baseline) found; a breach exits 1. The parallel program's arguments (its backend's GPUs too)
+# are checked first.
 #
 #   bash run_cp.sh                                    # the vit, 2 ranks, ring and Ulysses, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_cp.sh           # no network

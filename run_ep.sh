@@ -2,8 +2,10 @@
 # Expert parallelism against the single-process baseline: train the vit with its feed-forward blocks as a
 # mixture of EXPERTS experts in one process, then with the experts spread over NPROC ranks (each rank also
 # trains its slice of the batch), and plot both into $PLOTS/ep_loss<settings>.png: the loss curves, their
-# difference (the equivalence contract wants <= 1e-4 at every step) and the tokens each expert got per
-# step. The parallel program's arguments are checked first.
+# difference (the equivalence contract wants <= 1e-4 at every step where the routing is the baseline's)
+# and the tokens each expert got per step. The last line says what held: exact to X until the routing
+# first differs at step S, or every step; a breach exits 1. The parallel program's arguments (its
+# backend's GPUs too) are checked first.
 #
 #   bash run_ep.sh                                        # 4 experts over 2 ranks, top-1, dropless, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_ep.sh               # no network

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Data + pipeline parallelism against the single-process baseline: train both on the same global
-# batch, plot both into $PLOTS/joint_loss<settings>.png; mp.tools.plot_curves prints the largest per-step
-# |loss difference| (the equivalence contract wants <= 1e-4). The parallel program's arguments
-# are checked first.
+# batch, plot both into $PLOTS/joint_loss<settings>.png. The last line says what the equivalence
+# contract (every step within 1e-4 of the baseline) found; a breach exits 1. The parallel program's
+# arguments (its backend's GPUs too) are checked first.
 #
 #   bash run_joint.sh                                  # 2 pipelines x 3 stages x 3 microbatches, cnn, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_joint.sh         # no network

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tensor parallelism against the single-process baseline: train both, plot both into
-# $PLOTS/tp_loss<settings>.png; mp.tools.plot_curves prints the largest per-step |loss difference| (the
-# equivalence contract wants <= 1e-4). The parallel program's arguments are checked first.
+# $PLOTS/tp_loss<settings>.png. The last lines say what the equivalence contract (every step within 1e-4
+# of the baseline) found; a breach exits 1. The parallel program's arguments (its backend's GPUs too)
+# are checked first.
 #
 #   bash run_tp.sh                                   # cnn, degree 2, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_tp.sh          # no network
