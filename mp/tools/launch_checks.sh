@@ -179,6 +179,7 @@ start_stage() {   # after the checks: the run's folder, and the command that mad
         case "${!name}" in *" "*) settings+=("$name=\"${!name}\"") ;; *) settings+=("$name=${!name}") ;; esac
     done
     echo "${settings[*]}${settings[*]:+ }bash $(basename "$0")${LAUNCH_ARGS:+ $LAUNCH_ARGS}" > "$RUN_STAGE/command"
+    echo "$$" > "$RUN_STAGE/pid"       # while this launcher lives, another does not call its folder unfinished
 }
 
 final_name() {   # FILE: where a file of RUN_STAGE goes when the run ends
@@ -213,8 +214,10 @@ say_written() {   # FILE...: this run's files moved from RUN_STAGE to their name
 
 left_unfinished() {   # what earlier runs of this launcher with other settings left in .unfinished/, named with
                       # the command that made each: not cleared, since one may be running now or resume from it
-    local stage
+    local stage pid
     for stage in "$FINAL_LOGS/.unfinished/$(basename "$0" .sh)"-*/; do
+        pid=$(cat "$stage/pid" 2>/dev/null || true)
+        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then continue; fi   # still running: another launch's
         if [ -d "$stage" ]; then
             echo "note: an earlier run of $(basename "$0") that did not finish left ${stage%/} ($(cat "$stage/command" \
                 2>/dev/null || echo "its settings unrecorded")): run that again to finish it, or delete the folder"
