@@ -29,6 +29,7 @@ class Verdict:
     parted: int = None          # the first step whose routing differs from the baseline's (None: never, or none)
     before: float = 0.0         # the largest difference before `parted` (every step where it is None)
     breach: tuple = None        # (step, difference): the first step over TOLERANCE that the contract covers
+    note: str = ""              # what the reader should know about a breach (ReLU's kinks)
 
     @property
     def holds(self):
@@ -101,7 +102,8 @@ def breach_line(v):
     why = ("no routing to explain it" if v.parted is None else
            f"the routing still the baseline's, which first differs at step {v.parted}")
     return (f"contract broken: {v.label} logged |loss - baseline| = {num(difference)} at step {step}, over the "
-            f"{LIMIT} of the equivalence contract ({why}; largest {num(v.largest)} at step {v.worst_step})")
+            f"{LIMIT} of the equivalence contract ({why}; largest {num(v.largest)} at step {v.worst_step})"
+            + (f"; {v.note}" if v.note else ""))
 
 
 def headline(verdicts):

@@ -164,7 +164,11 @@ def verdicts_of(runs, mismatches):
     """The contract's verdict on each parallel run (none when the settings differ: nothing to hold)."""
     if mismatches:
         return []
-    return [judge(label, differences(runs[0][1], records), runs[0][1], records) for label, records in runs[1:]]
+    verdicts = [judge(label, differences(runs[0][1], records), runs[0][1], records) for label, records in runs[1:]]
+    if (config_of(runs[0][1]) or {}).get("args", {}).get("activation") == "relu":
+        for v in verdicts:   # the known way a stable program leaves the contract: say it with the breach
+            v.note = "ReLU's kinks let float32 rounding grow past it over a long run (docs/equivalence.md)"
+    return verdicts
 
 
 def plot_curves(paths, out, beside=()):
