@@ -9,6 +9,9 @@
 #   DATA=synthetic STEPS=100 bash run_cp.sh           # no network
 #   NPROC=4 PATCH_SIZE=2 DATA=synthetic bash run_cp.sh --hidden 64   # 256 tokens, 64 a rank
 #
+# At its defaults (DATA=synthetic, 300 steps) it took about 8 minutes on 2 CPU cores shared with other
+# jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
+#
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --heads, --lr, ...); a flag that has a knob is refused: set the knob.
 set -euo pipefail
