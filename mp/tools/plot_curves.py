@@ -141,7 +141,7 @@ def window_maxima(pairs, windows=40):
             (pairs[i:i + size] for i in range(0, len(pairs), size))], size
 
 
-def title_of(runs, mismatches, verdicts):
+def title_of(runs, mismatches, verdicts=None):
     args = (config_of(runs[0][1]) or {}).get("args", {})
     data = args.get("data", "?")
     data = "SYNTHETIC data (not CIFAR-10)" if data == "synthetic" else str(data).upper()
@@ -155,8 +155,9 @@ def title_of(runs, mismatches, verdicts):
     if mismatches:
         title += "\nNOT COMPARABLE, the settings differ: " + "; ".join(mismatches[:3]) + (
             f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
-    elif verdicts:
-        title += "\n" + headline(verdicts)
+    elif len(runs) > 1:
+        verdict = headline(verdicts_of(runs, mismatches) if verdicts is None else verdicts)
+        title += f"\n{verdict}" if verdict else ""
     return title
 
 
