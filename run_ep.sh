@@ -2,12 +2,17 @@
 # Expert parallelism against the single-process baseline: train the vit with its feed-forward blocks as a
 # mixture of EXPERTS experts in one process, then with the experts spread over NPROC ranks (each rank also
 # trains its slice of the batch), and plot both into $PLOTS/ep_loss<settings>.png: the loss curves, their
-# difference (the equivalence contract wants <= 1e-4 at every step) and the tokens each expert got per
-# step. The parallel program's arguments are checked first.
+# difference (the equivalence contract wants <= 1e-4 at every step where the routing is the baseline's)
+# and the tokens each expert got per step. The last line says what held: exact to X until the routing
+# first differs at step S, or every step; a breach exits 1. The parallel program's arguments (its
+# backend's GPUs too) are checked first.
 #
 #   bash run_ep.sh                                        # 4 experts over 2 ranks, top-1, dropless, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_ep.sh               # no network
 #   NPROC=4 EXPERTS=8 TOP_K=2 CAPACITY=1.25 DATA=synthetic bash run_ep.sh --hidden 64   # capacity drops tokens
+#
+# At its defaults (DATA=synthetic, 300 steps) it took about 6 minutes on 2 CPU cores shared with other
+# jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --heads, --aux-loss, --lr, ...); a flag that has a knob is refused: set the knob.
@@ -56,7 +61,7 @@ checkpoint_flags "$LOG"                # with CHECKPOINT_DIR, checked as the run
 check_args expert_parallel "${COMMON[@]}" --backend "$BACKEND" "${CKPT[@]}"
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
-mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
+start_stage                            # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process, all $EXPERTS experts"
@@ -69,5 +74,5 @@ run_python -m mp.tools.torchrun --standalone --nproc-per-node "$NPROC" "${TORCHR
     expert_parallel.py "${COMMON[@]}" --backend "$BACKEND" "${CKPT[@]}" --log-file "$LOG"
 
 STEP="the plot (python -m mp.tools.plot_curves)"
-run_python -m mp.tools.plot_curves "$BASELINE_LOG" "$LOG" -o "$PLOT"
+plot_logs "$BASELINE_LOG" "$LOG" -o "$PLOT"
 say_written "$BASELINE_LOG" "$LOG" "$PLOT"

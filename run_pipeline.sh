@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Pipeline parallelism against the single-process baseline: train the baseline and one pipeline run
-# per schedule, plot the loss curves and the measured timelines into $PLOTS; mp.tools.plot_curves prints
-# the largest per-step |loss difference| of each schedule (the equivalence contract wants <= 1e-4).
-# The parallel program's arguments are checked first, for every schedule.
+# per schedule, plot the loss curves and the measured timelines into $PLOTS. The last lines say what the
+# equivalence contract (every step within 1e-4 of the baseline) found for each schedule; a breach exits 1.
+# The parallel program's arguments (its backend's GPUs too) are checked first, for every schedule.
 #
 #   bash run_pipeline.sh                                        # cnn, 4 stages, gpipe, 1f1b and 2bw, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_pipeline.sh               # no network
@@ -10,6 +10,9 @@
 #   SCHEDULE="1f1b zb" RECOMPUTE=1 DATA=synthetic bash run_pipeline.sh    # zero bubble; re-materialisation
 #   SCHEDULE="1f1b 2bw" DATA=synthetic bash run_pipeline.sh    # PipeDream-2BW on its --delay 1 reference
 #   BALANCE=auto DATA=synthetic bash run_pipeline.sh                       # stages split by counted cost
+#
+# At its defaults (DATA=synthetic, 300 steps) it took about 3 minutes on 2 CPU cores shared with other
+# jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
 # both take (--layers, --hidden, --lr, ...); a flag that has a knob is refused: set the knob.
@@ -76,7 +79,7 @@ for SCHEDULE in $SCHEDULE_LIST; do
 done
 check_baseline_args "${COMMON[@]}"
 run_checks                             # all at once, without torch: mp/tools/check_args.py
-mkdir -p "$LOGS" "$PLOTS"               # only now: a refused setting leaves nothing behind
+start_stage                            # only now: a refused setting leaves nothing behind
 
 STEP="the baseline (single_baseline.py)"
 echo "== baseline: one process"
@@ -121,11 +124,11 @@ done
 
 STEP="the plot (python -m mp.tools.plot_curves)"
 if [ ${#LOGS_OF[@]} -gt 0 ]; then
-    run_python -m mp.tools.plot_curves "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${PLOT_TAG}.png"
+    plot_logs "$BASELINE_LOG" "${LOGS_OF[@]}" -o "$PLOTS/pipeline_loss${PLOT_TAG}.png"
     WROTE+=("$PLOTS/pipeline_loss${PLOT_TAG}.png")
 fi
 if [ -n "$PIPEDREAM_LOG" ]; then   # 2bw against its reference; the synchronous baseline beside, not compared
-    run_python -m mp.tools.plot_curves "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png"
+    plot_logs "$DELAY_LOG" "$PIPEDREAM_LOG" --beside "$BASELINE_LOG" -o "$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png"
     WROTE+=("$PLOTS/pipeline_loss_2bw${PLOT_TAG}.png")
 fi
 run_python -m mp.tools.plot_curves --timeline "${TRACES[@]}" -o "$PLOTS/pipeline_timeline${PLOT_TAG}.png"

@@ -115,11 +115,29 @@ def expert_parallel_args(argv, doc):
     """expert_parallel.py: the vit with --experts (default 4), --check; E/N experts on each of the N ranks."""
     p = base_parser(doc)
     p.set_defaults(model="vit", experts=4)   # the one model with feed-forward blocks to make experts of
+    hide_flags(p, "--zero", "--zero3-gather")   # refused below: --help lists only what the program runs
     add_check_flag(p)
     args = p.parse_args(argv)
+    # before the common checks: these would name the --experts 4 default, or a data-parallel axis
+    # that the experts' ranks are, as the reason
+    if args.model != "vit":
+        fail(f"expert_parallel.py trains the vit, whose feed-forward blocks become the experts, and --model "
+             f"{args.model} has none: drop --model, or use --model vit")
+    if args.zero or args.zero3_gather:
+        given = f"--zero {args.zero}" if args.zero else f"--zero3-gather {args.zero3_gather}"
+        fail(f"{given}: expert_parallel.py keeps its optimizer state whole (each expert's already lives on one "
+             f"rank; the lesson is the route, the dispatch and the combine); drop it, or run ZeRO in "
+             f"pipeline_dp_joint.py or parallel_3d.py")
     validate_common(args, "expert_parallel")
     validate_expert_parallel(args, world_size())
     return args
+
+
+def hide_flags(p, *flags):
+    """Leave flags the program refuses out of its --help (the parser still reads them, to refuse them)."""
+    for action in p._actions:
+        if set(action.option_strings) & set(flags):
+            action.help = argparse.SUPPRESS
 
 
 def grid_args(argv, doc):

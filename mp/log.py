@@ -5,7 +5,6 @@ import json
 import math
 import os
 import resource
-import time
 
 import torch
 import torch.distributed as dist
@@ -100,25 +99,34 @@ def parse_record(line):
 
 
 class Progress:
-    """A short console line every few seconds, and the step times for the summary. Steps are
-    numbered from 0 here as in the metrics log and the plots: the last of 300 is `step 299 (of 0-299)`."""
+    """A short console line every few steps, and the step times for the summary. Steps are numbered
+    from 0 here as in the metrics log and the plots: the last of 300 is `step 299 (of 0-299)`. The
+    lines fall on the same steps in every program with the same --steps (every `every(total)` steps,
+    and the last), so a baseline's console and a parallel run's compare line by line; a clock would
+    pick different steps in each."""
 
-    def __init__(self, total_steps, enabled, every_s=5.0):
-        self.total, self.enabled, self.every_s = total_steps, enabled, every_s
+    def __init__(self, total_steps, enabled):
+        self.total, self.enabled, self.every = total_steps, enabled, every(total_steps)
         self.step_times = []
-        self.last_print = time.perf_counter()
 
     def update(self, step, loss, step_time, samples):
         self.step_times.append(step_time)
-        now = time.perf_counter()
-        if self.enabled and (now - self.last_print >= self.every_s or step == self.total - 1):
+        if self.enabled and (step % self.every == 0 or step == self.total - 1):
             print(f"step {step} (of 0-{self.total - 1})  loss {loss:.4f}  {samples / step_time:.0f} samples/s",
                   flush=True)
-            self.last_print = now
 
     def median_step_time(self):
         times = sorted(self.step_times[1:] or self.step_times)  # step 0 pays warm-up costs
         return times[len(times) // 2] if times else float("nan")
+
+
+def every(total, lines=15):
+    """Steps between two progress lines: a round number (1, 2, 5, 10, 20, 25, 50, ...) that gives at
+    most about `lines` lines: 300 steps, a line every 20; 30 steps, every 2."""
+    for step in (1, 2, 5, 10, 20, 25, 50):
+        if total <= step * lines:
+            return step
+    return every(total // 10, lines) * 10
 
 
 def check_finite(loss, step):

@@ -80,3 +80,21 @@ def test_every_suggested_fix_works(program, world, argv, monkeypatch, capsys):
         new_world, new_argv = follow(fix, world, argv)
         assert error_of(program, new_world, new_argv, monkeypatch, capsys) is None, \
             f"{error}\n  followed {fix!r}: {new_argv} at world size {new_world} still fails"
+
+
+def test_expert_parallel_lists_and_blames_only_what_it_takes(monkeypatch, capsys):
+    """Issue 67, item 4: --help listed --zero and --zero3-gather, which the program refuses (with "no
+    data-parallel axis", though its experts ride on the data-parallel ranks); --model cnn blamed
+    "--experts 4", a default the user never typed."""
+    import expert_parallel
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        expert_parallel.parse_args(["--help"])
+    assert "--zero" not in capsys.readouterr().out
+    assert error_of(expert_parallel, 2, ["--model", "cnn"], monkeypatch, capsys) == (
+        "error: expert_parallel.py trains the vit, whose feed-forward blocks become the experts, and --model cnn has "
+        "none: drop --model, or use --model vit")
+    for flags in (["--zero", "1"], ["--zero3-gather", "step"]):
+        error = error_of(expert_parallel, 2, flags, monkeypatch, capsys)
+        assert error.startswith(f"error: {' '.join(flags)}: expert_parallel.py keeps its optimizer state whole") \
+            and "data-parallel axis" not in error, error

@@ -96,7 +96,7 @@ def test_matching_runs_get_the_largest_difference_and_a_line_per_window(tmp_path
     assert "warning" not in capsys.readouterr().err
     assert abs(list(diffs.values())[0] - 3e-7) < 1e-9
     loss_ax, diff_ax, acc_ax = kept["fig"].axes
-    assert "largest |loss - baseline| = 3.00e-07" in kept["fig"]._suptitle.get_text()
+    assert "largest |loss - baseline| = 3.0e-7: within the contract (1e-4)" in kept["fig"]._suptitle.get_text()
     line = diff_ax.get_lines()[0]
     assert len(line.get_xdata()) == 40 and list(line.get_xdata())[-1] == 199   # 40 windows of 5 steps
     assert acc_ax.get_xlim() == loss_ax.get_xlim()     # one evaluation: a point on the run's step axis
@@ -354,7 +354,10 @@ def test_no_legend_covers_a_note_a_curve_or_another_legend(tmp_path, monkeypatch
         fake_log(tmp_path / f"{k}.jsonl", steps=steps, evals=evals, program=program, **long) for k in range(2)]
     others = [fake_log(tmp_path / "other.jsonl", steps=steps, evals=evals, loss_shift=0.1)] if beside else []
     plot_curves.plot_curves(runs, str(tmp_path / "x.png"), beside=others)
-    fig = kept["fig"]
+    assert_legends_clear(kept["fig"])
+
+
+def assert_legends_clear(fig):
     fig.tight_layout()                                   # as save() does
     fig.canvas.draw()
     whole = fig.bbox
@@ -369,3 +372,79 @@ def test_no_legend_covers_a_note_a_curve_or_another_legend(tmp_path, monkeypatch
             assert not any(box.overlaps(t.get_window_extent()) for t in ax.texts), f"legend {i} covers a note"
         for k, other in enumerate(boxes[:i]):
             assert not box.overlaps(other), f"legends {k} and {i} overlap"
+
+
+def expert_log(path, program, shift=0.0, parted_at=None, breach_at=None, world=1, steps=300, evals=range(49, 300, 50)):
+    """A mixture of experts' log by hand: the routing record (tokens per expert, per block, per step) in
+    the summary; parted_at: from that step on, one token goes to another expert and the losses part;
+    breach_at: one loss moved by 1e-3 there (a doctored log: the routing still the baseline's)."""
+    p = fake_log(path, steps=steps, evals=evals, program=program, model="vit", experts=4, top_k=1)
+    records = [json.loads(line) for line in open(p)]
+    for r in records:
+        if r["event"] == "config":
+            r["world_size"] = world
+        if r["event"] == "train":
+            r["loss"] += shift + (1e-5 * (r["step"] - parted_at + 1) if parted_at is not None and r["step"] >= parted_at
+                                  else 0) + (1e-3 if r["step"] == breach_at else 0)
+        if r["event"] == "summary":
+            r["tokens_per_expert"] = [[[40 + (s * 7 + e * 3) % 11 + (s >= (parted_at or steps) and e < 2) * (1 - 2 * e)
+                                        for e in range(4)] for _ in range(2)] for s in range(steps)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_a_run_that_breaks_the_contract_is_named_with_its_step_and_exits_1(tmp_path, capsys):
+    """Issue 67, item 1: a log with one loss moved by 1e-3 is drawn, then named with the step, exit 1;
+    the same after the routing first differs is what a tipped near-tie does: reported, exit 0."""
+    base = fake_log(tmp_path / "base.jsonl", steps=40)
+    doctored = fake_log(tmp_path / "tp.jsonl", steps=40, program="tensor_parallel", loss_shift=3e-7)
+    records = [json.loads(line) for line in open(doctored)]
+    for r in records:
+        if r["event"] == "train" and r["step"] == 17:
+            r["loss"] += 1e-3
+    with open(doctored, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    with pytest.raises(SystemExit) as e:
+        plot_curves.main([base, str(doctored), "-o", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and (tmp_path / "x.png").exists(), err          # drawn, then refused
+    assert err.splitlines()[-1].startswith("contract broken: tensor_parallel (batch 32) logged |loss - baseline| "
+                                           "= 1.0e-3 at step 17, over the 1e-4 of the equivalence contract"), err
+    assert png_record(str(tmp_path / "x.png"))[0].splitlines()[-1].startswith("CONTRACT BROKEN")
+    # a mixture of experts: held to the contract before its routing first differs, not after
+    eb = expert_log(tmp_path / "eb.jsonl", "single_baseline")
+    plot_curves.main([eb, expert_log(tmp_path / "ep.jsonl", "expert_parallel", 3e-7, parted_at=219, world=2),
+                      "-o", str(tmp_path / "ep.png")])
+    out = capsys.readouterr().out
+    assert "3.0e-7 until routing first differs at step 219: the contract (1e-4) holds there" in out, out
+    title = png_record(str(tmp_path / "ep.png"))[0]
+    assert "exact to 3.0e-7 (contract 1e-4) until routing first differs at step 219" in title, title
+    with pytest.raises(SystemExit) as e:
+        plot_curves.main([eb, expert_log(tmp_path / "ep2.jsonl", "expert_parallel", 3e-7, parted_at=219,
+                                         breach_at=100, world=2), "-o", str(tmp_path / "ep2.png")])
+    assert e.value.code == 1 and "at step 100" in capsys.readouterr().err
+
+
+def test_the_expert_figure_is_two_rows_of_two_in_plain_words(tmp_path, monkeypatch):
+    """Issue 67, item 3: four panels as 2 x 2, at most 2.5 wide for 1 high; every x-axis says "step";
+    the load panel says whose routing it draws and where the other run's first differs, which the
+    difference panel marks too; the baseline's accuracy shows around the parallel run's; a window of
+    exact zeros is a gap, not a dip to 1e-12."""
+    kept = drawn_figure(monkeypatch)
+    eb = expert_log(tmp_path / "eb.jsonl", "single_baseline")
+    plot_curves.plot_curves([eb, expert_log(tmp_path / "ep.jsonl", "expert_parallel", parted_at=219, world=2)],
+                            str(tmp_path / "x.png"))
+    fig = kept["fig"]
+    width, height = fig.get_size_inches()
+    loss_ax, diff_ax, acc_ax, load_ax = fig.axes
+    assert width / height <= 2.5 and loss_ax.get_position().y0 > acc_ax.get_position().y1, (width, height)
+    assert {a.get_xlabel() for a in fig.axes} == {"step"}
+    assert "as single_baseline routed them" in load_ax.get_title(), load_ax.get_title()
+    assert "expert_parallel: the same until step 218, differs from step 219" in load_ax.get_title()
+    assert "run(s)" not in load_ax.get_title()
+    assert any(list(line.get_xdata()) == [219, 219] for line in diff_ax.get_lines()), "step 219 marked"
+    curve = diff_ax.get_lines()[0].get_ydata()
+    assert all(y != y for y in curve[:27]) and min(y for y in curve if y == y) > 1e-8   # zeros: gaps (NaN)
+    base_ring, parallel_dots = acc_ax.get_lines()[:2]
+    assert base_ring.get_markersize() > parallel_dots.get_markersize() + 4 and base_ring.get_markerfacecolor() == "none"
+    assert_legends_clear(fig)                             # the top row's legends between the rows, clear of both

@@ -45,7 +45,23 @@ else
     BLOCK_SIGINT=()
 fi
 run_python() {   # ARGS...: "$PYTHON" ARGS..., started with SIGINT blocked; its status is the call's
-    "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" || return $?   # (the caller's ERR trap names the failed STEP)
+    if [ -z "${RUN_STAGE:-}" ]; then
+        "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" || return $?   # (the caller's ERR trap names the failed STEP)
+    else   # once the run writes into its own folder: its lines name files as they will be (pipefail: python's status)
+        "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" | unstaged || return $?
+    fi
+}
+
+unstaged() {   # stdin to stdout; a program's `wrote FILE` of a file in RUN_STAGE names where the file will go:
+               # the folder is gone once the launcher ends, and its last lines name every file it wrote
+    trap '' INT    # a Ctrl-C is the program's to report: read on until it has said its line and ended
+    local line
+    while IFS= read -r line || [ -n "$line" ]; do
+        case "$line" in
+            "wrote $RUN_STAGE/"*) echo "finished: moved to $(final_name "${line#wrote }") when the launcher ends" ;;
+            *) printf '%s\n' "$line" ;;
+        esac
+    done
 }
 
 # ---- --help --------------------------------------------------------------------------------------
@@ -68,6 +84,7 @@ launcher_usage() {
     echo "\$PLOTS (default logs/plots/), every setting off its default in their names; its last lines name them."
     echo "Each program lists its own flags: python <program>.py --help."
 }
+LAUNCH_ARGS="$*"   # the extra flags, as typed: the run's folder records the command (start_stage)
 for arg in "$@"; do
     case "$arg" in
         -h | --help) launcher_usage; exit 0 ;;
@@ -153,6 +170,18 @@ stage_outputs() {   # after the knobs and COMMON: LOGS and PLOTS point into RUN_
     LOGS="$RUN_STAGE/logs" PLOTS="$RUN_STAGE/plots"
 }
 
+start_stage() {   # after the checks: the run's folder, and the command that made it (a later run names it)
+    mkdir -p "$LOGS" "$PLOTS"
+    local name settings=()
+    for name in $(printf '%s\n' "${!KNOB_DEFAULT[@]}" | sort); do
+        case "$name" in PYTHON | LOGS | PLOTS | CHECK_ONLY) continue ;; esac
+        if [ "${!name}" = "${KNOB_DEFAULT[$name]}" ]; then continue; fi
+        case "${!name}" in *" "*) settings+=("$name=\"${!name}\"") ;; *) settings+=("$name=${!name}") ;; esac
+    done
+    echo "${settings[*]}${settings[*]:+ }bash $(basename "$0")${LAUNCH_ARGS:+ $LAUNCH_ARGS}" > "$RUN_STAGE/command"
+    echo "$$" > "$RUN_STAGE/pid"       # while this launcher lives, another does not call its folder unfinished
+}
+
 final_name() {   # FILE: where a file of RUN_STAGE goes when the run ends
     case "$1" in
         "$RUN_STAGE/logs/"*) echo "$FINAL_LOGS/${1#"$RUN_STAGE/logs/"}" ;;
@@ -177,8 +206,49 @@ say_written() {   # FILE...: this run's files moved from RUN_STAGE to their name
     rmdir "$FINAL_LOGS/.unfinished" 2>/dev/null || true
     trap 'exit 130' INT
     if [ ${#replaced[@]} -gt 0 ]; then (IFS=,; echo "replaced the earlier run's files: ${replaced[*]}" | sed 's/,/, /g'); fi
+    left_unfinished
     echo "wrote:"
     printf '  %s\n' "${finals[@]}"
+    say_what_holds
+}
+
+left_unfinished() {   # what earlier runs of this launcher with other settings left in .unfinished/, named with
+                      # the command that made each: not cleared, since one may be running now or resume from it
+    local stage pid
+    for stage in "$FINAL_LOGS/.unfinished/$(basename "$0" .sh)"-*/; do
+        pid=$(cat "$stage/pid" 2>/dev/null || true)
+        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then continue; fi   # still running: another launch's
+        if [ -d "$stage" ]; then
+            echo "note: an earlier run of $(basename "$0") that did not finish left ${stage%/} ($(cat "$stage/command" \
+                2>/dev/null || echo "its settings unrecorded")): run that again to finish it, or delete the folder"
+        fi
+    done
+}
+
+# ---- what holds ----------------------------------------------------------------------------------
+# mp.tools.plot_curves says for each parallel run what the equivalence contract found (within 1e-4
+# at every step, or exact until the routing first differs); plot_logs keeps those lines so the
+# launcher ends with them, after the files. A run that breaks the contract is drawn, its files are
+# moved into place like any run's, and the launcher's last line names it and the step, exit status 1.
+VERDICTS=() BREACHES=()
+plot_logs() {   # ARGS...: python -m mp.tools.plot_curves ARGS...
+    local out errors rc=0
+    errors=$(mktemp)
+    out=$(run_python -m mp.tools.plot_curves "$@" 2>"$errors") || rc=$?
+    cat "$errors" >&2
+    if [ -n "$out" ]; then printf '%s\n' "$out" | grep -vE '^(largest |not comparable)' || true; fi   # said last
+    mapfile -t -O "${#VERDICTS[@]}" VERDICTS < <(printf '%s\n' "$out" | grep -E '^(largest |not comparable)' || true)
+    mapfile -t -O "${#BREACHES[@]}" BREACHES < <(grep '^contract broken: ' "$errors" || true)
+    rm -f "$errors"
+    if [ "$rc" != 0 ] && { [ "$rc" != 1 ] || [ ${#BREACHES[@]} = 0 ]; }; then return "$rc"; fi
+}
+
+say_what_holds() {   # the launcher's last lines: what the contract found; a breach on stderr, exit status 1
+    if [ ${#VERDICTS[@]} -gt 0 ]; then printf '%s\n' "${VERDICTS[@]}"; fi
+    if [ ${#BREACHES[@]} -gt 0 ]; then
+        printf '%s\n' "${BREACHES[@]}" >&2
+        exit 1
+    fi
 }
 
 check_knob() {   # NAME VALUE ALLOWED...: a knob with a few legal values
@@ -227,13 +297,14 @@ refuse_knob_flags() {   # the extra arguments: a flag that has a knob is refused
 }
 
 in_knob_terms() {   # stdin to stdout with the programs' flags as the knobs: --microbatches 3 -> MICROBATCHES=3
-    local script=() pair flag knob kind end='\([^a-z-]\|$\)'
+    # a flag only where it stands alone: --experts, not the tail of a --num-experts the user typed
+    local script=() pair flag knob kind end='\([^a-z-]\|$\)' start='\(^\|[^a-z-]\)'
     for pair in "${KNOBS[@]}"; do
         IFS=: read -r flag knob kind <<< "$pair"
         case "$kind" in
-            n) script+=(-e "s/$flag \([0-9-][^ ,;:)]*\)/$knob=\1/g" -e "s/$flag$end/$knob\1/g") ;;
-            w) script+=(-e "s/$flag \([a-z0-9][^ ,;:)]*\)/$knob=\1/g" -e "s/$flag$end/$knob\1/g") ;;
-            -) if [[ $knob == *=* ]]; then script+=(-e "s/$flag$end/$knob\1/g"); fi ;;
+            n) script+=(-e "s/$start$flag \([0-9-][^ ,;:)]*\)/\1$knob=\2/g" -e "s/$start$flag$end/\1$knob\2/g") ;;
+            w) script+=(-e "s/$start$flag \([a-z0-9][^ ,;:)]*\)/\1$knob=\2/g" -e "s/$start$flag$end/\1$knob\2/g") ;;
+            -) if [[ $knob == *=* ]]; then script+=(-e "s/$start$flag$end/\1$knob\2/g"); fi ;;
         esac
     done
     sed "${script[@]}" -e 's/world size \([0-9][0-9]*\)/world size NPROC=\1/g' \
@@ -257,7 +328,8 @@ check_baseline_args() {   # ARGS...: queue the baseline's flags (it takes the ex
 
 run_checks() {   # the queued runs' flags; the first refused prints its one error line, in the knobs' terms
     local err rc=0
-    { err=$(run_python -m mp.tools.check_args --launcher "$(basename "$0")" "${CHECKS[@]:1}" 2>&1 1>&3) || rc=$?; } 3>&1
+    { err=$(run_python -m mp.tools.check_args --launcher "$(basename "$0")" --knobs "${KNOBS[*]}" \
+                "${CHECKS[@]:1}" 2>&1 1>&3) || rc=$?; } 3>&1
     if [ "$rc" != 0 ]; then
         printf '%s\n' "$err" | in_knob_terms >&2   # the program's one error line: nothing has trained
         exit "$rc"

@@ -9,8 +9,12 @@ logs/single_baseline.jsonl, and every program takes --log-file and --timeline PA
 
 Curves: the first log is the baseline. One figure: training loss of every log, the largest
 |loss - baseline loss| per window of steps on a log scale with the 1e-4 line of the equivalence
-contract (every parallel program logs the baseline's per-step loss within 1e-4), and test accuracy
-where logged. Each parallel run has a colour and marker of its own in every panel, and the runs take
+contract (every parallel program logs the baseline's per-step loss within 1e-4; a window of exact
+zeros is a gap), test accuracy where logged, and a mixture of experts' load per expert (then the four
+panels are two rows of two). The contract is judged (mp.tools.contract): where a run's routing is
+the baseline's, or there is none, every step within 1e-4; the title and one printed line a run say
+what holds (exact to X until the routing first differs at step S, marked on the difference panel),
+and a run that breaks it is drawn, then named with the step on stderr, exit status 1. Each parallel run has a colour and marker of its own in every panel, and the runs take
 turns along one dash pattern, so runs that lie on one another (every run within the contract is
 within a pixel of the baseline) all show; a run whose per-step losses repeat an earlier run's bit for
 bit says so in the legend ("identical to <run>", "= baseline"), as GPipe's and 1F1B's do. Fewer than
@@ -45,10 +49,10 @@ import sys
 
 import matplotlib.ticker
 
+from mp.tools.contract import LIMIT, TOLERANCE, breach_line, differences, headline, judge, sentence, series
+from mp.tools.expert_panel import draw_expert_load, expert_loads
 from mp.tools.figure import fail, plt, read_text, save
 from mp.tools.plot_timeline import plot_timelines
-
-TOLERANCE = 1e-4  # the equivalence contract: |loss - baseline loss| <= 1e-4 at every step
 # the settings two runs must share for their losses to be compared step by step
 SAME = ("model", "activation", "data", "seed", "batch_size", "lr", "momentum", "steps", "dropout", "clip_grad_norm",
         "optimizer", "weight_decay", "beta1", "beta2", "adam_eps", "experts", "top_k", "capacity_factor", "aux_loss")
@@ -124,17 +128,6 @@ def setting_differences(runs):
     return out
 
 
-def series(records, event, key):
-    rows = [r for r in records if r["event"] == event]
-    return [r["step"] for r in rows], [r[key] for r in rows]
-
-
-def differences(base, records):
-    """(steps, |loss - baseline loss|) over the steps both runs logged."""
-    base_loss = dict(zip(*series(base, "train", "loss")))
-    return [(s, abs(loss - base_loss[s])) for s, loss in zip(*series(records, "train", "loss")) if s in base_loss]
-
-
 def largest_differences(runs):
     """{label: max |loss - baseline loss|} over the steps both logged, for every run but the baseline."""
     return {label: max((d for _, d in differences(runs[0][1], records)), default=float("nan"))
@@ -148,7 +141,7 @@ def window_maxima(pairs, windows=40):
             (pairs[i:i + size] for i in range(0, len(pairs), size))], size
 
 
-def title_of(runs, mismatches):
+def title_of(runs, mismatches, verdicts=None):
     args = (config_of(runs[0][1]) or {}).get("args", {})
     data = args.get("data", "?")
     data = "SYNTHETIC data (not CIFAR-10)" if data == "synthetic" else str(data).upper()
@@ -159,18 +152,35 @@ def title_of(runs, mismatches):
              f"seed {args.get('seed', '?')}")
     if args.get("dropout") or args.get("clip_grad_norm"):
         title += f", dropout {args.get('dropout') or 0}, clip {args.get('clip_grad_norm') or 'off'}"
-    diffs = largest_differences(runs)
     if mismatches:
         title += "\nNOT COMPARABLE, the settings differ: " + "; ".join(mismatches[:3]) + (
             f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
-    elif diffs:
-        title += f"\nlargest |loss - baseline| = {max(diffs.values()):.2e} (contract: {TOLERANCE:g})"
+    elif len(runs) > 1:
+        verdict = headline(verdicts_of(runs, mismatches) if verdicts is None else verdicts)
+        title += f"\n{verdict}" if verdict else ""
     return title
 
 
+def verdicts_of(runs, mismatches):
+    """The contract's verdict on each parallel run (none when the settings differ: nothing to hold)."""
+    if mismatches:
+        return []
+    verdicts = [judge(label, differences(runs[0][1], records), runs[0][1], records) for label, records in runs[1:]]
+    if (config_of(runs[0][1]) or {}).get("args", {}).get("activation") == "relu":
+        for v in verdicts:   # the known way a stable program leaves the contract: say it with the breach
+            v.note = "ReLU's kinks let float32 rounding grow past it over a long run (docs/equivalence.md)"
+    return verdicts
+
+
 def plot_curves(paths, out, beside=()):
-    """beside: logs drawn next to the others (dotted) but not held to the contract: the synchronous
-    baseline beside 2bw and its --delay 1 reference, where the gap is what staleness costs."""
+    """{label: largest |loss - baseline|} of each parallel run, after drawing them all into `out`."""
+    return draw(paths, out, beside)[0]
+
+
+def draw(paths, out, beside=()):
+    """The figure, and ({label: largest difference}, [contract.Verdict]). beside: logs drawn next to the
+    others (dotted) but not held to the contract: the synchronous baseline beside 2bw and its --delay 1
+    reference, where the gap is what staleness costs."""
     runs = [(label_of(recs, p), recs) for p, recs in ((p, read_json_lines(p)) for p in paths)]
     others = [(label_of(recs, p), recs) for p, recs in ((p, read_json_lines(p)) for p in beside)]
     if not series(runs[0][1], "train", "loss")[0]:
@@ -178,14 +188,17 @@ def plot_curves(paths, out, beside=()):
     mismatches = setting_differences(runs)
     for m in mismatches:
         print(f"warning: not comparable step by step: {m}", file=sys.stderr)
+    verdicts = verdicts_of(runs, mismatches)
     panels = ["loss"] + (["diff"] if len(runs) > 1 else [])
     panels += ["acc"] if any(series(recs, "eval", "test_acc")[0] for _, recs in runs) else []
     panels += ["experts"] if expert_loads(runs) else []
     note = few_evaluations(runs) if "acc" in panels else None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8 + legend_height(runs, others, note)),
-                             squeeze=False)
-    ax = dict(zip(panels, axes[0]))
-    draw_runs(ax, runs)
+    rows = 2 if len(panels) == 4 else 1     # four panels as two rows of two: legible at the README's width
+    cols = len(panels) // rows
+    fig, axes = plt.subplots(rows, cols, squeeze=False,
+                             figsize=(6 * cols, rows * (4.8 - 0.4 * (rows - 1) + legend_height(runs, others, note))))
+    ax = dict(zip(panels, axes.flat))
+    draw_runs(ax, runs, verdicts)
     load = draw_expert_load(ax["experts"], expert_loads(runs), runs) if "experts" in ax else None
     for label, records in others:
         shown = label + " [beside: not compared]"
@@ -195,13 +208,16 @@ def plot_curves(paths, out, beside=()):
         gap = max((d for _, d in differences(runs[0][1], records)), default=float("nan"))
         print(f"drawn beside, not compared: {label}: largest |loss - {runs[0][0]}| {gap:.3g}")
     label_axes(ax, note)
-    fig.suptitle(title_of(runs, mismatches), color="red" if mismatches else "black")
+    broken = mismatches or any(not v.holds for v in verdicts)
+    fig.suptitle(title_of(runs, mismatches, verdicts), color="red" if broken else "black")
     diffs = largest_differences(runs)
     save(fig, out, {"kind": "curves", "runs": [run_summary(label, records, diffs.get(label))
                                                for label, records in runs],
                     "beside": [run_summary(label, records, None) for label, records in others],
+                    "verdicts": [{"label": v.label, "holds": v.holds, "routing_first_differs": v.parted,
+                                  "largest_difference_before": v.before, "breach": v.breach} for v in verdicts],
                     **({"expert_load": load} if load else {})})
-    return diffs
+    return diffs, verdicts
 
 
 def identical_to(runs):
@@ -247,22 +263,42 @@ def marks(i, count, points, per_line=12):
     return ((i - 1) * every // parallel, every)
 
 
-def draw_runs(ax, runs):
+def draw_runs(ax, runs, verdicts=()):
     """Every run in every panel: training loss, its difference from the baseline, test accuracy."""
     twins, few = identical_to(runs), few_evaluations(runs)
+    parted = {v.label: v.parted for v in verdicts}
     for i, (label, records) in enumerate(runs):
         style, shown = run_style(i, len(runs)), legend_label(runs, i, twins)
         steps, losses = series(records, "train", "loss")
         ax["loss"].plot(steps, losses, label=label + " [baseline]" if i == 0 else shown,
                         markevery=marks(i, len(runs), len(steps)) if i else None, **style)
         if "acc" in ax:
-            # every evaluation marked; later runs' markers smaller, so equal points show as rings
-            points = {**style, "marker": style.get("marker", "o"), "markersize": 4 + 2 * (len(runs) - 1 - i)}
-            if few:      # a line through two or three points would claim a trend they cannot show
-                points["ls"] = "none"
-            ax["acc"].plot(*series(records, "eval", "test_acc"), label=shown, **points)
+            ax["acc"].plot(*series(records, "eval", "test_acc"), label=shown, **accuracy_style(style, i, few))
         if i > 0:
             draw_differences(ax["diff"], differences(runs[0][1], records), shown, style, i, len(runs))
+            if parted.get(label) is not None:
+                mark_parting(ax["diff"], parted[label], style["color"])
+
+
+def accuracy_style(style, i, few):
+    """Every evaluation marked. The baseline's a wide open ring drawn over the others, the parallel
+    runs' filled dots inside it, smaller for each later run: equal values show as a dot in a ring,
+    not one marker hiding another."""
+    if i == 0:
+        points = {"color": "black", "marker": "o", "markersize": 13, "markerfacecolor": "none",
+                  "markeredgewidth": 1.5, "alpha": 0.55, "lw": 2.5, "zorder": 3}
+    else:
+        points = {**style, "marker": style.get("marker", "o"), "markersize": max(3, 7 - 1.5 * (i - 1))}
+    if few:      # a line through two or three points would claim a trend they cannot show
+        points["ls"] = "none"
+    return points
+
+
+def mark_parting(ax, step, colour):
+    """The step where the run's routing first differs from the baseline's: from there the contract
+    no longer applies (mp.tools.contract), and the panel says so where it happens."""
+    ax.axvline(step, color=colour, lw=1, ls="-.", alpha=0.8,
+               label=f"routing first differs: step {step}\n(a near-tie tipped; from here the runs part)")
 
 
 MIN_EVALUATIONS = 4   # fewer points than this are no trend: one evaluation's wobble decides the slope
@@ -286,56 +322,17 @@ def few_evaluations(runs):
     return note + "\nFor a curve: more --steps or a smaller --eval-every (EVAL_EVERY)."
 
 
-def expert_loads(runs):
-    """[(label, summary)] of the runs whose summary has the mixture of experts' routing record."""
-    summaries = [(label, next((r for r in recs if r["event"] == "summary"), {})) for label, recs in runs]
-    return [(label, s) for label, s in summaries if s.get("tokens_per_expert")]
-
-
-def draw_expert_load(ax, loads, runs):
-    """Each expert's share of the routed choices per step (summed over the blocks; even: 1/E), from the
-    first run that logged them, and the share dropped over capacity. The runs whose routing is the same
-    step for step (expert parallelism routes as the baseline does) are counted in the title; for the
-    others, the first step whose routing differs (a near-tie between two experts that float32 rounding
-    tipped the other way: from there the runs part, docs/expert_parallel.md) and their largest
-    |loss - baseline| before it."""
-    label, first = loads[0]
-    per_step = [[sum(col) for col in zip(*blocks)] for blocks in first["tokens_per_expert"]]
-    totals = [sum(step) for step in per_step]
-    for e in range(len(per_step[0])):
-        ax.plot(range(len(per_step)), [step[e] / t for step, t in zip(per_step, totals)], lw=1, label=f"expert {e}")
-    ax.axhline(1 / len(per_step[0]), color="grey", lw=1, ls=":", label="even load (1/E)")
-    if any(first.get("dropped_per_step", [])):
-        ax.plot(range(len(totals)), [d / t for d, t in zip(first["dropped_per_step"], totals)], color="black",
-                ls="--", lw=1, label="dropped over capacity")
-    same, parted = [], {}
-    for other, summary in loads[1:]:
-        pairs = zip(summary["tokens_per_expert"], first["tokens_per_expert"])
-        k = next((k for k, (a, b) in enumerate(pairs) if a != b), None)
-        if k is None:
-            same.append(other)
-            continue
-        records = dict(runs)[other]
-        parted[other] = {"step": k, "largest_difference_before": max(
-            (d for step, d in differences(runs[0][1], records) if step < k), default=0.0)}
-    notes = ([f"the same in {len(same)} other run(s)"] if same else []) + [
-        f"routing first differs at step {p['step']}" + (f" (+{len(parted) - 1} more run(s))" if len(parted) > 1 else "")
-        for p in list(parted.values())[:1]]
-    ax.set(xlabel="step (from the run's first)", ylabel="share of the routed (token, slot) choices",
-           title="\n".join(["tokens per expert (load)"] + notes))
-    return {"drawn": label, "same_in": same, "first_differs": parted}
-
-
 def label_axes(ax, note=None):
     """Titles, axes, and each panel's legend below it, outside the data: inside, "best" dodges the
     lines but not a note, and at some --steps no corner is free of both. The accuracy panel's note
     heads its legend, so nothing can cover it (tests/test_plots.py checks the boxes)."""
-    ax["loss"].set(xlabel="step (from 0)", ylabel="training loss", title="training loss")
+    ax["loss"].set(xlabel="step", ylabel="training loss", title="training loss")
     if "acc" in ax:
         ax["acc"].axhline(0.1, color="grey", lw=1, ls=":", label="chance")
-        ax["acc"].set(xlabel="step (from 0)", ylabel="test accuracy", title="test accuracy", ylim=(0, 1),
-                      xlim=ax["loss"].get_xlim())     # one evaluation is a point on the run's step axis
+        ax["acc"].set(xlabel="step", ylabel="test accuracy", title="test accuracy", ylim=(0, 1))
     for name, a in ax.items():
+        if name != "loss":      # one step axis in every panel (a run equal to the baseline draws no difference)
+            a.set_xlim(ax["loss"].get_xlim())
         a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))   # whole steps: no step 2.5
         a.grid(alpha=0.3)
         a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False,
@@ -362,18 +359,22 @@ def run_summary(label, records, difference):
             "final_test_acc": evals[-1]["test_acc"] if evals else None, "largest_difference": difference}
 
 
-def draw_differences(ax, pairs, label, style, i, count, floor=1e-12):
-    """The largest |loss - baseline| per window of steps, as a line on a log scale (exact: the floor)."""
+def draw_differences(ax, pairs, label, style, i, count):
+    """The largest |loss - baseline| per window of steps, as a line on a log scale. A window whose steps
+    are all exactly equal to the baseline's has no value on a log scale: it is left as a gap, not drawn
+    as a dip that would look like an event, and the panel says so."""
     if not pairs:
         return
     maxima, size = window_maxima(pairs)
     steps, worst = zip(*maxima)
-    ax.semilogy(steps, [max(d, floor) for d in worst], label=label, markevery=marks(i, count, len(steps)),
-                **{**style, "lw": 1.2})
+    ax.set_yscale("log")
+    ax.set_ylim(1e-10, 1)   # before the curve: a curve of gaps only would leave no range to scale
+    ax.plot(steps, [d if d > 0 else float("nan") for d in worst], label=label,
+                markevery=marks(i, count, len(steps)), **{**style, "lw": 1.2})
     ax.axhline(TOLERANCE, color="red", lw=1, ls=":")
-    ax.set(xlabel="step (from 0)", ylim=(floor / 3, 1),
+    ax.set(xlabel="step",
            ylabel="|loss - baseline loss|" + (f", largest per {size} steps" if size > 1 else ""),
-           title=f"difference from the baseline\n(red: contract {TOLERANCE:g}; exact 0 drawn at {floor:g})")
+           title=f"difference from the baseline\n(red: the contract, {LIMIT}; a gap: exactly equal)")
 
 
 def main(argv=None):
@@ -393,11 +394,20 @@ def main(argv=None):
         if args.timeline:
             plot_timelines(args.files, args.out)
             return
-        for label, diff in plot_curves(args.files, args.out, args.beside).items():
-            print(f"largest |loss - baseline| for {label}: {diff:.3g}")
+        verdicts = draw(args.files, args.out, args.beside)[1]
     except KeyboardInterrupt:   # Ctrl-C: one line, no traceback; save() has removed its partial file
         print(f"interrupted: {args.out} not written", file=sys.stderr)
         sys.exit(130)
+    if not verdicts and len(args.files) > 1:   # settings differ: drawn, named in the title, not judged
+        print("not comparable step by step (the settings differ, see the warnings): the contract not checked")
+    for v in verdicts:          # what holds for each run; a broken contract last, on stderr, and exit 1
+        if v.holds:
+            print(sentence(v))
+    broken = [v for v in verdicts if not v.holds]
+    for v in broken:
+        print(breach_line(v), file=sys.stderr)
+    if broken:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
