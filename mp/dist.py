@@ -47,6 +47,9 @@ def torchrun_env(backend="auto", store=None, timeout_s=None, environ=None):
     shared = every and not own and gpus_can_be_shared()        # several local ranks a GPU (NCCL 2.30+)
     if backend == "auto":  # nccl when each local rank has a GPU, its own or a shared one; else gloo on the CPU
         backend = "nccl" if own or shared else "gloo"
+    if backend == "nccl" and gpus == 0:   # nothing to share: no word of NCCL versions or switches
+        fail("--backend nccl runs on GPUs and this process sees none (torch.cuda.device_count() is 0); use "
+             "--backend gloo, or --backend auto, which takes gloo where there is no GPU")
     if backend == "nccl" and not (own or shared):
         fail(f"--backend nccl needs one GPU per local rank: {local_world} local ranks, {distinct} GPUs (ranks share a "
              f"GPU only with NCCL 2.30 or later and {SHARE_SWITCH}=1: {sharing_state()}); use --backend gloo, "

@@ -108,6 +108,18 @@ def test_a_wait_gives_up_after_the_timeout_with_its_name(tmp_path):
     run_ranks(_timeout_case, 2, tmp_path)
 
 
+def test_nccl_without_a_gpu_says_there_is_none(monkeypatch, capsys):
+    """Issue 67: no talk of NCCL versions or a sharing switch where there is no GPU at all."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for key, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_:
+        mp_dist.torchrun_env("nccl")
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: --backend nccl runs on GPUs and this process sees none")
+    assert "NCCL 2.30" not in err and len(err.splitlines()) == 1, err
+
+
 def test_nccl_without_local_rank_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
