@@ -41,11 +41,13 @@ before autograd accumulates into it; zero-bubble's W says arriving()):
 
 So a replica holds its accumulators (1/D of the gradients) and the buckets in flight: the ones being
 filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts).
-Which buckets the bound holds, and why (bounded_by_in_flight): under --zero 2 and 3, a bucket that
-every microbatch reduces, on every backend, since waiting for it is what frees it; on gloo every
-bucket, --zero 1's too, since gloo's reduce-scatter holds a copy of its bucket until it is done (9
-buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces raised it 5).
-nccl reduce-scatters in place, so there --zero 1 keeps every bucket on its way until the step waits.
+Which buckets the bound holds, and why (bounded_by_in_flight):
+under --zero 2 and 3, a bucket that every microbatch reduces, since waiting for it is what frees it.
+No collective here copies its bucket: torch's gloo reduce-scatter clones the whole bucket and all-reduces
+the clone (9 buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces
+raised it 5), so on gloo the bucket itself is all-reduced in place (reduce_scatter): the same bytes and
+sums, no copy. A bucket of one parameter (--zero 2's large weights) is not made at all: autograd's own
+gradient tensor, which it hands over to an empty .grad without a copy, is the bucket (Bucket.alone).
 The price: M reduce-scatters a step instead of one, (M + 1)(D-1)/D N sent with the all-gather where
 --zero 1 sends 2(D-1)/D N (docs/optimizers.md). A bucket whose gradients other ranks complete after
 the backward (`late`: parallel_3d.py's tensor-parallel sums) is reduced once, after those sums.
@@ -54,7 +56,8 @@ freed as one flat tensor, the bucket its gradients are reduce-scattered in.
 
 sent_bytes counts what this replica sends in the data-parallel collectives, as a ring moves them: an
 all-reduce of n bytes over D replicas sends 2(D-1)/D n, a reduce-scatter or an all-gather (D-1)/D n
-(the summary's dp_sent_mb_per_step). held_bytes and peak_bytes count the gradients' memory where it
+(the summary's dp_sent_mb_per_step; gloo's reduce-scatter, torch's or ours, is an all-reduce on the wire,
+so there it sends twice what is counted). held_bytes and peak_bytes count the gradients' memory where it
 is made and let go here: the buckets and the accumulators (the summary's peak_grad_mb).
 """
 import time
@@ -73,16 +76,29 @@ IN_FLIGHT = 2   # reduce-scatters on their way at once; a third waits for the ol
 
 
 def reduce_scatter_copies(group):
-    """Does this group's reduce-scatter work on a copy of its bucket, held until it is done? gloo's does
-    (measured: module docstring); nccl's reads and writes the bucket itself."""
+    """Does this group's reduce-scatter work on a copy of its bucket, held until it is done? gloo's does:
+    torch's ProcessGroupGloo reduce-scatters by cloning the whole input, all-reducing the clone and copying
+    my chunk out of it; nccl's reads and writes the bucket itself."""
     return dist.get_backend(group) == "gloo"
+
+
+def reduce_scatter(flat, rank, group):
+    """Start the sum of `flat` over the group into my 1/D of it, in place. Where the backend's reduce-scatter
+    would clone the bucket (gloo: reduce_scatter_copies), the bucket is all-reduced in place instead: the
+    same all-reduce gloo runs on its clone, so the same bytes sent and the same sums, bit for bit, without
+    the copy (a second bucket's worth of memory for each one on its way). The rest of the bucket then holds
+    the other slices' sums, which nobody reads."""
+    size = flat.numel() // dist.get_world_size(group)
+    if reduce_scatter_copies(group):
+        return dist.all_reduce(flat, group=group, async_op=True)
+    return REDUCE_SCATTER(flat[rank * size:(rank + 1) * size], flat, group=group, async_op=True)
 
 
 class Bucket:
     """Consecutive parameters' gradients in one flat tensor (padded to a multiple of `parts` when sharded).
     every_microbatch (--zero 2, 3): reduced in every microbatch's backward into acc, my slice's sum."""
 
-    def __init__(self, params, parts, device, every_microbatch=False):
+    def __init__(self, params, parts, device, every_microbatch=False, direct=False):
         self.params, self.offsets = params, []
         n = 0
         for p in params:
@@ -92,6 +108,9 @@ class Bucket:
         self.padded, self.dtype, self.device = -(-n // parts) * parts, params[0].dtype, device
         self.nbytes, self.every_microbatch = self.padded * params[0].element_size(), every_microbatch
         self.grad = self.views = self.work = self.acc = None
+        # alone: one parameter, no padding, made for every microbatch: autograd's gradient is the bucket
+        # (an empty .grad takes the new gradient tensor as it is); not a weight our own code writes (direct)
+        self.alone = every_microbatch and len(params) == 1 and self.padded == n and not direct
         self.started, self.expected, self.final, self.filled = False, set(), set(), set()
 
     def make_grad(self):
@@ -104,6 +123,11 @@ class Bucket:
         """Each .grad a view into the bucket again (an optimizer's zero_grad(set_to_none=True) drops them)."""
         for p, view in zip(self.params, self.views):
             p.grad = view
+
+    def take_grad(self):
+        """alone: the parameter's own new gradient is the flat bucket (a view, or a copy if not contiguous)."""
+        p = self.params[0]
+        self.grad, self.views = p.grad.detach().reshape(-1), [p.grad]
 
     def drop_grad(self):
         self.grad = self.views = None
@@ -155,15 +179,20 @@ class GradBuckets:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.waiting, self.sharded, self.spans = waiting, shard, CollectiveSpans(recorder)
         self.free = free and shard          # --zero 2, 3: reduced in every microbatch, the whole buckets let go
-        self.copies = shard and reduce_scatter_copies(group)   # gloo: every bucket on its way costs a copy
         device = params[0].device if params else torch.device("cpu")
         if groups is None:
             groups = buckets(params, bucket_mb * 2**20)
         else:                                         # given (--zero 3: a block each), the last block's first
             groups = [g for g in ([p for p in ps if p.requires_grad][::-1] for ps in groups[::-1]) if g]
+        direct = {id(p) for p in direct}
         self.buckets = [Bucket(ps, self.size if shard else 1, device,
-                               self.free and not any(id(p) in self.late_ids for p in ps)) for ps in groups]
+                               self.free and not any(id(p) in self.late_ids for p in ps),
+                               any(id(p) in direct for p in ps)) for ps in groups]
         self.sent_bytes, self.held_bytes, self.peak_bytes, self.in_flight = 0, 0, 0, []
+        # bytes of buckets on their way and filling (make_room): IN_FLIGHT + 1 of the set size, or of the
+        # median bucket's where that is larger (--zero 3's blocks: a 4 MB weight and its bias)
+        sizes = sorted(b.nbytes for b in self.buckets) or [0]
+        self.room = (IN_FLIGHT + 1) * max(bucket_mb * 2**20, sizes[len(sizes) // 2])
         self.where = {id(p): b for b in self.buckets for p in b.params}
         self.names = {}                               # id -> a name for error lines (name_params)
         self.too_late = None                          # the first gradient that arrived after its bucket started
@@ -176,7 +205,6 @@ class GradBuckets:
                 self.note(b.nbytes)
             if shard:
                 b.hold_params()
-        direct = {id(p) for p in direct}
         for p in params:
             if id(p) not in direct:
                 p.register_post_accumulate_grad_hook(self.arrived)
@@ -236,8 +264,21 @@ class GradBuckets:
         if b.started:
             self.retire(b)
         if b.grad is None:
+            self.make_room(b)
+        if b.alone and b.grad is None:
+            b.params[0].grad = None       # autograd hands its new gradient over, uncopied (arrived: the bucket)
+        elif b.grad is None:
             b.make_grad()
             self.note(b.nbytes)
+
+    def make_room(self, b):
+        """Before bucket b's memory is made: the oldest reduce-scatters on their way are waited for (and their
+        buckets let go) while they and b together would exceed what IN_FLIGHT + 1 buckets of the set size
+        hold, so a bucket larger than the rest (a layer of its own above BUCKET_MB) is never made beside
+        others still on their way: the peak is the largest bucket, not the largest plus two. gloo runs its
+        collectives in order anyway, so the big one could not have finished sooner."""
+        while self.in_flight and sum(q.nbytes for q in self.in_flight) + b.nbytes > self.room:
+            self.retire(self.in_flight[0])
 
     def arrived(self, p):
         """A gradient was added to p's (the hooks; zero-bubble's W calls it for the weights it writes)."""
@@ -248,6 +289,9 @@ class GradBuckets:
             if self.too_late is None:
                 self.too_late = p
         elif b.every_microbatch:          # this microbatch's gradient: the bucket starts when all are in
+            if b.alone and b.grad is None:
+                b.take_grad()
+                self.note(b.nbytes)
             b.filled.add(id(p))
             if len(b.filled) == len(b.params):
                 self.start(b)
@@ -287,7 +331,7 @@ class GradBuckets:
         b.started = True
         if self.size > 1:
             if self.sharded:              # in place: my slice of the bucket receives the sum of my slice
-                b.work = REDUCE_SCATTER(b.shard(b.grad, self.rank), b.grad, group=self.group, async_op=True)
+                b.work = reduce_scatter(b.grad, self.rank, self.group)
             else:
                 b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
             self.count(b.grad, 1 if self.sharded else 2)
@@ -299,11 +343,11 @@ class GradBuckets:
 
     def bounded_by_in_flight(self, b):
         """Does bucket b count against IN_FLIGHT? Where waiting for it sooner lowers the peak: a bucket
-        that every microbatch reduces (--zero 2, 3) is let go once waited for (retire), and on gloo each
-        reduce-scatter on its way holds a copy. Elsewhere (--zero 1 on nccl, and --zero 2's late buckets
-        there) the bucket stays whole through the step anyway and nccl copies nothing, so all of them
-        stay on their way, overlapping the backward, until wait()."""
-        return b.every_microbatch or self.copies
+        that every microbatch reduces (--zero 2, 3) is let go once waited for (retire). Elsewhere (--zero 1,
+        and --zero 2's late buckets) the bucket stays whole through the step anyway and its collective
+        copies nothing (reduce_scatter: in place on every backend), so all of them stay on their way,
+        overlapping the backward, until wait()."""
+        return b.every_microbatch
 
     def retire(self, b):
         """Bucket b's reduce-scatter waited for; --zero 2, 3: my slice added into my accumulator and the

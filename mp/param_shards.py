@@ -73,6 +73,9 @@ class ParamShards:
         self.held_bytes += b.param.numel() * b.param.element_size()
         block.register_forward_pre_hook(lambda module, inputs: self.before_forward(b))
         block.register_forward_hook(lambda module, inputs, output: self.after_forward(b, output))
+        b.arrived = set()
+        for p in trainable:               # after mp.buckets' own hook: the bucket has started first
+            p.register_post_accumulate_grad_hook(lambda p, b=b: self.grad_arrived(b, p))
         return b
 
     # --------------------------------------------------------------- gather, wait, free
@@ -138,6 +141,22 @@ class ParamShards:
         self.wait(b)
         if b.prev is not None:
             self.gather(b.prev)                       # prefetch for the backward that comes after b's
+
+    def grad_arrived(self, b, p):
+        """A gradient of block b's arrived. Once every weight of b has its gradient of this backward, no
+        node of autograd reads b's weights again in it (a weight's gradient is accumulated once all its
+        uses are done): free them now, as FSDP2 reshards in its post-backward, rather than when the block
+        before b starts its backward or the whole backward returns (the fallbacks, for a block some of
+        whose weights get no gradient). --zero3-gather step keeps them until the step's last backward of
+        b (the gradients said expected: mp.buckets.GradBuckets.expect)."""
+        if self.pinned:
+            return
+        b.arrived.add(id(p))
+        if len(b.arrived) < len(b.params):
+            return
+        b.arrived = set()
+        if self.gather_every == "microbatch" or len(b.expected) == len(b.params):
+            self.free(b)
 
     # --------------------------------------------------------------- the step, and whole weights
 

@@ -51,7 +51,10 @@ class ZeroOptimizer:
         self.slices = [nn.Parameter(b.mine if shards else b.shard(b.param, rank)) for b in grad_buckets.buckets]
         for s, g in zip(self.slices, grad_buckets.shard_grads):
             s.grad = g
-        self.inner = optim.make_optimizer(self.slices, args)
+        # a param group per slice: torch's foreach update makes its temporaries (AdamW's sqrt of the second
+        # moment, its step) for a whole group at once, so one group would add N/D of them at the update,
+        # a group a slice only the largest slice's; the same kernels on each element, so the same bits
+        self.inner = optim.make_optimizer([{"params": [s]} for s in self.slices], args)
         self.state, self.param_groups = self.inner.state, self.inner.param_groups
 
     def zero_grad(self, set_to_none=True):
