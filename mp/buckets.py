@@ -82,6 +82,34 @@ def reduce_scatter_copies(group):
     return dist.get_backend(group) == "gloo"
 
 
+def all_gather(flat, mine, rank, group):
+    """Start gathering every replica's slice `mine` into `flat` (slice d at d's offset). gloo's all-gather
+    receives into a temporary the size of `flat` and then copies it over (torch's ProcessGroupGloo), a second
+    bucket's worth at the moment the weights are made whole; there each replica's slice is broadcast from it
+    straight into its place instead: D broadcasts, the same bytes received, the same bits, no temporary."""
+    if not reduce_scatter_copies(group):
+        return ALL_GATHER(flat, mine, group=group, async_op=True)
+    parts = flat.split(flat.numel() // dist.get_world_size(group))
+    if parts[rank].data_ptr() != mine.data_ptr():
+        parts[rank].copy_(mine)
+    return Works([dist.broadcast(part, group_src=d, group=group, async_op=True) for d, part in enumerate(parts)])
+
+
+class Works:
+    """Several collectives waited for as one (all_gather's broadcasts)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        return True
+
+    def get_future(self):
+        raise RuntimeError("several collectives: no one future")   # CollectiveSpans ends the span at the wait
+
+
 def reduce_scatter(flat, rank, group):
     """Start the sum of `flat` over the group into my 1/D of it, in place. Where the backend's reduce-scatter
     would clone the bucket (gloo: reduce_scatter_copies), the bucket is all-reduced in place instead: the
@@ -98,7 +126,7 @@ class Bucket:
     """Consecutive parameters' gradients in one flat tensor (padded to a multiple of `parts` when sharded).
     every_microbatch (--zero 2, 3): reduced in every microbatch's backward into acc, my slice's sum."""
 
-    def __init__(self, params, parts, device, every_microbatch=False, direct=False):
+    def __init__(self, params, parts, device, every_microbatch=False, direct=False, by_block=False):
         self.params, self.offsets = params, []
         n = 0
         for p in params:
@@ -111,6 +139,9 @@ class Bucket:
         # alone: one parameter, no padding, made for every microbatch: autograd's gradient is the bucket
         # (an empty .grad takes the new gradient tensor as it is); not a weight our own code writes (direct)
         self.alone = every_microbatch and len(params) == 1 and self.padded == n and not direct
+        # copy_in (--zero 3's blocks): made only once every gradient of the microbatch is in, from autograd's
+        # own tensors, so that the block's whole weights can go first (GradBuckets.when_filled)
+        self.copy_in = self.alone or (every_microbatch and by_block and not direct)
         self.started, self.expected, self.final, self.filled = False, set(), set(), set()
 
     def make_grad(self):
@@ -124,10 +155,21 @@ class Bucket:
         for p, view in zip(self.params, self.views):
             p.grad = view
 
-    def take_grad(self):
-        """alone: the parameter's own new gradient is the flat bucket (a view, or a copy if not contiguous)."""
-        p = self.params[0]
-        self.grad, self.views = p.grad.detach().reshape(-1), [p.grad]
+    def assemble(self):
+        """copy_in: the flat bucket from the parameters' own gradients, each .grad then a view into it (alone:
+        the one gradient is the bucket, a view of it). Returns the bytes made."""
+        if self.alone:
+            p = self.params[0]
+            self.grad, self.views = p.grad.detach().reshape(-1), [p.grad]
+            return 0
+        grads = [p.grad for p in self.params]
+        self.grad = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        self.grad[self.numel:].zero_()
+        self.views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        for view, g in zip(self.views, grads):
+            view.copy_(g) if g is not None else view.zero_()   # (no gradient in this microbatch: zeros)
+        self.point_grads()                # autograd's tensors go
+        return self.nbytes
 
     def drop_grad(self):
         self.grad = self.views = None
@@ -185,9 +227,11 @@ class GradBuckets:
         else:                                         # given (--zero 3: a block each), the last block's first
             groups = [g for g in ([p for p in ps if p.requires_grad][::-1] for ps in groups[::-1]) if g]
         direct = {id(p) for p in direct}
+        by_block = groups is not None
         self.buckets = [Bucket(ps, self.size if shard else 1, device,
                                self.free and not any(id(p) in self.late_ids for p in ps),
-                               any(id(p) in direct for p in ps)) for ps in groups]
+                               any(id(p) in direct for p in ps), by_block) for ps in groups]
+        self.when_filled = []                         # f(bucket) once a copy_in bucket's gradients are all in
         self.sent_bytes, self.held_bytes, self.peak_bytes, self.in_flight = 0, 0, 0, []
         # bytes of buckets on their way and filling (make_room): IN_FLIGHT + 1 of the set size, or of the
         # median bucket's where that is larger (--zero 3's blocks: a 4 MB weight and its bias)
@@ -233,11 +277,12 @@ class GradBuckets:
         return self.peak_bytes / 2**20
 
     def zero_grad(self):
-        """Before a step's first backward: zeroed buckets (--zero 2, 3: zeroed accumulators; the buckets
-        are made as their gradients arrive), each .grad a view into its bucket."""
+        """Before a step's first backward: zeroed buckets (--zero 2, 3: the accumulators let go, made zeroed
+        by the first reduce-scatter; the buckets are made as their gradients arrive), each .grad a view into
+        its bucket."""
         for b in self.buckets:
-            if b.every_microbatch:
-                b.acc.zero_()
+            if b.every_microbatch:        # as torch's zero_grad(set_to_none=True): made again when first needed
+                self.let_acc_go(b)
             elif b.grad is None:          # --zero 2: a late bucket let go after the last step
                 b.make_grad()
                 self.note(b.nbytes)
@@ -263,11 +308,10 @@ class GradBuckets:
             return
         if b.started:
             self.retire(b)
+        if b.copy_in:                     # autograd hands its new gradient to the empty .grad, uncopied
+            return
         if b.grad is None:
             self.make_room(b)
-        if b.alone and b.grad is None:
-            b.params[0].grad = None       # autograd hands its new gradient over, uncopied (arrived: the bucket)
-        elif b.grad is None:
             b.make_grad()
             self.note(b.nbytes)
 
@@ -289,14 +333,26 @@ class GradBuckets:
             if self.too_late is None:
                 self.too_late = p
         elif b.every_microbatch:          # this microbatch's gradient: the bucket starts when all are in
-            if b.alone and b.grad is None:
-                b.take_grad()
-                self.note(b.nbytes)
+            if b.copy_in and id(p) not in b.filled:
+                self.note(p.grad.numel() * p.grad.element_size())
             b.filled.add(id(p))
             if len(b.filled) == len(b.params):
+                if b.copy_in:
+                    self.fill(b)
                 self.start(b)
         elif id(p) in b.expected:         # the step's last gradient of p
             self._final(b, p)
+
+    def fill(self, b):
+        """A copy_in bucket's gradients are all in, as autograd's own tensors: say so (--zero 3 lets the block's
+        whole weights go), make room, then the flat bucket from them."""
+        for f in self.when_filled:
+            f(b)
+        self.make_room(b)
+        apart = sum(p.grad.numel() * p.grad.element_size() for p in b.params if p.grad is not None)
+        if b.assemble():                  # both at once while it copies, then autograd's tensors go
+            self.note(b.nbytes)
+            self.note(-apart)
 
     def final(self, params):
         """The caller ran the last backward that touches these parameters in this step: start each bucket
@@ -322,6 +378,8 @@ class GradBuckets:
 
     def _final(self, b, p):
         b.final.add(id(p))
+        if len(b.final) == len(b.params) and not b.started and b.copy_in and b.grad is None and b.filled:
+            self.fill(b)                  # a copy_in bucket some of whose parameters had no gradient
         if len(b.final) == len(b.params) and not b.started and b.grad is not None:
             self.start(b)
 
@@ -359,10 +417,27 @@ class GradBuckets:
         b.work = None
         self.in_flight.remove(b)
         if b.every_microbatch:
+            self.make_acc(b)
             b.acc += b.shard(b.grad, self.rank)
             b.drop_grad()
             self.note(-b.nbytes)
             b.started, b.filled = False, set()
+
+    def let_acc_go(self, b):
+        """--zero 2, 3, at the step's start: the accumulator's memory goes (the tensor stays, and the optimizer's
+        slice's .grad with it) until the backward's first reduce-scatter of b needs it: not held through the
+        forward, where --zero 3 --zero3-gather step has the whole weights gathered."""
+        storage = b.acc.untyped_storage()
+        if storage.nbytes():
+            self.note(-storage.nbytes())
+            storage.resize_(0)
+
+    def make_acc(self, b):
+        storage, nbytes = b.acc.untyped_storage(), b.acc.numel() * b.acc.element_size()
+        if not storage.nbytes():
+            storage.resize_(nbytes)
+            b.acc.zero_()
+            self.note(nbytes)
 
     def count(self, flat, halves):
         """sent_bytes += what a ring sends of this collective of `flat` (halves: 2 for an all-reduce,
@@ -382,6 +457,9 @@ class GradBuckets:
                                   f"calls GradBuckets.final once it is done with a parameter)")
         for b in list(self.in_flight):
             self.retire(b)
+        for b in self.buckets:
+            if b.every_microbatch:
+                self.make_acc(b)          # (a bucket none of whose gradients came: zeros)
         with awaiting(*self.waiting):
             for b in self.buckets:
                 if b.work is not None:

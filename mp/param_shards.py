@@ -40,7 +40,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mp.buckets import ALL_GATHER
+from mp.buckets import all_gather
 from mp.dist import awaiting
 
 
@@ -59,6 +59,8 @@ class ParamShards:
             self.buckets += mine
         for b in self.buckets:
             self.free(b)
+        self.own = set(self.buckets)
+        grads.when_filled.append(self.filled)
         # held_bytes: the whole weights gathered now; the peak counts from here (the build held them all)
         self.peak_bytes = self.held_bytes
         self.slice_bytes = sum(b.mine.numel() * b.mine.element_size() for b in self.buckets)
@@ -73,9 +75,6 @@ class ParamShards:
         self.held_bytes += b.param.numel() * b.param.element_size()
         block.register_forward_pre_hook(lambda module, inputs: self.before_forward(b))
         block.register_forward_hook(lambda module, inputs, output: self.after_forward(b, output))
-        b.arrived = set()
-        for p in trainable:               # after mp.buckets' own hook: the bucket has started first
-            p.register_post_accumulate_grad_hook(lambda p, b=b: self.grad_arrived(b, p))
         return b
 
     # --------------------------------------------------------------- gather, wait, free
@@ -87,7 +86,7 @@ class ParamShards:
         storage = b.param.untyped_storage()
         storage.resize_(b.param.numel() * b.param.element_size())   # memory again, filled by the all-gather
         self.note(b.param.numel() * b.param.element_size())
-        b.gathering = ALL_GATHER(b.param, b.mine, group=self.grads.group, async_op=True)
+        b.gathering = all_gather(b.param, b.mine, self.rank, self.grads.group)
         self.grads.count(b.param, 1)
         self.grads.spans.begin(b.gathering, f"all-gather {self.buckets.index(b)}", b.param.device)
 
@@ -138,23 +137,22 @@ class ParamShards:
                 self.free(b.next)                     # first: at most two blocks whole (b, and the prefetch)
             # the first block of a chunk has no block before it to say so: free it when this backward returns
             torch.autograd.Variable._execution_engine.queue_callback(lambda b=b: self.free(b))
+        # b's gradients come next, made by autograd beside b's whole weights: the reduce-scatters on their
+        # way that would not fit beside them are waited for now (mp.buckets: make_room), not after
+        self.grads.make_room(b)
         self.wait(b)
         if b.prev is not None:
             self.gather(b.prev)                       # prefetch for the backward that comes after b's
 
-    def grad_arrived(self, b, p):
-        """A gradient of block b's arrived. Once every weight of b has its gradient of this backward, no
-        node of autograd reads b's weights again in it (a weight's gradient is accumulated once all its
-        uses are done): free them now, as FSDP2 reshards in its post-backward, rather than when the block
-        before b starts its backward or the whole backward returns (the fallbacks, for a block some of
-        whose weights get no gradient). --zero3-gather step keeps them until the step's last backward of
-        b (the gradients said expected: mp.buckets.GradBuckets.expect)."""
-        if self.pinned:
+    def filled(self, b):
+        """Every weight of block b has its gradient of this backward (mp.buckets calls it before making the
+        bucket from them): no node of autograd reads b's weights again in it (a weight's gradient is
+        accumulated once all its uses are done), so they go now, as FSDP2 reshards in its post-backward,
+        and before the bucket is made, rather than when the block before b starts its backward or the
+        backward returns (the fallbacks, for a block some of whose weights get no gradient). --zero3-gather
+        step keeps them until the step's last backward of b (its gradients said expected: GradBuckets.expect)."""
+        if self.pinned or b not in self.own:
             return
-        b.arrived.add(id(p))
-        if len(b.arrived) < len(b.params):
-            return
-        b.arrived = set()
         if self.gather_every == "microbatch" or len(b.expected) == len(b.params):
             self.free(b)
 

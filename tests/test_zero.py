@@ -367,7 +367,7 @@ def test_the_counted_peak_is_the_measured_one(tmp_path, monkeypatch):
     its largest tensor (torch's single-tensor path on the CPU), or autograd's weight gradient before it
     is added into its bucket, and the activations. Plain data parallelism, --zero 2 and --zero 3 (the
     weights gathered for every microbatch) on 2 replicas of the mlp's 4 layers of 1024 (20 MB of
-    weights, the first layer 12 MB): each within that, and the differences between them as counted."""
+    weights, the first layer 12 MB): each within that; --zero 2 within half a layer of its count."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     counted, measured = {}, {}
     for zero in (["0"], ["2"], ["3", "--zero3-gather", "microbatch"]):
@@ -382,6 +382,9 @@ def test_the_counted_peak_is_the_measured_one(tmp_path, monkeypatch):
     # shared cores failed bounds 4 MB tighter than these
     for zero in counted:
         assert counted[zero] - 4 <= measured[zero] <= counted[zero] + 2 * layer + 8, (zero, counted, measured)
-    for a, b in (("0", "2"), ("0", "3"), ("2", "3")):
-        assert abs((measured[a] - measured[b]) - (counted[a] - counted[b])) <= 10, (a, b, counted, measured)
+    # issue 66: under --zero 2 the 12 MB weight's bucket is autograd's own gradient (no copy of it beside the
+    # bucket) and gloo's reduce-scatter no longer clones the bucket, so little is left uncounted there
+    # (measured 2026-11-28: 6 MB above the count, against 18-24 before); it saves at least what is counted
+    assert measured["2"] <= counted["2"] + layer / 2 + 4, (counted, measured)
+    assert measured["0"] - measured["2"] >= counted["0"] - counted["2"] - 4, (counted, measured)
     assert counted["0"] - counted["2"] > 10, counted
