@@ -33,10 +33,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = {"0": ["--zero", "0"], "1": ["--zero", "1"], "2": ["--zero", "2"],
-        "3 step": ["--zero", "3", "--zero3-gather", "step"], "3 microbatch": ["--zero", "3", "--zero3-gather", "microbatch"]}
+        "3-step": ["--zero", "3", "--zero3-gather", "step"], "3-microbatch": ["--zero", "3", "--zero3-gather", "microbatch"]}
 TORCH = ("ddp", "zero1", "fsdp2", "fsdp2-rs")
-PAIRS = [("0", "ddp"), ("1", "zero1"), ("2", "fsdp2"), ("3 step", "fsdp2"), ("3 microbatch", "fsdp2-rs")]
-ORDER = ["0", "ddp", "1", "zero1", "2", "fsdp2", "3 step", "3 microbatch", "fsdp2-rs"]   # A, B, A, B...
+PAIRS = [("0", "ddp"), ("1", "zero1"), ("2", "fsdp2"), ("3-step", "fsdp2"), ("3-microbatch", "fsdp2-rs")]
+ORDER = ["0", "ddp", "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp2-rs"]   # A, B, A, B...
 
 
 # ----------------------------------------------------------------------------- torch's engines (the worker)
@@ -155,7 +155,7 @@ def one_round(args, tmp):
               str(args.batch_size), "--microbatches", "1", "--steps", str(args.steps), "--eval-every", "0",
               "--data", "synthetic", "--optimizer", "adamw", "--seed", "0"]
     out = {}
-    for name in ORDER:
+    for name in [n for n in ORDER if n in args.only]:
         big = launch(name, common + ["--hidden", str(args.hidden)], os.path.join(tmp, "big.jsonl"))
         tiny = launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
         big["above_floor_mb"] = sum(big["peak_memory_mb"][r] - tiny["peak_memory_mb"][r] for r in big["peak_memory_mb"])
@@ -166,17 +166,17 @@ def one_round(args, tmp):
 
 
 def table(rounds, args):
-    n = rounds[0]["0"]["held_mb"][0]
+    n = next(r["held_mb"][0] for name, r in rounds[0].items() if name in ("0", "1", "2", "ddp", "zero1"))
     med = lambda f: statistics.median(f(r) for r in rounds)   # noqa: E731
     lines = ["| ours | torch | peak above floor, MB (4 ranks) ours / torch | ratio | step ms ours / torch | ratio "
              "| held MB (weights, grads, AdamW) ours / torch | sent MB/step ours / torch | max loss diff |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for a, b in PAIRS:
+    for a, b in [(a, b) for a, b in PAIRS if a in rounds[0] and b in rounds[0]]:
         mem = med(lambda r: r[a]["above_floor_mb"] / r[b]["above_floor_mb"])
         speed = med(lambda r: r[a]["median_step_time_s"] / r[b]["median_step_time_s"])
         diff = max(max(abs(x - y) for x, y in zip(r[a]["losses"], r[b]["losses"])) for r in rounds)
         held = lambda h: ", ".join(f"{x:.1f}" for x in h)   # noqa: E731
-        lines.append(f"| --zero {a} | {b} | {med(lambda r: r[a]['above_floor_mb']):.0f} / "
+        lines.append(f"| --zero {a.replace('-', ' ')} | {b} | {med(lambda r: r[a]['above_floor_mb']):.0f} / "
                      f"{med(lambda r: r[b]['above_floor_mb']):.0f} | {mem:.2f} | "
                      f"{med(lambda r: r[a]['median_step_time_s']) * 1e3:.0f} / "
                      f"{med(lambda r: r[b]['median_step_time_s']) * 1e3:.0f} | {speed:.2f} | "
@@ -199,7 +199,15 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench", "data_axis.json"))
+    p.add_argument("--only", type=lambda s: s.split(","), default=ORDER,
+                   help=f"the engines to run, comma-separated (default: all, {','.join(ORDER)})")
+    p.add_argument("--table", default=None, help="print the table of an earlier run's --out file, run nothing")
     args = p.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            saved = json.load(f)
+        rounds = [{name.replace(" ", "-"): r for name, r in round_.items()} for round_ in saved["rounds"]]
+        return print(table(rounds, argparse.Namespace(**{**saved["args"], "dp": saved["args"]["dp"]})))
     rounds = []
     for i in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:

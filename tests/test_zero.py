@@ -194,6 +194,17 @@ def test_zero_where_it_cannot_run_is_one_error_line(parse, argv, world, message,
     assert_one_error_line(parse, argv, world, message, monkeypatch, capsys)
 
 
+@pytest.mark.parametrize("microbatches,gather", [("1", "microbatch"), ("4", "step")])
+def test_zero3_gathers_for_every_use_by_default_with_one_microbatch(microbatches, gather, monkeypatch):
+    """Issue 66: with one microbatch there is nothing to keep the weights for between uses, so --zero 3's
+    default frees each block after its forward and gathers it again for its backward, as FSDP2 does
+    (reshard_after_forward); with several, it gathers once a step."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = pipeline_dp_joint.parse_args(["--dp", "4", "--zero", "3", "--microbatches", microbatches,
+                                         "--batch-size", "64"])
+    assert args.zero3_gather == gather
+
+
 def state_bytes(optimizer):
     """The bytes of optimizer state a ZeroOptimizer holds: its slices' state."""
     return sum(t.numel() * t.element_size() for s in optimizer.inner.state.values() for t in s.values()
@@ -228,7 +239,7 @@ def _save_keeps_the_slice_case(rank, world, group):
     assert before <= whole / world + 2 * 4 * world * len(grads.buckets)   # my slice (padding aside)
     gathers = []
     with pytest.MonkeyPatch.context() as patch:     # a save gathers nothing
-        patch.setattr(zero, "ALL_GATHER", lambda *a, **k: gathers.append(a))
+        patch.setattr(zero, "all_gather", lambda *a, **k: gathers.append(a))
         checkpoint.save(args, 1, model, optimizer, {"program": "test"}, rank)
     assert not gathers and state_bytes(optimizer) == before, (state_bytes(optimizer), before)
     if rank == 0:                                   # every element of every tensor, from the two replicas' pieces
