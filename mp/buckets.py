@@ -398,6 +398,18 @@ class GradBuckets:
             self.in_flight.append(b)
             while len(self.in_flight) > IN_FLIGHT:
                 self.retire(self.in_flight[0])
+            self.room_ahead(b)
+
+    def room_ahead(self, b):
+        """A bucket larger than the set size among the next two in backward order (a large layer's weight
+        and its bias, whose gradients one node of autograd makes at once, before any hook of ours runs):
+        the reduce-scatters that would not fit beside it are waited for now, before that layer's backward
+        (--zero 3's blocks say so themselves: ParamShards.before_backward). Only the order is guessed: a
+        wrong guess waits sooner than needed, never changes a number."""
+        i = self.buckets.index(b)
+        for nxt in self.buckets[i + 1:i + 3]:
+            if nxt.every_microbatch and nxt.grad is None and nxt.nbytes > self.room // (IN_FLIGHT + 1):
+                self.make_room(nxt)
 
     def bounded_by_in_flight(self, b):
         """Does bucket b count against IN_FLIGHT? Where waiting for it sooner lowers the peak: a bucket

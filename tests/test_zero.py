@@ -392,7 +392,12 @@ def test_the_counted_peak_is_the_measured_one(tmp_path, monkeypatch):
     # measured 2026-11-27: 18-24 MB above the count, the differences within 6 MB; 1 of 10 runs on the 2
     # shared cores failed bounds 4 MB tighter than these
     for zero in counted:
-        assert counted[zero] - 4 <= measured[zero] <= counted[zero] + 2 * layer + 8, (zero, counted, measured)
+        # --zero 3's two peaks need not coincide: a block's whole weights go before its bucket is made (issue 66)
+        low = counted[zero] - 4 - (layer if zero == "3" else 0)
+        assert low <= measured[zero] <= counted[zero] + 2 * layer + 8, (zero, counted, measured)
+    # issue 66: --zero 3 holds no more than it counts (before: 13 MB more, autograd's gradient beside the
+    # bucket and the block's weights, gloo's copies)
+    assert measured["3"] <= counted["3"] + 4, (counted, measured)
     # issue 66: under --zero 2 the 12 MB weight's bucket is autograd's own gradient (no copy of it beside the
     # bucket) and gloo's reduce-scatter no longer clones the bucket, so little is left uncounted there
     # (measured 2026-11-28: 6 MB above the count, against 18-24 before); it saves at least what is counted
