@@ -209,13 +209,14 @@ def main():
         rounds = [{name.replace(" ", "-"): r for name, r in round_.items()} for round_ in saved["rounds"]]
         return print(table(rounds, argparse.Namespace(**{**saved["args"], "dp": saved["args"]["dp"]})))
     rounds = []
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     for i in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
             rounds.append(one_round(args, tmp))
         print(f"round {i + 1} of {args.rounds} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rounds": rounds}, f)
+        with open(args.out + ".tmp", "w") as f:      # every round kept as it ends (--table reads it)
+            json.dump({"args": vars(args), "rounds": rounds}, f)
+        os.replace(args.out + ".tmp", args.out)
     print(table(rounds, args))
 
 
