@@ -17,20 +17,24 @@ names and autograd identity, but hold nothing); an all-gather of every replica's
 
 With a pipeline, each block runs once per microbatch, forward and backward. --zero3-gather says how
 often its weights are gathered:
-    step        once, before its first forward of the step; kept through every microbatch's forward and
-                backward, freed when the step's backward is over (release()): (D-1)/D of the weights sent
-                per step, but the whole stage's weights held during the step
-    microbatch  before every forward and every backward, freed right after each: 2M times the bytes, and
-                only the blocks that are running (and the next one, prefetched) are whole at any moment
+    step        (the default with several microbatches) once, before its first forward of the step; kept
+                through every microbatch's forward and backward, freed once its last backward's gradients
+                are in (filled): (D-1)/D of the weights sent per step, but the whole stage's weights held
+                at the end of the forward
+    microbatch  (the default with one, as FSDP2's reshard_after_forward) before every forward and every
+                backward, freed right after each: 2M times the bytes, and only the blocks that are running
+                (and the next one, prefetched) are whole at any moment
 
 The hooks are torch's module hooks, so the executor (pipeline_microbatch.StageRunner) is unchanged: a
 forward pre-hook gathers the block (and starts the next block's all-gather), a forward hook frees it
 (microbatch) and puts a hook on the block's output, which fires when the output's gradient arrives,
 that is, just before the block's backward: it gathers the block again (and starts the previous
-block's). The block's backward is over when the block before it receives its output's gradient (that
-block's hook frees it), or, for the first block of a chunk, when the backward call returns (a callback
-queued on autograd's engine, as FSDP does). Every replica of a stage runs the same schedule, so the
-all-gathers start in the same order on every replica, as gloo and nccl need.
+block's). The block's backward is over once every weight of it has its gradient: mp.buckets says so
+(when_filled) before it makes the block's bucket from them, and the whole weights go first. Should a
+weight get no gradient, the block before it receiving its output's gradient frees it, or, for the
+first block of a chunk, the backward call returning (a callback queued on autograd's engine, as FSDP
+does). Every replica of a stage runs the same schedule, so the all-gathers start in the same order on
+every replica, as gloo and nccl need.
 
 A checkpoint, the evaluation and the replicas' end-of-run comparison read the weights whole: whole()
 gathers every block for their duration, and writes each replica's slice back into `mine` afterwards (a
