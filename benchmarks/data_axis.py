@@ -31,7 +31,22 @@ import sys
 import tempfile
 import time
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)   # the repository root
+
+from mp.data import dp_slice, load_data  # noqa: E402
+from mp.models import build_model  # noqa: E402
+from mp.optim import make_optimizer  # noqa: E402
+from pipeline_dp_joint import parse_args  # noqa: E402
 OURS = {"0": ["--zero", "0"], "1": ["--zero", "1"], "2": ["--zero", "2"],
         "3-step": ["--zero", "3", "--zero3-gather", "step"], "3-microbatch": ["--zero", "3", "--zero3-gather", "microbatch"]}
 TORCH = ("ddp", "zero1", "fsdp2", "fsdp2-rs")
@@ -44,21 +59,14 @@ ORDER = ["0", "ddp", "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp
 
 def wrap(engine, model, args, world):
     """(the model as the engine trains it, its optimizer)."""
-    import torch
-    import torch.nn as nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from mp.optim import make_optimizer
     if engine in ("ddp", "zero1"):
         model = DDP(model)
         if engine == "zero1":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
                                           betas=(args.beta1, args.beta2), eps=args.adam_eps,
                                           weight_decay=args.weight_decay, fused=False)
             return model, opt
         return model, make_optimizer(model.parameters(), args)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (world,))
     reshard = engine == "fsdp2-rs"
     for m in model.modules():
@@ -78,13 +86,6 @@ def local_mb(tensors):
 
 
 def worker(engine, argv):
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    sys.path.insert(0, ROOT)
-    from mp.data import dp_slice, load_data
-    from mp.models import build_model
-    from pipeline_dp_joint import parse_args
     args = parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
