@@ -186,7 +186,14 @@ def main():
     p.add_argument("--no-run", action="store_true", help="only rewrite docs/benchmarks.md and plot from logs/bench")
     p.add_argument("--frontier-only", action="store_true",
                    help="only the memory runs and benchmarks/zero_bubble.py: redraw the plot, print their tables")
+    p.add_argument("--data-axis", action="store_true",
+                   help="only benchmarks/data_axis.py (ours against DDP, FSDP2 and ZeroRedundancyOptimizer, paired): "
+                        "print the table that docs/benchmarks.md's section of that name quotes")
     args = p.parse_args()
+    if args.data_axis:                 # its own torchruns, one per engine: a peak resident set cannot be reset
+        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "data_axis.py"), "--out",
+                        f"{LOGS}/data_axis.json"], cwd=ROOT, check=True, timeout=3600)
+        return
     if args.frontier_only:
         run_memory()
         run_zero_bubble()

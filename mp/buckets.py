@@ -41,11 +41,13 @@ before autograd accumulates into it; zero-bubble's W says arriving()):
 
 So a replica holds its accumulators (1/D of the gradients) and the buckets in flight: the ones being
 filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts).
-Which buckets the bound holds, and why (bounded_by_in_flight): under --zero 2 and 3, a bucket that
-every microbatch reduces, on every backend, since waiting for it is what frees it; on gloo every
-bucket, --zero 1's too, since gloo's reduce-scatter holds a copy of its bucket until it is done (9
-buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces raised it 5).
-nccl reduce-scatters in place, so there --zero 1 keeps every bucket on its way until the step waits.
+Which buckets the bound holds, and why (bounded_by_in_flight):
+under --zero 2 and 3, a bucket that every microbatch reduces, since waiting for it is what frees it.
+No collective here copies its bucket: torch's gloo reduce-scatter clones the whole bucket and all-reduces
+the clone (9 buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces
+raised it 5), so on gloo the bucket itself is all-reduced in place (reduce_scatter): the same bytes and
+sums, no copy. A bucket of one parameter (--zero 2's large weights) is not made at all: autograd's own
+gradient tensor, which it hands over to an empty .grad without a copy, is the bucket (Bucket.alone).
 The price: M reduce-scatters a step instead of one, (M + 1)(D-1)/D N sent with the all-gather where
 --zero 1 sends 2(D-1)/D N (docs/optimizers.md). A bucket whose gradients other ranks complete after
 the backward (`late`: parallel_3d.py's tensor-parallel sums) is reduced once, after those sums.
@@ -54,7 +56,8 @@ freed as one flat tensor, the bucket its gradients are reduce-scattered in.
 
 sent_bytes counts what this replica sends in the data-parallel collectives, as a ring moves them: an
 all-reduce of n bytes over D replicas sends 2(D-1)/D n, a reduce-scatter or an all-gather (D-1)/D n
-(the summary's dp_sent_mb_per_step). held_bytes and peak_bytes count the gradients' memory where it
+(the summary's dp_sent_mb_per_step; gloo's reduce-scatter, torch's or ours, is an all-reduce on the wire,
+so there it sends twice what is counted). held_bytes and peak_bytes count the gradients' memory where it
 is made and let go here: the buckets and the accumulators (the summary's peak_grad_mb).
 """
 import time
@@ -73,16 +76,57 @@ IN_FLIGHT = 2   # reduce-scatters on their way at once; a third waits for the ol
 
 
 def reduce_scatter_copies(group):
-    """Does this group's reduce-scatter work on a copy of its bucket, held until it is done? gloo's does
-    (measured: module docstring); nccl's reads and writes the bucket itself."""
+    """Does this group's reduce-scatter work on a copy of its bucket, held until it is done? gloo's does:
+    torch's ProcessGroupGloo reduce-scatters by cloning the whole input, all-reducing the clone and copying
+    my chunk out of it; nccl's reads and writes the bucket itself."""
     return dist.get_backend(group) == "gloo"
+
+
+def all_gather(flat, mine, rank, group):
+    """Start gathering every replica's slice `mine` into `flat` (slice d at d's offset). gloo's all-gather
+    receives into a temporary the size of `flat` and then copies it over (torch's ProcessGroupGloo), a second
+    bucket's worth at the moment the weights are made whole; there each replica's slice is broadcast from it
+    straight into its place instead: D broadcasts, the same bytes received, the same bits, no temporary."""
+    if not reduce_scatter_copies(group):
+        return ALL_GATHER(flat, mine, group=group, async_op=True)
+    parts = flat.split(flat.numel() // dist.get_world_size(group))
+    if parts[rank].data_ptr() != mine.data_ptr():
+        parts[rank].copy_(mine)
+    return Works([dist.broadcast(part, group_src=d, group=group, async_op=True) for d, part in enumerate(parts)])
+
+
+class Works:
+    """Several collectives waited for as one (all_gather's broadcasts)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        return True
+
+    def get_future(self):
+        raise RuntimeError("several collectives: no one future")   # CollectiveSpans ends the span at the wait
+
+
+def reduce_scatter(flat, rank, group):
+    """Start the sum of `flat` over the group into my 1/D of it, in place. Where the backend's reduce-scatter
+    would clone the bucket (gloo: reduce_scatter_copies), the bucket is all-reduced in place instead: the
+    same all-reduce gloo runs on its clone, so the same bytes sent and the same sums, bit for bit, without
+    the copy (a second bucket's worth of memory for each one on its way). The rest of the bucket then holds
+    the other slices' sums, which nobody reads."""
+    size = flat.numel() // dist.get_world_size(group)
+    if reduce_scatter_copies(group):
+        return dist.all_reduce(flat, group=group, async_op=True)
+    return REDUCE_SCATTER(flat[rank * size:(rank + 1) * size], flat, group=group, async_op=True)
 
 
 class Bucket:
     """Consecutive parameters' gradients in one flat tensor (padded to a multiple of `parts` when sharded).
     every_microbatch (--zero 2, 3): reduced in every microbatch's backward into acc, my slice's sum."""
 
-    def __init__(self, params, parts, device, every_microbatch=False):
+    def __init__(self, params, parts, device, every_microbatch=False, direct=False, by_block=False):
         self.params, self.offsets = params, []
         n = 0
         for p in params:
@@ -92,6 +136,12 @@ class Bucket:
         self.padded, self.dtype, self.device = -(-n // parts) * parts, params[0].dtype, device
         self.nbytes, self.every_microbatch = self.padded * params[0].element_size(), every_microbatch
         self.grad = self.views = self.work = self.acc = None
+        # alone: one parameter, no padding, made for every microbatch: autograd's gradient is the bucket
+        # (an empty .grad takes the new gradient tensor as it is); not a weight our own code writes (direct)
+        self.alone = every_microbatch and len(params) == 1 and self.padded == n and not direct
+        # copy_in (--zero 3's blocks): made only once every gradient of the microbatch is in, from autograd's
+        # own tensors, so that the block's whole weights can go first (GradBuckets.when_filled)
+        self.copy_in = self.alone or (every_microbatch and by_block and not direct)
         self.started, self.expected, self.final, self.filled = False, set(), set(), set()
 
     def make_grad(self):
@@ -104,6 +154,22 @@ class Bucket:
         """Each .grad a view into the bucket again (an optimizer's zero_grad(set_to_none=True) drops them)."""
         for p, view in zip(self.params, self.views):
             p.grad = view
+
+    def assemble(self):
+        """copy_in: the flat bucket from the parameters' own gradients, each .grad then a view into it (alone:
+        the one gradient is the bucket, a view of it). Returns the bytes made."""
+        if self.alone:
+            p = self.params[0]
+            self.grad, self.views = p.grad.detach().reshape(-1), [p.grad]
+            return 0
+        grads = [p.grad for p in self.params]
+        self.grad = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        self.grad[self.numel:].zero_()
+        self.views = [self.grad[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        for view, g in zip(self.views, grads):
+            view.copy_(g) if g is not None else view.zero_()   # (no gradient in this microbatch: zeros)
+        self.point_grads()                # autograd's tensors go
+        return self.nbytes
 
     def drop_grad(self):
         self.grad = self.views = None
@@ -155,15 +221,22 @@ class GradBuckets:
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.waiting, self.sharded, self.spans = waiting, shard, CollectiveSpans(recorder)
         self.free = free and shard          # --zero 2, 3: reduced in every microbatch, the whole buckets let go
-        self.copies = shard and reduce_scatter_copies(group)   # gloo: every bucket on its way costs a copy
         device = params[0].device if params else torch.device("cpu")
         if groups is None:
             groups = buckets(params, bucket_mb * 2**20)
         else:                                         # given (--zero 3: a block each), the last block's first
             groups = [g for g in ([p for p in ps if p.requires_grad][::-1] for ps in groups[::-1]) if g]
+        direct = {id(p) for p in direct}
+        by_block = groups is not None
         self.buckets = [Bucket(ps, self.size if shard else 1, device,
-                               self.free and not any(id(p) in self.late_ids for p in ps)) for ps in groups]
+                               self.free and not any(id(p) in self.late_ids for p in ps),
+                               any(id(p) in direct for p in ps), by_block) for ps in groups]
+        self.when_filled = []                         # f(bucket) once a copy_in bucket's gradients are all in
         self.sent_bytes, self.held_bytes, self.peak_bytes, self.in_flight = 0, 0, 0, []
+        # bytes of buckets on their way and filling (make_room): IN_FLIGHT + 1 of the set size, or of the
+        # median bucket's where that is larger (--zero 3's blocks: a 4 MB weight and its bias)
+        sizes = sorted(b.nbytes for b in self.buckets) or [0]
+        self.room = (IN_FLIGHT + 1) * max(bucket_mb * 2**20, sizes[len(sizes) // 2])
         self.where = {id(p): b for b in self.buckets for p in b.params}
         self.names = {}                               # id -> a name for error lines (name_params)
         self.too_late = None                          # the first gradient that arrived after its bucket started
@@ -176,7 +249,6 @@ class GradBuckets:
                 self.note(b.nbytes)
             if shard:
                 b.hold_params()
-        direct = {id(p) for p in direct}
         for p in params:
             if id(p) not in direct:
                 p.register_post_accumulate_grad_hook(self.arrived)
@@ -205,11 +277,12 @@ class GradBuckets:
         return self.peak_bytes / 2**20
 
     def zero_grad(self):
-        """Before a step's first backward: zeroed buckets (--zero 2, 3: zeroed accumulators; the buckets
-        are made as their gradients arrive), each .grad a view into its bucket."""
+        """Before a step's first backward: zeroed buckets (--zero 2, 3: the accumulators let go, made zeroed
+        by the first reduce-scatter; the buckets are made as their gradients arrive), each .grad a view into
+        its bucket."""
         for b in self.buckets:
-            if b.every_microbatch:
-                b.acc.zero_()
+            if b.every_microbatch:        # as torch's zero_grad(set_to_none=True): made again when first needed
+                self.let_acc_go(b)
             elif b.grad is None:          # --zero 2: a late bucket let go after the last step
                 b.make_grad()
                 self.note(b.nbytes)
@@ -235,9 +308,21 @@ class GradBuckets:
             return
         if b.started:
             self.retire(b)
+        if b.copy_in:                     # autograd hands its new gradient to the empty .grad, uncopied
+            return
         if b.grad is None:
+            self.make_room(b)
             b.make_grad()
             self.note(b.nbytes)
+
+    def make_room(self, b):
+        """Before bucket b's memory is made: the oldest reduce-scatters on their way are waited for (and their
+        buckets let go) while they and b together would exceed what IN_FLIGHT + 1 buckets of the set size
+        hold, so a bucket larger than the rest (a layer of its own above BUCKET_MB) is never made beside
+        others still on their way: the peak is the largest bucket, not the largest plus two. gloo runs its
+        collectives in order anyway, so the big one could not have finished sooner."""
+        while self.in_flight and sum(q.nbytes for q in self.in_flight) + b.nbytes > self.room:
+            self.retire(self.in_flight[0])
 
     def arrived(self, p):
         """A gradient was added to p's (the hooks; zero-bubble's W calls it for the weights it writes)."""
@@ -248,11 +333,26 @@ class GradBuckets:
             if self.too_late is None:
                 self.too_late = p
         elif b.every_microbatch:          # this microbatch's gradient: the bucket starts when all are in
+            if b.copy_in and id(p) not in b.filled:
+                self.note(p.grad.numel() * p.grad.element_size())
             b.filled.add(id(p))
             if len(b.filled) == len(b.params):
+                if b.copy_in:
+                    self.fill(b)
                 self.start(b)
         elif id(p) in b.expected:         # the step's last gradient of p
             self._final(b, p)
+
+    def fill(self, b):
+        """A copy_in bucket's gradients are all in, as autograd's own tensors: say so (--zero 3 lets the block's
+        whole weights go), make room, then the flat bucket from them."""
+        for f in self.when_filled:
+            f(b)
+        self.make_room(b)
+        apart = sum(p.grad.numel() * p.grad.element_size() for p in b.params if p.grad is not None)
+        if b.assemble():                  # both at once while it copies, then autograd's tensors go
+            self.note(b.nbytes)
+            self.note(-apart)
 
     def final(self, params):
         """The caller ran the last backward that touches these parameters in this step: start each bucket
@@ -278,6 +378,8 @@ class GradBuckets:
 
     def _final(self, b, p):
         b.final.add(id(p))
+        if len(b.final) == len(b.params) and not b.started and b.copy_in and b.grad is None and b.filled:
+            self.fill(b)                  # a copy_in bucket some of whose parameters had no gradient
         if len(b.final) == len(b.params) and not b.started and b.grad is not None:
             self.start(b)
 
@@ -287,7 +389,7 @@ class GradBuckets:
         b.started = True
         if self.size > 1:
             if self.sharded:              # in place: my slice of the bucket receives the sum of my slice
-                b.work = REDUCE_SCATTER(b.shard(b.grad, self.rank), b.grad, group=self.group, async_op=True)
+                b.work = reduce_scatter(b.grad, self.rank, self.group)
             else:
                 b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
             self.count(b.grad, 1 if self.sharded else 2)
@@ -296,14 +398,26 @@ class GradBuckets:
             self.in_flight.append(b)
             while len(self.in_flight) > IN_FLIGHT:
                 self.retire(self.in_flight[0])
+            self.room_ahead(b)
+
+    def room_ahead(self, b):
+        """A bucket larger than the set size among the next two in backward order (a large layer's weight
+        and its bias, whose gradients one node of autograd makes at once, before any hook of ours runs):
+        the reduce-scatters that would not fit beside it are waited for now, before that layer's backward
+        (--zero 3's blocks say so themselves: ParamShards.before_backward). Only the order is guessed: a
+        wrong guess waits sooner than needed, never changes a number."""
+        i = self.buckets.index(b)
+        for nxt in self.buckets[i + 1:i + 3]:
+            if nxt.every_microbatch and nxt.grad is None and nxt.nbytes > self.room // (IN_FLIGHT + 1):
+                self.make_room(nxt)
 
     def bounded_by_in_flight(self, b):
         """Does bucket b count against IN_FLIGHT? Where waiting for it sooner lowers the peak: a bucket
-        that every microbatch reduces (--zero 2, 3) is let go once waited for (retire), and on gloo each
-        reduce-scatter on its way holds a copy. Elsewhere (--zero 1 on nccl, and --zero 2's late buckets
-        there) the bucket stays whole through the step anyway and nccl copies nothing, so all of them
-        stay on their way, overlapping the backward, until wait()."""
-        return b.every_microbatch or self.copies
+        that every microbatch reduces (--zero 2, 3) is let go once waited for (retire). Elsewhere (--zero 1,
+        and --zero 2's late buckets) the bucket stays whole through the step anyway and its collective
+        copies nothing (reduce_scatter: in place on every backend), so all of them stay on their way,
+        overlapping the backward, until wait()."""
+        return b.every_microbatch
 
     def retire(self, b):
         """Bucket b's reduce-scatter waited for; --zero 2, 3: my slice added into my accumulator and the
@@ -315,10 +429,27 @@ class GradBuckets:
         b.work = None
         self.in_flight.remove(b)
         if b.every_microbatch:
+            self.make_acc(b)
             b.acc += b.shard(b.grad, self.rank)
             b.drop_grad()
             self.note(-b.nbytes)
             b.started, b.filled = False, set()
+
+    def let_acc_go(self, b):
+        """--zero 2, 3, at the step's start: the accumulator's memory goes (the tensor stays, and the optimizer's
+        slice's .grad with it) until the backward's first reduce-scatter of b needs it: not held through the
+        forward, where --zero 3 --zero3-gather step has the whole weights gathered."""
+        storage = b.acc.untyped_storage()
+        if storage.nbytes():
+            self.note(-storage.nbytes())
+            storage.resize_(0)
+
+    def make_acc(self, b):
+        storage, nbytes = b.acc.untyped_storage(), b.acc.numel() * b.acc.element_size()
+        if not storage.nbytes():
+            storage.resize_(nbytes)
+            b.acc.zero_()
+            self.note(nbytes)
 
     def count(self, flat, halves):
         """sent_bytes += what a ring sends of this collective of `flat` (halves: 2 for an all-reduce,
@@ -338,6 +469,9 @@ class GradBuckets:
                                   f"calls GradBuckets.final once it is done with a parameter)")
         for b in list(self.in_flight):
             self.retire(b)
+        for b in self.buckets:
+            if b.every_microbatch:
+                self.make_acc(b)          # (a bucket none of whose gradients came: zeros)
         with awaiting(*self.waiting):
             for b in self.buckets:
                 if b.work is not None:

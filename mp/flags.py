@@ -119,8 +119,9 @@ def add_optimizer_flags(p):
                         "all-gathered before it runs (pipeline_dp_joint.py, parallel_3d.py)")
     p.add_argument("--zero3-gather", choices=["step", "microbatch"], default=None,
                    help="--zero 3: gather each block's weights once a step and keep them through every "
-                        "microbatch (step, the default: fewer bytes), or before every microbatch's forward and "
-                        "backward, freed after each (microbatch: less memory held)")
+                        "microbatch (step, the default with several microbatches: fewer bytes), or before every "
+                        "microbatch's forward and backward, freed after each (microbatch, the default with one: "
+                        "less memory held)")
 
 
 def validate_optimizer(args, program):
@@ -138,8 +139,8 @@ def validate_optimizer(args, program):
     if args.zero3_gather is not None and args.zero != 3:
         fail(f"--zero3-gather {args.zero3_gather} says when --zero 3 gathers the weights, and this run has "
              f"--zero {args.zero}; add --zero 3, or drop --zero3-gather")
-    if args.zero == 3 and args.zero3_gather is None:
-        args.zero3_gather = "step"
+    if args.zero == 3 and args.zero3_gather is None:   # one microbatch: free after use, as FSDP2 does
+        args.zero3_gather = "microbatch" if getattr(args, "microbatches", 1) == 1 else "step"
     if args.zero and program not in ZERO_PROGRAMS:
         fail(f"--zero {args.zero}: {program}.py has no data-parallel axis to split the optimizer state over; "
              f"drop --zero, or run {' or '.join(p + '.py' for p in ZERO_PROGRAMS)}, which have one")

@@ -17,20 +17,24 @@ names and autograd identity, but hold nothing); an all-gather of every replica's
 
 With a pipeline, each block runs once per microbatch, forward and backward. --zero3-gather says how
 often its weights are gathered:
-    step        once, before its first forward of the step; kept through every microbatch's forward and
-                backward, freed when the step's backward is over (release()): (D-1)/D of the weights sent
-                per step, but the whole stage's weights held during the step
-    microbatch  before every forward and every backward, freed right after each: 2M times the bytes, and
-                only the blocks that are running (and the next one, prefetched) are whole at any moment
+    step        (the default with several microbatches) once, before its first forward of the step; kept
+                through every microbatch's forward and backward, freed once its last backward's gradients
+                are in (filled): (D-1)/D of the weights sent per step, but the whole stage's weights held
+                at the end of the forward
+    microbatch  (the default with one, as FSDP2's reshard_after_forward) before every forward and every
+                backward, freed right after each: 2M times the bytes, and only the blocks that are running
+                (and the next one, prefetched) are whole at any moment
 
 The hooks are torch's module hooks, so the executor (pipeline_microbatch.StageRunner) is unchanged: a
 forward pre-hook gathers the block (and starts the next block's all-gather), a forward hook frees it
 (microbatch) and puts a hook on the block's output, which fires when the output's gradient arrives,
 that is, just before the block's backward: it gathers the block again (and starts the previous
-block's). The block's backward is over when the block before it receives its output's gradient (that
-block's hook frees it), or, for the first block of a chunk, when the backward call returns (a callback
-queued on autograd's engine, as FSDP does). Every replica of a stage runs the same schedule, so the
-all-gathers start in the same order on every replica, as gloo and nccl need.
+block's). The block's backward is over once every weight of it has its gradient: mp.buckets says so
+(when_filled) before it makes the block's bucket from them, and the whole weights go first. Should a
+weight get no gradient, the block before it receiving its output's gradient frees it, or, for the
+first block of a chunk, the backward call returning (a callback queued on autograd's engine, as FSDP
+does). Every replica of a stage runs the same schedule, so the all-gathers start in the same order on
+every replica, as gloo and nccl need.
 
 A checkpoint, the evaluation and the replicas' end-of-run comparison read the weights whole: whole()
 gathers every block for their duration, and writes each replica's slice back into `mine` afterwards (a
@@ -40,7 +44,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mp.buckets import ALL_GATHER
+from mp.buckets import all_gather
 from mp.dist import awaiting
 
 
@@ -59,6 +63,8 @@ class ParamShards:
             self.buckets += mine
         for b in self.buckets:
             self.free(b)
+        self.own = set(self.buckets)
+        grads.when_filled.append(self.filled)
         # held_bytes: the whole weights gathered now; the peak counts from here (the build held them all)
         self.peak_bytes = self.held_bytes
         self.slice_bytes = sum(b.mine.numel() * b.mine.element_size() for b in self.buckets)
@@ -84,7 +90,7 @@ class ParamShards:
         storage = b.param.untyped_storage()
         storage.resize_(b.param.numel() * b.param.element_size())   # memory again, filled by the all-gather
         self.note(b.param.numel() * b.param.element_size())
-        b.gathering = ALL_GATHER(b.param, b.mine, group=self.grads.group, async_op=True)
+        b.gathering = all_gather(b.param, b.mine, self.rank, self.grads.group)
         self.grads.count(b.param, 1)
         self.grads.spans.begin(b.gathering, f"all-gather {self.buckets.index(b)}", b.param.device)
 
@@ -135,9 +141,24 @@ class ParamShards:
                 self.free(b.next)                     # first: at most two blocks whole (b, and the prefetch)
             # the first block of a chunk has no block before it to say so: free it when this backward returns
             torch.autograd.Variable._execution_engine.queue_callback(lambda b=b: self.free(b))
+        # b's gradients come next, made by autograd beside b's whole weights: the reduce-scatters on their
+        # way that would not fit beside them are waited for now (mp.buckets: make_room), not after
+        self.grads.make_room(b)
         self.wait(b)
         if b.prev is not None:
             self.gather(b.prev)                       # prefetch for the backward that comes after b's
+
+    def filled(self, b):
+        """Every weight of block b has its gradient of this backward (mp.buckets calls it before making the
+        bucket from them): no node of autograd reads b's weights again in it (a weight's gradient is
+        accumulated once all its uses are done), so they go now, as FSDP2 reshards in its post-backward,
+        and before the bucket is made, rather than when the block before b starts its backward or the
+        backward returns (the fallbacks, for a block some of whose weights get no gradient). --zero3-gather
+        step keeps them until the step's last backward of b (its gradients said expected: GradBuckets.expect)."""
+        if self.pinned or b not in self.own:
+            return
+        if self.gather_every == "microbatch" or len(b.expected) == len(b.params):
+            self.free(b)
 
     # --------------------------------------------------------------- the step, and whole weights
 

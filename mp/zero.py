@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from mp import optim
-from mp.buckets import ALL_GATHER
+from mp.buckets import all_gather
 from mp.clipping import grad_squares
 from mp.dist import awaiting
 
@@ -51,7 +51,11 @@ class ZeroOptimizer:
         self.slices = [nn.Parameter(b.mine if shards else b.shard(b.param, rank)) for b in grad_buckets.buckets]
         for s, g in zip(self.slices, grad_buckets.shard_grads):
             s.grad = g
-        self.inner = optim.make_optimizer(self.slices, args)
+        # a param group per slice: torch's foreach update (its default on a GPU) makes its temporaries
+        # (AdamW's sqrt of the second moment, its step) for a whole group at once, so one group would add
+        # N/D of them at the update, a group a slice only the largest slice's (on the CPU torch updates a
+        # tensor at a time anyway); the same kernels on each element, so the same bits
+        self.inner = optim.make_optimizer([{"params": [s]} for s in self.slices], args)
         self.state, self.param_groups = self.inner.state, self.inner.param_groups
 
     def zero_grad(self, set_to_none=True):
@@ -65,7 +69,7 @@ class ZeroOptimizer:
         group, works = self.grads.group, []
         for b, mine in zip(self.grads.buckets, self.slices):
             # in place: my slice already sits at my offset of b.param, which every rank's slices fill
-            works.append(ALL_GATHER(b.param, mine.detach(), group=group, async_op=True))
+            works.append(all_gather(b.param, mine.detach(), self.grads.rank, group))
             self.grads.count(b.param, 1)
         with awaiting(*self.grads.waiting):
             for work in works:

@@ -37,7 +37,8 @@ import mp.loop as loop  # noqa: E402
 import mp.moe as moe  # noqa: E402
 
 counts = {"steps": 0, "alive": {}, "reads": 0, "declared_reads": 0, "all_reduce": 0, "reduce_scatter": 0, "all_gather": 0,
-          "step_reads": 0, "step_all_reduce": 0, "step_reduce_scatter": 0, "step_all_gather": 0}
+          "broadcast": 0, "step_reads": 0, "step_all_reduce": 0, "step_reduce_scatter": 0, "step_all_gather": 0,
+          "step_broadcast": 0}
 counting = [False]
 
 
@@ -72,6 +73,7 @@ def sized_by_data(real):
 torch.repeat_interleave = sized_by_data(torch.repeat_interleave)
 torch.Tensor.repeat_interleave = sized_by_data(torch.Tensor.repeat_interleave)
 dist.all_reduce = counted("all_reduce", dist.all_reduce, "all_reduce")
+dist.broadcast = counted("broadcast", dist.broadcast, "broadcast")   # mp.buckets.all_gather's, on gloo
 # ZeRO's and tensor parallelism's flat collectives (mp.buckets binds them when the program imports it,
 # after this; mp.tp.collectives takes them from there): torch 2.14's
 # names and the older ones, each counted once (neither calls the other through torch.distributed)

@@ -99,3 +99,27 @@ def test_a_config_the_program_refuses_is_one_error_line_before_any_engine_runs(w
     import bench
     argv = [what, "--out", "x.json", "--batch-size", "24", "--bubble", "", *flags]
     assert_one_error_line(bench.parse_args, argv, world, message, monkeypatch, capsys)
+
+
+@pytest.mark.slow
+def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path):
+    """Issue 66: benchmarks/data_axis.py on tiny sizes, 2 replicas: our --zero 0 and --zero 3 (weights
+    gathered for every use) against DistributedDataParallel and FSDP2 with reshard_after_forward, each
+    its own torchrun, paired: the same losses step by step (float32 rounding: the engines sum in other
+    orders), and a row per pair with a step time and a memory figure each."""
+    import subprocess
+    import sys
+    from helpers import ROOT
+    out = tmp_path / "axis.json"
+    run = subprocess.run([sys.executable, "benchmarks/data_axis.py", "--dp", "2", "--layers", "3", "--hidden", "32",
+                          "--batch-size", "16", "--steps", "3", "--rounds", "1", "--out", str(out),
+                          "--only", "0,ddp,3-microbatch,fsdp2-rs"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| --zero")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| --zero 0", "ddp"], ["| --zero 3 microbatch", "fsdp2-rs"]], rows
+    (round_,) = json.loads(out.read_text())["rounds"]
+    for ours, theirs in (("0", "ddp"), ("3-microbatch", "fsdp2-rs")):
+        a, b = round_[ours]["losses"], round_[theirs]["losses"]
+        assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (ours, a, b)
+        assert round_[ours]["median_step_time_s"] > 0 and round_[theirs]["median_step_time_s"] > 0

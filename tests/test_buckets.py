@@ -112,7 +112,7 @@ def test_zb_keeps_its_in_place_weight_gradients_under_data_parallelism(tmp_path)
 def _in_flight_case(rank, world, group):
     """How many reduce-scatters are on their way at once, per backend and --zero, on four one-tensor buckets."""
     import mp.buckets as buckets
-    real, got = buckets.REDUCE_SCATTER, {}
+    real, backend, got = buckets.reduce_scatter, buckets.reduce_scatter_copies, {}
     on_way, most = set(), [0]
 
     class Counted:
@@ -128,9 +128,9 @@ def _in_flight_case(rank, world, group):
         on_way.add(work)
         most[0] = max(most[0], len(on_way))
         return work
-    buckets.REDUCE_SCATTER = counted
+    buckets.reduce_scatter = counted
     try:
-        for copies in (True, False):         # gloo's reduce-scatter (a copy a bucket), nccl's (in place) faked
+        for copies in (True, False):         # gloo (its reduce-scatter copies: ours all-reduces in place), nccl's faked
             buckets.reduce_scatter_copies = lambda group, copies=copies: copies
             for free in (False, True):       # --zero 1, --zero 2
                 model, most[0] = model_of(), 0
@@ -143,20 +143,24 @@ def _in_flight_case(rank, world, group):
                 grads.wait()
                 got[copies, free] = most[0], [g.clone() for g in grads.shard_grads]
     finally:
-        buckets.REDUCE_SCATTER = real
-    # gloo: IN_FLIGHT and the one just started (the oldest is waited for next) under every --zero; nccl:
-    # --zero 1 keeps all four on their way, --zero 2 waits as gloo does (waiting frees the bucket)
-    bound = buckets.IN_FLIGHT + 1
-    assert {k: v[0] for k, v in got.items()} == {(True, False): bound, (True, True): bound, (False, False): 4,
-                                                 (False, True): bound}, got
-    for free in (False, True):               # the same bits whichever waits first
+        buckets.reduce_scatter, buckets.reduce_scatter_copies = real, backend
+    # issue 66: no collective copies its bucket now, so on either backend --zero 1 keeps all four on their
+    # way; --zero 2 waits for the oldest (waiting frees the bucket): past IN_FLIGHT, and here sooner, since
+    # the last bucket (the first layer's weight, 120 bytes) is larger than the set size of 64: before its
+    # layer's backward, the ones on their way that would not fit beside it are waited for (room_ahead),
+    # so two at most are on their way
+    assert {k: v[0] for k, v in got.items()} == {(True, False): 4, (True, True): 2, (False, False): 4,
+                                                 (False, True): 2}, got
+    # the same bits whichever waits first, and gloo's in-place all-reduce as its own reduce-scatter
+    for free in (False, True):
         assert all(torch.equal(a, b) for a, b in zip(got[True, free][1], got[False, free][1]))
 
 
-def test_nccl_keeps_every_zero1_bucket_on_its_way_and_gloo_two(tmp_path):
-    """Issue 65, item 3: the bound of IN_FLIGHT reduce-scatters on their way is for gloo, whose
-    reduce-scatter holds a copy of its bucket, and for --zero 2 and 3, where waiting is what frees a
-    bucket; nccl's --zero 1 reduce-scatters in place, so it starts every bucket and waits once."""
+def test_zero1_keeps_every_bucket_on_its_way_and_zero2_two(tmp_path):
+    """Issue 65, item 3, and 66: the bound of IN_FLIGHT reduce-scatters on their way is for --zero 2 and
+    3, where waiting is what frees a bucket; --zero 1 starts every bucket and waits once, on nccl (its
+    reduce-scatter is in place) and on gloo (whose reduce-scatter clones the bucket: ours all-reduces the
+    bucket itself instead, bit-identical to gloo's own)."""
     run_ranks(_in_flight_case, 2, tmp_path)
 
 

@@ -54,8 +54,8 @@ def test_clipping_sums_the_norm_in_the_step_without_reading_it(tmp_path, monkeyp
 @pytest.mark.parametrize("zero", [0, slow(1)])
 def test_data_parallel_all_reduces_do_not_grow_with_the_microbatches(zero, tmp_path, monkeypatch):
     """The joint program's gradient collectives, at 2 and at 8 microbatches: one per bucket a step,
-    started during the last backward; all-reduces, or with --zero 1 a reduce-scatter (the gradients)
-    and an all-gather (the updated parameters) in their place. Each kind is counted."""
+    started during the last backward; all-reduces, or with --zero 1 a reduce-scatter (the gradients; on
+    gloo an all-reduce in place) and an all-gather (the updated parameters; on gloo D broadcasts). Each kind is counted."""
     program, nproc, _ = PROGRAMS["joint"]
     per_m = {}
     for m in (2, 8):
@@ -63,10 +63,13 @@ def test_data_parallel_all_reduces_do_not_grow_with_the_microbatches(zero, tmp_p
         folder.mkdir()
         ranks = counted(folder, monkeypatch, program, nproc, ["--dp", "2", "--microbatches", str(m),
                                                               "--batch-size", "64", "--zero", str(zero)])
-        per_m[m] = [(r["step_all_reduce"], r["step_reduce_scatter"], r["step_all_gather"]) for r in ranks]
+        per_m[m] = [(r["step_all_reduce"], r["step_reduce_scatter"], r["step_all_gather"], r["step_broadcast"])
+                    for r in ranks]
     assert per_m[2] == per_m[8], per_m
-    # the cnn's stages: one bucket each, so 20 steps make 20 of each collective the step uses
-    assert all(n == ((0, 20, 20) if zero else (20, 0, 0)) for n in per_m[2]), per_m
+    # the cnn's stages: one bucket each, so 20 steps make 20 of each collective the step uses; on gloo
+    # --zero 1's reduce-scatter is an all-reduce of the bucket in place and its all-gather a broadcast from
+    # each of the 2 replicas (mp.buckets: gloo's own would copy the bucket)
+    assert all(n == ((20, 0, 0, 40) if zero else (20, 0, 0, 0)) for n in per_m[2]), per_m
 
 
 def test_the_timeline_shows_the_bucket_all_reduces_overlapping_the_last_backward(tmp_path):

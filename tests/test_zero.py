@@ -194,6 +194,17 @@ def test_zero_where_it_cannot_run_is_one_error_line(parse, argv, world, message,
     assert_one_error_line(parse, argv, world, message, monkeypatch, capsys)
 
 
+@pytest.mark.parametrize("microbatches,gather", [("1", "microbatch"), ("4", "step")])
+def test_zero3_gathers_for_every_use_by_default_with_one_microbatch(microbatches, gather, monkeypatch):
+    """Issue 66: with one microbatch there is nothing to keep the weights for between uses, so --zero 3's
+    default frees each block after its forward and gathers it again for its backward, as FSDP2 does
+    (reshard_after_forward); with several, it gathers once a step."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = pipeline_dp_joint.parse_args(["--dp", "4", "--zero", "3", "--microbatches", microbatches,
+                                         "--batch-size", "64"])
+    assert args.zero3_gather == gather
+
+
 def state_bytes(optimizer):
     """The bytes of optimizer state a ZeroOptimizer holds: its slices' state."""
     return sum(t.numel() * t.element_size() for s in optimizer.inner.state.values() for t in s.values()
@@ -228,7 +239,7 @@ def _save_keeps_the_slice_case(rank, world, group):
     assert before <= whole / world + 2 * 4 * world * len(grads.buckets)   # my slice (padding aside)
     gathers = []
     with pytest.MonkeyPatch.context() as patch:     # a save gathers nothing
-        patch.setattr(zero, "ALL_GATHER", lambda *a, **k: gathers.append(a))
+        patch.setattr(zero, "all_gather", lambda *a, **k: gathers.append(a))
         checkpoint.save(args, 1, model, optimizer, {"program": "test"}, rank)
     assert not gathers and state_bytes(optimizer) == before, (state_bytes(optimizer), before)
     if rank == 0:                                   # every element of every tensor, from the two replicas' pieces
@@ -367,9 +378,9 @@ def test_the_counted_peak_is_the_measured_one(tmp_path, monkeypatch):
     its largest tensor (torch's single-tensor path on the CPU), or autograd's weight gradient before it
     is added into its bucket, and the activations. Plain data parallelism, --zero 2 and --zero 3 (the
     weights gathered for every microbatch) on 2 replicas of the mlp's 4 layers of 1024 (20 MB of
-    weights, the first layer 12 MB): each within that, and the differences between them as counted."""
+    weights, the first layer 12 MB): each within that; --zero 2 within half a layer of its count."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    counted, measured = {}, {}
+    counted, measured, gathered = {}, {}, {}
     for zero in (["0"], ["2"], ["3", "--zero3-gather", "microbatch"]):
         runs = [launch("pipeline_dp_joint.py", PEAK + ["--hidden", hidden, "--zero", *zero], tmp_path, nproc=2,
                        real=True, log_name=f"z{zero[0]}-{hidden}.jsonl") for hidden in ("1024", "8")]
@@ -377,11 +388,20 @@ def test_the_counted_peak_is_the_measured_one(tmp_path, monkeypatch):
         big, tiny = (run.events("summary")[0] for run in runs)
         counted[zero[0]] = big["peak_param_mb"]["0"] + big["peak_grad_mb"]["0"] + big["optimizer_state_mb"]["0"]
         measured[zero[0]] = big["peak_memory_mb"]["0"] - tiny["peak_memory_mb"]["0"]
+        gathered[zero[0]] = big["peak_param_mb"]["0"] - big["param_mb"]["0"]   # --zero 3: blocks whole at once
     layer = 3072 * 1024 * 4 / 2**20            # the largest tensor, 12 MB
     # measured 2026-11-27: 18-24 MB above the count, the differences within 6 MB; 1 of 10 runs on the 2
     # shared cores failed bounds 4 MB tighter than these
     for zero in counted:
-        assert counted[zero] - 4 <= measured[zero] <= counted[zero] + 2 * layer + 8, (zero, counted, measured)
-    for a, b in (("0", "2"), ("0", "3"), ("2", "3")):
-        assert abs((measured[a] - measured[b]) - (counted[a] - counted[b])) <= 10, (a, b, counted, measured)
+        # --zero 3's two peaks no longer coincide: a block's whole weights go before its bucket is made (issue 66)
+        low = counted[zero] - 4 - (gathered[zero] if zero == "3" else 0)
+        assert low <= measured[zero] <= counted[zero] + 2 * layer + 8, (zero, counted, measured)
+    # issue 66: --zero 3 holds no more than it counts (before: 13 MB more, autograd's gradient beside the
+    # bucket and the block's weights, gloo's copies)
+    assert measured["3"] <= counted["3"] + 4, (counted, measured)
+    # issue 66: under --zero 2 the 12 MB weight's bucket is autograd's own gradient (no copy of it beside the
+    # bucket) and gloo's reduce-scatter no longer clones the bucket, so little is left uncounted there
+    # (measured 2026-11-28: 6 MB above the count, against 18-24 before); it saves at least what is counted
+    assert measured["2"] <= counted["2"] + layer / 2 + 4, (counted, measured)
+    assert measured["0"] - measured["2"] >= counted["0"] - counted["2"] - 4, (counted, measured)
     assert counted["0"] - counted["2"] > 10, counted

@@ -1,0 +1,225 @@
+"""The data axis against torch's own engines: our --zero 0-3 beside DDP, FSDP2 and ZeroRedundancyOptimizer.
+
+    python benchmarks/data_axis.py                        # mlp 8 x 1024, D = 4, batch 64, AdamW, 3 paired rounds
+    python benchmarks/data_axis.py --hidden 64 --steps 4 --rounds 1   # a quick look
+
+Ours is pipeline_dp_joint.py --dp D (one stage, one microbatch); torch's run in this file's worker (the same
+torchrun, the same model from mp.models.build_model and --seed, the same global batches, AdamW from
+mp.optim.make_optimizer with the same settings, the replica's slice of every batch):
+
+    ddp        DistributedDataParallel, its defaults (25 MB buckets, the first 1 MB; .grad beside the buckets)
+    zero1      DDP + ZeroRedundancyOptimizer(AdamW): the state of 1/D of the parameters, a broadcast after
+    fsdp2      fully_shard on every Linear and on the root, reshard_after_forward=False (ZeRO-2's memory)
+    fsdp2-rs   the same with reshard_after_forward=True (ZeRO-3: weights gathered again for the backward)
+
+The pairs: --zero 0 / ddp, --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) / fsdp2 and
+fsdp2-rs. A round runs every engine once, ours and torch's in turn (A, B, A, B...), each as its own torchrun
+(a process's peak resident set cannot be reset), and again with a tiny model (--hidden 8: the interpreter,
+torch, gloo, the data) for its floor; memory is the peak RSS above the floor, summed over the D ranks, with
+glibc's mmap threshold pinned (docs/memory.md). Step time: the median step of rank 0 (step 0 left out),
+zero_grad to the update's end. Printed per pair: the medians over rounds of each side and of the per-round
+ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference
+over the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug).
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)   # the repository root
+
+from mp.data import dp_slice, load_data  # noqa: E402
+from mp.models import build_model  # noqa: E402
+from mp.optim import make_optimizer  # noqa: E402
+from pipeline_dp_joint import parse_args  # noqa: E402
+OURS = {"0": ["--zero", "0"], "1": ["--zero", "1"], "2": ["--zero", "2"],
+        "3-step": ["--zero", "3", "--zero3-gather", "step"], "3-microbatch": ["--zero", "3", "--zero3-gather", "microbatch"]}
+TORCH = ("ddp", "zero1", "fsdp2", "fsdp2-rs")
+PAIRS = [("0", "ddp"), ("1", "zero1"), ("2", "fsdp2"), ("3-step", "fsdp2"), ("3-microbatch", "fsdp2-rs")]
+ORDER = ["0", "ddp", "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp2-rs"]   # A, B, A, B...
+
+
+# ----------------------------------------------------------------------------- torch's engines (the worker)
+
+
+def wrap(engine, model, args, world):
+    """(the model as the engine trains it, its optimizer)."""
+    if engine in ("ddp", "zero1"):
+        model = DDP(model)
+        if engine == "zero1":
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
+                                          betas=(args.beta1, args.beta2), eps=args.adam_eps,
+                                          weight_decay=args.weight_decay, fused=False)
+            return model, opt
+        return model, make_optimizer(model.parameters(), args)
+    mesh = init_device_mesh("cpu", (world,))
+    reshard = engine == "fsdp2-rs"
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model, make_optimizer(model.parameters(), args)
+
+
+def local_mb(tensors):
+    """MB of this rank's part of the tensors (a DTensor's local shard)."""
+    out = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        out += t.numel() * t.element_size()
+    return out / 2**20
+
+
+def worker(engine, argv):
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = load_data(args)
+    model, opt = wrap(engine, build_model(args), args, world)
+    losses, times = [], []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        x, y = data.batch(step, args.batch_size)
+        x, y = dp_slice(x, rank, world), dp_slice(y, rank, world)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.detach())
+    params = list(model.parameters())
+    inner = getattr(opt, "optim", opt)            # ZeroRedundancyOptimizer's local AdamW
+    held = [local_mb(params), local_mb([p.grad for p in params if p.grad is not None]),
+            local_mb([v for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()])]
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)                       # the replicas' mean, as our log's
+    peaks = [None] * world
+    dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if rank == 0:
+        with open(args.log_file, "w") as f:
+            json.dump({"losses": (losses / world).tolist(), "median_step_time_s": statistics.median(times[1:]),
+                       "peak_memory_mb": {str(r): m for r, m in enumerate(peaks)},
+                       "held_mb": held}, f)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def launch(name, flags, log):
+    """One run of engine `name` (ours: pipeline_dp_joint.py) on D ranks: {losses, median_step_time_s,
+    peak_memory_mb, held_mb, sent_mb}."""
+    script = ["pipeline_dp_joint.py"] + OURS[name] if name in OURS else [os.path.abspath(__file__), "--worker", name]
+    d = flags[flags.index("--dp") + 1]
+    cmd = [sys.executable, "-m", "mp.tools.torchrun", "--standalone", f"--nproc-per-node={d}", "--"] + script
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
+    proc = subprocess.run(cmd + flags + ["--log-file", log], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=ROOT)
+    if proc.returncode:
+        sys.exit(f"error: {name} ({' '.join(flags)}) failed: {proc.stderr[-2000:]}")
+    with open(log) as f:
+        if name not in OURS:
+            return json.load(f)
+        records = [json.loads(line) for line in f]
+    s = next(r for r in records if r["event"] == "summary")
+    return {"losses": [r["loss"] for r in records if r["event"] == "train"],
+            "median_step_time_s": s["median_step_time_s"], "peak_memory_mb": s["peak_memory_mb"],
+            "held_mb": [s[k]["0"] for k in ("param_mb", "grad_mb", "optimizer_state_mb")],
+            "sent_mb": s.get("dp_sent_mb_per_step", {}).get("0"),
+            "peak_grad_mb": s.get("peak_grad_mb", {}).get("0"), "peak_param_mb": s.get("peak_param_mb", {}).get("0")}
+
+
+def torch_sent(name, n, d):
+    """MB a replica of torch's engine sends per step, counted as a ring sends it (by construction)."""
+    ring = (d - 1) / d * n
+    return {"ddp": 2 * ring, "zero1": 3 * ring, "fsdp2": 2 * ring, "fsdp2-rs": 3 * ring}[name]
+
+
+def one_round(args, tmp):
+    common = ["--model", args.model, "--layers", str(args.layers), "--dp", str(args.dp), "--batch-size",
+              str(args.batch_size), "--microbatches", "1", "--steps", str(args.steps), "--eval-every", "0",
+              "--data", "synthetic", "--optimizer", "adamw", "--seed", "0"]
+    out = {}
+    for name in [n for n in ORDER if n in args.only]:
+        big = launch(name, common + ["--hidden", str(args.hidden)], os.path.join(tmp, "big.jsonl"))
+        tiny = launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
+        big["above_floor_mb"] = sum(big["peak_memory_mb"][r] - tiny["peak_memory_mb"][r] for r in big["peak_memory_mb"])
+        out[name] = big
+        print(f"{name}: {big['median_step_time_s'] * 1e3:.1f} ms, {big['above_floor_mb']:.0f} MB", file=sys.stderr,
+              flush=True)
+    return out
+
+
+def table(rounds, args):
+    n = next(r["held_mb"][0] for name, r in rounds[0].items() if name in ("0", "1", "2", "ddp", "zero1"))
+    med = lambda f: statistics.median(f(r) for r in rounds)   # noqa: E731
+    lines = ["| ours | torch | peak above floor, MB (4 ranks) ours / torch | ratio | step ms ours / torch | ratio "
+             "| held MB (weights, grads, AdamW) ours / torch | sent MB/step ours / torch | max loss diff |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for a, b in [(a, b) for a, b in PAIRS if a in rounds[0] and b in rounds[0]]:
+        mem = med(lambda r: r[a]["above_floor_mb"] / r[b]["above_floor_mb"])
+        speed = med(lambda r: r[a]["median_step_time_s"] / r[b]["median_step_time_s"])
+        diff = max(max(abs(x - y) for x, y in zip(r[a]["losses"], r[b]["losses"])) for r in rounds)
+        held = lambda h: ", ".join(f"{x:.1f}" for x in h)   # noqa: E731
+        lines.append(f"| --zero {a.replace('-', ' ')} | {b} | {med(lambda r: r[a]['above_floor_mb']):.0f} / "
+                     f"{med(lambda r: r[b]['above_floor_mb']):.0f} | {mem:.2f} | "
+                     f"{med(lambda r: r[a]['median_step_time_s']) * 1e3:.0f} / "
+                     f"{med(lambda r: r[b]['median_step_time_s']) * 1e3:.0f} | {speed:.2f} | "
+                     f"{held(rounds[0][a]['held_mb'])} / {held(rounds[0][b]['held_mb'])} | "
+                     f"{rounds[0][a]['sent_mb']:.1f} / {torch_sent(b, n, args.dp):.1f} | {diff:.1e} |")
+    return "\n".join(lines) + (f"\n\n{args.model} {args.layers} x {args.hidden}, N = {n:.2f} MB of weights, D = "
+                               f"{args.dp}, batch {args.batch_size}, one microbatch, AdamW, {args.steps} steps; "
+                               f"medians over {len(rounds)} paired rounds (ratios: the median of each round's).")
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2], sys.argv[3:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["mlp", "vit"], default="mlp")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench", "data_axis.json"))
+    p.add_argument("--only", type=lambda s: s.split(","), default=ORDER,
+                   help=f"the engines to run, comma-separated (default: all, {','.join(ORDER)})")
+    p.add_argument("--table", default=None, help="print the table of an earlier run's --out file, run nothing")
+    args = p.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            saved = json.load(f)
+        rounds = [{name.replace(" ", "-"): r for name, r in round_.items()} for round_ in saved["rounds"]]
+        return print(table(rounds, argparse.Namespace(**{**saved["args"], "dp": saved["args"]["dp"]})))
+    rounds = []
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    for i in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            rounds.append(one_round(args, tmp))
+        print(f"round {i + 1} of {args.rounds} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+        with open(args.out + ".tmp", "w") as f:      # every round kept as it ends (--table reads it)
+            json.dump({"args": vars(args), "rounds": rounds}, f)
+        os.replace(args.out + ".tmp", args.out)
+    print(table(rounds, args))
+
+
+if __name__ == "__main__":
+    main()
