@@ -7,7 +7,7 @@ import math
 from mp.errors import fail
 
 # the programs that train the mixture of experts: the reference, and the lesson that spreads it
-MOE_PROGRAMS = ("single_baseline", "expert_parallel")
+MOE_PROGRAMS = ("single_baseline", "expert_parallel", "parallel_5d")
 DEFAULTS = {"top_k": 1, "aux_loss": 0.01, "capacity_factor": None}
 
 
