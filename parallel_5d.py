@@ -54,7 +54,7 @@ from mp.data import agree_on_data, load_data, to_device
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.dropout import DropoutKeys, KeyedDropout
 from mp.ep.evaluate import Traffic
-from mp.ep.order import gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
+from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
 from mp.mesh import Mesh
@@ -181,8 +181,8 @@ class FoldedMoE(ExpertParallelMoE):
         blocks = gather_blocks(sample_counts(choice, b, self.num_experts), self.dp_cp_group, self.dp, self.cp,
                                self.tp_group)                                        # 2. every block's counts
         capacity = capacity_of(blocks.shape[:4].numel() * t, self.num_experts, self.top_k, self.capacity_factor)
-        ahead = ahead_of(in_order(blocks)).view(blocks.shape)                        # 3. the baseline's order
-        kept = kept_counts(in_order(blocks), capacity).view(blocks.shape)
+        ahead = from_order(ahead_of(in_order(blocks)), blocks.shape)                 # 3. the baseline's order
+        kept = from_order(kept_counts(in_order(blocks), capacity), blocks.shape)
         self.record(probs, per_rank(blocks), per_rank(kept))   # f_i of the microbatch, my tokens' P_i share
         d, c, s = self.me
         mine = per_rank(kept).view(self.dp * self.cp, -1, *kept.shape[-2:])[:, s]   # [D*C, K, E], my tp chunk's
@@ -373,7 +373,9 @@ def main(argv=None):
         runner.model, model.moe = model, bool(args.experts)
         if env.rank == 0:
             print(f"mesh = arange({env.world_size}).view(dp {mesh.dp_size}, pp {mesh.pp_size}, cp {mesh.cp_size}, "
-                  f"tp {mesh.tp_size}), ep {mesh.ep_size}:\n{mesh.ranks}", flush=True)
+                  f"tp {mesh.tp_size}), ep {mesh.ep_size}:\n{mesh.ranks}\nper-sample message at each cut, on rank 0: "
+                  + (", ".join(str(runner.messenger.message_shape(c)) for c in range(1, len(runner.messenger.shapes)))
+                     or "none (one stage)"), flush=True)
         grads, expert_grads, tp_sums = gradient_syncs(model, runner, mesh, args)
         optimizer = make_optimizer(runner.parameters(), args)
         actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)

@@ -52,6 +52,11 @@ def in_order(blocks):
     return blocks.reshape(-1, *blocks.shape[-2:])
 
 
+def from_order(flat, shape):
+    """in_order's inverse: [blocks, K, E] in the baseline's order -> [D, b, C, T, K, E]."""
+    return flat.view(shape)
+
+
 def per_rank(blocks):
     """[D, b, C, T, K, E] -> [D*C*T, K, E]: each rank's (dp, cp, tp order) total over its samples."""
     return blocks.sum(dim=1).reshape(-1, *blocks.shape[-2:])
