@@ -60,7 +60,8 @@ from mp.loop import Job, Replicas, Sums, train
 from mp.mesh import Mesh
 from mp.models import num_blocks
 from mp.moe import MixtureOfExperts, ahead_of, capacity_of, combine, kept_counts, route, rows_per_expert, sorted_by_expert
-from mp.optim import make_optimizer
+from mp.optim import make_optimizer, whole_params
+from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.schedules import placement_of, schedule_actions
@@ -68,6 +69,7 @@ from mp.pp.timeline import Timeline
 from mp.replicas import average_replicated_grads, counted_once
 from mp.sizes import tokens_of
 from mp.tp.sequence import partial_gradients, sum_sequence_parallel_grads
+from mp.zero import ZeroOptimizer
 # the lessons it composes
 from context_parallel import ContextParallelAttention, ContextParallelEmbed, ContextParallelHead, my_tokens
 from expert_parallel import AllToAll, ExpertParallelMoE
@@ -285,13 +287,19 @@ def gradient_syncs(model, runner, mesh, args):
     late = tp_sums[0].params if tp_sums[0] else ()
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # W writes these in place itself
     waiting = (f"rank {dist.get_rank()} waited for the dp x cp all-reduce, ranks {mesh.peers('dp_cp')}", args.timeout_s)
-    grads = GradBuckets(dense, mesh.dp_cp_group, waiting, recorder=runner, late=late, direct=direct)
+    # --zero 1: reduce-scattered, my 1/(D*C) stepped, all-gathered; 2: in every microbatch; 3: a bucket a block,
+    # whose weights mp.param_shards gathers before it runs (the dp x cp ranks hold the same dense weights)
+    grads = GradBuckets(dense, mesh.dp_cp_group, waiting, shard=args.zero >= 1, recorder=runner, late=late,
+                        direct=direct, free=args.zero >= 2,
+                        groups=weights_by_block(runner.chunks) if args.zero == 3 else None)
     grads.name_params(model.named_parameters())
     model.grad_buckets = grads
+    shards = ParamShards(runner.chunks, grads, args.zero3_gather) if args.zero == 3 else None
     on_tp, first_ep = counted_once(model, mesh.tp_group), mesh.ep_rank == 0
     runner.counted = lambda p: on_tp(p) and (first_ep or id(p) in expert_ids)
-    runner.norm_groups = [mesh.tp_group, mesh.ep_group, mesh.pp_group]
-    return grads, ExpertGrads(experts, mesh), tp_sums
+    # (--zero: each dp x cp rank holds the gradient of its slice only: summed over dp x cp too)
+    runner.norm_groups = [mesh.tp_group, mesh.ep_group, mesh.pp_group] + ([mesh.dp_cp_group] if args.zero else [])
+    return grads, ExpertGrads(experts, mesh), tp_sums, shards
 
 
 def env_device(model):
@@ -332,7 +340,7 @@ def aux_loss_total(model, mesh, args):
     return total
 
 
-def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert_grads, tp_sums, timeline):
+def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert_grads, tp_sums, shards, timeline):
     """One optimizer step on the 5-D mesh, in the order it runs."""
     timeline.begin(step)
     x, y = my_microbatches(data, step, args, mesh, runner.pos, runner.messenger.device)   # 1. my tokens' batch
@@ -341,22 +349,33 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert
     with runner.keys.training(step):      # 3. the schedule: cp, tp and ep collectives inside the blocks,
         loss = forward_backward(runner, actions, x, y, args.microbatches,   # pp messages between stages
                                 samples=args.batch_size // mesh.dp_size, grads=grads)
+    if shards:
+        shards.release()                  #    --zero 3: the whole weights gathered for this step go
     sync_tp_grads(*tp_sums)               # 4. tp: sequence-parallel partial gradients summed (tp group)
     grads.final_late()                    #    then their buckets start too
-    grads.wait()                          # 5. dp x cp: every dense bucket all-reduced, / (D*C)
+    grads.wait()                          # 5. dp x cp: every dense bucket all-reduced (--zero: reduce-scattered), / (D*C)
     expert_grads.average()                # 6. edp: the experts, all-reduced, / (D*C)
     aux = aux_loss_total(runner.model, mesh, args)   # the load-balancing loss, for the log (dp x cp, pp)
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
-        norm = clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups, runner.counted)  # 7. clip
-    optimizer.step()                      # 8. update
+        norm = clip(runner, optimizer, args)                                   # 7. clip
+    optimizer.step()                      # 8. update (--zero 1, 2: my slices, then the all-gather over dp x cp)
     timeline.end(step)
     return (loss + aux if aux is not None and loss is not None else loss), norm
 
 
-def evaluate_all(runner, mesh, data, env):
+def clip(runner, optimizer, args):
+    """The global norm over the groups of runner.norm_groups; --zero: over my slices (mp.zero)."""
+    if not args.zero:
+        return clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups, runner.counted)
+    return clip_global(optimizer.slices, args.clip_grad_norm, runner.norm_groups,
+                       squares=optimizer.squares(runner.counted))
+
+
+def evaluate_all(runner, mesh, data, env, optimizer):
     """Every replica runs the test batches (the experts' counts are gathered over dp x cp, so every rank
-    must take part); the owner's figures are logged."""
-    result = evaluate_pipeline(runner, runner.pos, data, env.device)
+    must take part; --zero 3: the weights gathered whole first); the owner's figures are logged."""
+    with whole_params(optimizer):
+        result = evaluate_pipeline(runner, runner.pos, data, env.device)
     return result if mesh.dp_rank == 0 else None
 
 
@@ -376,23 +395,24 @@ def main(argv=None):
                   f"tp {mesh.tp_size}), ep {mesh.ep_size}:\n{mesh.ranks}\nper-sample message at each cut, on rank 0: "
                   + (", ".join(str(runner.messenger.message_shape(c)) for c in range(1, len(runner.messenger.shapes)))
                      or "none (one stage)"), flush=True)
-        grads, expert_grads, tp_sums = gradient_syncs(model, runner, mesh, args)
-        optimizer = make_optimizer(runner.parameters(), args)
+        grads, expert_grads, tp_sums, shards = gradient_syncs(model, runner, mesh, args)
+        optimizer = ZeroOptimizer(grads, args, shards) if args.zero else make_optimizer(runner.parameters(), args)
         actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)
         owner = pos.is_last_stage and mesh.dp_cp_rank == 0 and mesh.tp_rank == 0   # logs the loss
         timeline = Timeline(args, runner, pos, owner)
         layout = checkpoint.layout_of(PROGRAM, env, dp=mesh.dp_size, pp=mesh.pp_size, cp=mesh.cp_size,
                                       tp=mesh.tp_size, ep=mesh.ep_size, schedule=args.schedule)
         step = partial(train_step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args,
-                       mesh=mesh, grads=grads, expert_grads=expert_grads, tp_sums=tp_sums, timeline=timeline)
+                       mesh=mesh, grads=grads, expert_grads=expert_grads, tp_sums=tp_sums, shards=shards,
+                       timeline=timeline)
         dense = [p for p in model.parameters() if id(p) not in {id(q) for q in expert_grads.params}]
-        job = Job(step, model, optimizer, layout, owner, evaluate=partial(evaluate_all, runner, mesh, data, env),
+        job = Job(step, model, optimizer, layout, owner, evaluate=partial(evaluate_all, runner, mesh, data, env, optimizer),
                   # logged: the loss averaged over dp x cp (every cp rank holds its replica's), the norm's squares
                   # summed as clip_global sums them
                   sums=Sums(replicas=mesh.dp_cp_group, norm_groups=runner.norm_groups),
                   collectives="the 5-D mesh's collectives",
                   replicas=[Replicas(dense, mesh.dp_cp_group, "dense weights bit-identical across the "
-                                     f"{mesh.dp_cp_size} dp x cp ranks of every stage"),
+                                     f"{mesh.dp_cp_size} dp x cp ranks of every stage", args.zero),
                             Replicas(expert_grads.params, mesh.edp_group, "experts bit-identical across their "
                                      f"{mesh.edp_size} expert-data-parallel ranks")])
         status = train(args, env, job)
