@@ -70,6 +70,7 @@ from mp.replicas import average_replicated_grads, counted_once
 from mp.sizes import tokens_of
 from mp.tp.sequence import partial_gradients, sum_sequence_parallel_grads
 from mp.zero import ZeroOptimizer
+from mp.ep.zero import ZeroPair, dense_units, expert_units
 # the lessons it composes
 from context_parallel import ContextParallelAttention, ContextParallelEmbed, ContextParallelHead, my_tokens
 from expert_parallel import AllToAll, ExpertParallelMoE
@@ -256,22 +257,35 @@ def build_stage(args, env, mesh):
 
 
 class ExpertGrads:
-    """The experts' gradients: summed over the ep ranks' tokens already (the all-to-all's backward brought
-    every token's gradient home), then all-reduced over the expert-data-parallel group and divided by D*C,
-    the number of dp x cp ranks whose tokens they saw. Dividing by the edp size (D*C/N) instead counts the
-    ep sum twice: N times the gradient (Megatron #5956, torchtitan #1551); tests/test_5d.py checks it."""
+    """The experts' gradients, in buckets over the expert-data-parallel group (mp.buckets: all-reduced,
+    --zero 1, 2: reduce-scattered, and divided by the edp size D*C/N), then divided by N: the all-to-all's
+    backward already summed every expert's gradient over the N ep ranks' tokens, so the mean over the
+    D*C ranks that saw tokens is the sum over edp / (D*C). Dividing by the edp size only counts the ep sum
+    twice: N times the gradient (Megatron #5956, torchtitan #1551); tests/test_5d.py puts it back."""
 
-    def __init__(self, params, mesh):
-        self.params, self.group, self.divide_by = params, mesh.edp_group, mesh.dp_cp_size
+    def __init__(self, params, mesh, args, runner, late, direct):
+        waiting = (f"rank {dist.get_rank()} waited for the experts' all-reduce, ranks {mesh.peers('edp')}",
+                   args.timeout_s)
+        self.params, self.ep_sum, self.buckets, self.shards = params, mesh.ep_size, None, None
+        if params:   # --zero 3: a bucket an expert, gathered over edp before it runs (mp/ep/zero.py)
+            units = expert_units(runner.chunks)
+            self.buckets = GradBuckets(params, mesh.edp_group, waiting, shard=args.zero >= 1, recorder=runner,
+                                       late=late, direct=direct, free=args.zero >= 2,
+                                       groups=weights_by_block(units) if args.zero == 3 else None)
+            self.shards = ParamShards(units, self.buckets, args.zero3_gather) if args.zero == 3 else None
 
     def zero_grad(self):
-        for p in self.params:
-            p.grad = None
+        if self.buckets:
+            self.buckets.zero_grad()
 
     def average(self):
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            all_reduce_flat(grads, self.group, divide_by=self.divide_by)
+        """After the backward (and the tp sums): every bucket started, waited, / N."""
+        if self.buckets:
+            self.buckets.final(self.params)   # the runner tells only the dense buckets when theirs are final
+            self.buckets.final_late()
+            self.buckets.wait()
+            for g in self.buckets.shard_grads:
+                g /= self.ep_sum
 
 
 def gradient_syncs(model, runner, mesh, args):
@@ -291,15 +305,18 @@ def gradient_syncs(model, runner, mesh, args):
     # whose weights mp.param_shards gathers before it runs (the dp x cp ranks hold the same dense weights)
     grads = GradBuckets(dense, mesh.dp_cp_group, waiting, shard=args.zero >= 1, recorder=runner, late=late,
                         direct=direct, free=args.zero >= 2,
-                        groups=weights_by_block(runner.chunks) if args.zero == 3 else None)
+                        groups=weights_by_block(dense_units(runner.chunks)) if args.zero == 3 else None)
     grads.name_params(model.named_parameters())
     model.grad_buckets = grads
-    shards = ParamShards(runner.chunks, grads, args.zero3_gather) if args.zero == 3 else None
+    shards = ParamShards(dense_units(runner.chunks), grads, args.zero3_gather) if args.zero == 3 else None
+    expert_grads = ExpertGrads(experts, mesh, args, runner, late, direct)
     on_tp, first_ep = counted_once(model, mesh.tp_group), mesh.ep_rank == 0
-    runner.counted = lambda p: on_tp(p) and (first_ep or id(p) in expert_ids)
-    # (--zero: each dp x cp rank holds the gradient of its slice only: summed over dp x cp too)
-    runner.norm_groups = [mesh.tp_group, mesh.ep_group, mesh.pp_group] + ([mesh.dp_cp_group] if args.zero else [])
-    return grads, ExpertGrads(experts, mesh), tp_sums, shards
+    if not args.zero:   # whole gradients: summed over tp, ep (an expert each ep rank), pp
+        runner.counted = lambda p: on_tp(p) and (first_ep or id(p) in expert_ids)
+        runner.norm_groups = [mesh.tp_group, mesh.ep_group, mesh.pp_group]
+    else:               # each dp x cp rank its slices (dp x cp = ep x edp: each expert slice once too)
+        runner.counted, runner.norm_groups = on_tp, [mesh.tp_group, mesh.pp_group, mesh.dp_cp_group]
+    return grads, expert_grads, tp_sums, shards
 
 
 def env_device(model):
@@ -349,8 +366,9 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert
     with runner.keys.training(step):      # 3. the schedule: cp, tp and ep collectives inside the blocks,
         loss = forward_backward(runner, actions, x, y, args.microbatches,   # pp messages between stages
                                 samples=args.batch_size // mesh.dp_size, grads=grads)
-    if shards:
-        shards.release()                  #    --zero 3: the whole weights gathered for this step go
+    for held in (shards, expert_grads.shards):
+        if held:
+            held.release()                #    --zero 3: the whole weights gathered for this step go
     sync_tp_grads(*tp_sums)               # 4. tp: sequence-parallel partial gradients summed (tp group)
     grads.final_late()                    #    then their buckets start too
     grads.wait()                          # 5. dp x cp: every dense bucket all-reduced (--zero: reduce-scattered), / (D*C)
@@ -396,7 +414,9 @@ def main(argv=None):
                   + (", ".join(str(runner.messenger.message_shape(c)) for c in range(1, len(runner.messenger.shapes)))
                      or "none (one stage)"), flush=True)
         grads, expert_grads, tp_sums, shards = gradient_syncs(model, runner, mesh, args)
-        optimizer = ZeroOptimizer(grads, args, shards) if args.zero else make_optimizer(runner.parameters(), args)
+        optimizer = make_optimizer(runner.parameters(), args) if not args.zero else ZeroOptimizer(grads, args, shards) \
+            if not expert_grads.params else ZeroPair(ZeroOptimizer(grads, args, shards),
+                                                    ZeroOptimizer(expert_grads.buckets, args, expert_grads.shards))
         actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)
         owner = pos.is_last_stage and mesh.dp_cp_rank == 0 and mesh.tp_rank == 0   # logs the loss
         timeline = Timeline(args, runner, pos, owner)

@@ -246,9 +246,6 @@ def refuse_not_yet_exact(args):
     if args.sequence_parallel and args.cp > 1:
         fail(f"--sequence-parallel with --cp {args.cp} is not yet exact in parallel_5d.py (the token offsets of "
              "a cp x tp shard are not wired); drop one of them")
-    if args.zero and args.experts:
-        fail(f"--zero {args.zero} with --experts is not yet supported by parallel_5d.py (the experts' own "
-             "optimizer shards over their expert-data-parallel ranks are not written); use --zero 0")
     if args.check:
         fail("--check is not yet supported by parallel_5d.py; compare its log with single_baseline.py "
              "--microbatches M instead (tests/test_5d.py does)")

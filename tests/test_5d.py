@@ -49,11 +49,13 @@ def assert_exact(tmp_path, baseline, nproc, layout, model, steps=4):
     slow(4, ["--tp", "2", "--cp", "2"], MOE, 4),                                 # the ring on my tp heads
     slow(4, ["--dp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2"], CAPACITY, 4),
     slow(4, ["--dp", "2", "--cp", "2", "--ep", "4"], CAPACITY, 4),
-    # the issue's 8-rank configurations (--zero 0: parallel_5d.py refuses --zero with --experts so far)
+    # the issue's 8-rank configurations
     slow(8, ["--cp", "2", "--tp", "2", "--ep", "2"], MOE, 6),
-    slow(8, ["--dp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2"], MOE, 6),
-    slow(8, ["--dp", "2", "--cp", "2", "--ep", "4"], CAPACITY, 6),
-    # ZeRO of the dense weights over dp x cp (parallel_5d.py refuses --zero with --experts so far)
+    slow(8, ["--dp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2", "--zero", "2"], MOE, 6),
+    slow(8, ["--dp", "2", "--cp", "2", "--ep", "4", "--zero", "3"], CAPACITY, 6),
+    # ZeRO: the dense weights over dp x cp, the experts over edp
+    slow(4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "1"], MOE, 4),
+    slow(4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "3"], CAPACITY, 4),
     slow(4, ["--dp", "2", "--cp", "2", "--zero", "1"], ["--microbatches", "2"], 4),
     slow(4, ["--dp", "2", "--tp", "2", "--sequence-parallel", "--zero", "2"], ["--microbatches", "2"], 4),
     slow(8, ["--dp", "2", "--cp", "2", "--zero", "3", "--schedule", "1f1b"], ["--microbatches", "2"], 6),
@@ -105,7 +107,7 @@ def test_each_pitfall_put_back_is_caught(tmp_path, baseline, fault, layout, mode
      "error: --sequence-parallel with --cp 2 is not yet exact"),
     (["--model", "cnn", "--cp", "2"], 2, "error: --cp: --model cnn has no sequence"),
     (["--model", "mlp", "--experts", "4"], 1, "error: --model mlp does not use --experts"),
-    (["--dp", "2", "--experts", "4", "--ep", "2", "--zero", "1"], 2, "error: --zero 1 with --experts is not yet"),
+    (["--dp", "2", "--zero", "1", "--schedule", "zb"], 2, "error: --schedule zb is not yet exact"),
 ])
 def test_bad_input_is_one_error_line(argv, world, message, monkeypatch, capsys):
     assert_one_error_line(p5.parse_args, FAST + argv, world, message, monkeypatch, capsys)
@@ -113,7 +115,7 @@ def test_bad_input_is_one_error_line(argv, world, message, monkeypatch, capsys):
 
 @pytest.mark.parametrize("layout,model", [
     (["--cp", "2", "--ep", "2"], MOE),                                                     # experts saved by name
-    slow(["--dp", "2", "--cp", "2", "--zero", "3"], ["--microbatches", "2"]),              # ZeRO-3's slices
+    slow(["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "3"], MOE),                     # ZeRO-3's slices
 ])
 def test_resume_across_layouts_continues_the_baseline(tmp_path, baseline, layout, model):
     """One process -> the 5-D mesh -> one process, two steps each, through one checkpoint directory (written
