@@ -50,16 +50,17 @@ from mp import checkpoint
 from mp.buckets import GradBuckets
 from mp.cli import parallel_5d_args
 from mp.clipping import clip_global
-from mp.data import agree_on_data, load_data, to_device
-from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
-from mp.dropout import DropoutKeys, KeyedDropout
+from mp.data import agree_on_data, load_data
+from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
+from mp.dropout import KeyedDropout
 from mp.ep.evaluate import Traffic
 from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
 from mp.mesh import Mesh
-from mp.models import num_blocks
-from mp.moe import MixtureOfExperts, ahead_of, capacity_of, combine, kept_counts, route, rows_per_expert, sorted_by_expert
+from mp.models import PatchEmbed, num_blocks
+from mp.moe import (MixtureOfExperts, ahead_of, capacity_of, combine, kept_counts, route, rows_per_expert,
+                    sorted_by_expert)
 from mp.optim import make_optimizer, whole_params
 from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
@@ -68,11 +69,13 @@ from mp.pp.schedules import placement_of, schedule_actions
 from mp.pp.timeline import Timeline
 from mp.replicas import average_replicated_grads, counted_once
 from mp.sizes import tokens_of
+from mp.split import MicrobatchMajorKeys, my_microbatches
+from mp.tp.mappings import gather_from_sequence_parallel_region
 from mp.tp.sequence import partial_gradients, sum_sequence_parallel_grads
 from mp.zero import ZeroOptimizer
 from mp.ep.zero import ZeroPair, dense_units, expert_units
 # the lessons it composes
-from context_parallel import ContextParallelAttention, ContextParallelEmbed, ContextParallelHead, my_tokens
+from context_parallel import ContextParallelAttention, ContextParallelEmbed, ContextParallelHead
 from expert_parallel import AllToAll, ExpertParallelMoE
 from parallel_3d import CutMessenger, note_whole_cuts
 from pipeline_dp_joint import pipeline
@@ -101,9 +104,11 @@ class TensorContextAttention(ContextParallelAttention):
     def __init__(self, tp_attention, group, attention):
         super().__init__(tp_attention, group, attention)   # takes q, k, v, proj: the tp slices
         self.tp_group = tp_attention.group
+        # sequence parallelism: my tp rank's tokens gathered into my cp rank's (proj reduce-scatters back)
+        self.enter = gather_from_sequence_parallel_region if tp_attention.sequence_parallel else copy_to_tp_region
 
     def forward(self, x):
-        return super().forward(copy_to_tp_region(x, self.tp_group))
+        return super().forward(self.enter(x, self.tp_group))
 
 
 class _SumOverCP(torch.autograd.Function):
@@ -126,23 +131,48 @@ class _SumOverCP(torch.autograd.Function):
 
 
 class SummedHead(ContextParallelHead):
+    """The head on my tokens: my share of the pooled mean (under sequence parallelism summed over tp
+    first, by the sequence-parallel head's g), summed over cp, then the classifier."""
+
+    def __init__(self, full, group, tokens):
+        super().__init__(full, group, tokens)
+        self.tp = (full.reduce, full.group) if hasattr(full, "reduce") else None   # mp.tp.sequence's head
+
     def forward(self, x):
-        return self.fc(_SumOverCP.apply(self.ln(x).sum(dim=1) / self.tokens, self.group))
+        share = self.ln(x).sum(dim=1) / self.tokens
+        share = self.tp[0](share, self.tp[1]) if self.tp else share
+        return self.fc(_SumOverCP.apply(share, self.group))
 
 
-def on_my_tokens(i, block, mesh, n_blocks, tokens, attention):
-    """Block i (already tensor-parallel) on my cp rank's S/C tokens: context_parallel.context_parallel_block,
-    with the attention on my tp heads and the head's sum that keeps the dp x cp average exact."""
+class TokenShardEmbed(ContextParallelEmbed):
+    """The patch embedding, then my run of tokens: first, count (my cp rank's, or of them my tp rank's)."""
+
+    def __init__(self, full, group, first, count):
+        super().__init__(full, group)
+        self.first, self.count = first, count
+
+    def forward(self, x):   # a copy, not a view: a view would keep the whole embedding alive
+        mine = PatchEmbed.forward(self, x).narrow(1, self.first, self.count)
+        return mine.clone(memory_format=torch.contiguous_format)
+
+
+def on_my_tokens(i, block, mesh, n_blocks, tokens, attention, sequence_parallel):
+    """Block i (already tensor-parallel) on my cp rank's S/C tokens (under sequence parallelism, my tp
+    rank's S/(C*T) of them): context_parallel.context_parallel_block, with the attention on my tp heads
+    and the head's sum that keeps the dp x cp average exact."""
     if mesh.cp_size == 1:   # the 3-D block as it is
         return block
+    per_cp = tokens // mesh.cp_size
+    count = per_cp // mesh.tp_size if sequence_parallel else per_cp
+    first = mesh.cp_rank * per_cp + (mesh.tp_rank * count if sequence_parallel else 0)
     if i == 0:
-        return ContextParallelEmbed(block, mesh.cp_group)
+        return TokenShardEmbed(block, mesh.cp_group, first, count)
     if i == n_blocks - 1:
         return SummedHead(block, mesh.cp_group, tokens)
     block.attn = TensorContextAttention(block.attn, mesh.cp_group, attention)
     for drop in (block.drop1, block.drop2):
         if isinstance(drop, KeyedDropout):   # my tokens' masks: those of these tokens in the full layer
-            drop.first_token = my_tokens(mesh.cp_group, tokens)[0]
+            drop.first_token = first
     return block
 
 
@@ -209,32 +239,13 @@ class FoldedMoE(ExpertParallelMoE):
 def shard_block(i, block, args, mesh, n_blocks, traffic):
     """Block i of the vit as built from --seed: my tp slices, on my tokens, with my experts."""
     block = parallelize_block(i, block, "vit", mesh.tp_group, n_blocks, sequence_parallel=args.sequence_parallel)
-    block = on_my_tokens(i, block, mesh, n_blocks, tokens_of(args), args.attention)
+    block = on_my_tokens(i, block, mesh, n_blocks, tokens_of(args), args.attention, args.sequence_parallel)
     if isinstance(getattr(block, "mlp", None), MixtureOfExperts):
         block.mlp = FoldedMoE(block.mlp, mesh, args, traffic)
     return block
 
 
 # ----------------------------------------------------------------------------- the stage
-
-
-class MicrobatchMajorKeys(DropoutKeys):
-    """The dropout keys (mp/dropout.py) with the baseline's sample indices. The pipeline's runner numbers
-    my samples as one run (microbatch mb's first is mb * b); in the baseline it is mb * B/M + dp_rank * b."""
-
-    def __init__(self, seed, batch, microbatches, dp_rank, dp):
-        self.b, self.stride = batch // (microbatches * dp), batch // microbatches
-        self.offset = dp_rank * self.b
-        super().__init__(seed)
-
-    @property
-    def first_sample(self):
-        mb, i = divmod(self.local, self.b)
-        return mb * self.stride + self.offset + i
-
-    @first_sample.setter
-    def first_sample(self, local):
-        self.local = local
 
 
 def build_stage(args, env, mesh):
@@ -326,21 +337,6 @@ def env_device(model):
 # ----------------------------------------------------------------------------- training
 
 
-def my_microbatches(data, step, args, mesh, pos, device):
-    """My part of every microbatch of the baseline: replica d's b = B/(M*D) samples of microbatch m
-    (m*B/M + d*b ...), as a list for the first stage (each cp rank embeds the whole images and keeps
-    its tokens), and their labels, microbatch after microbatch, for the last stage."""
-    batch, m = args.batch_size, args.microbatches
-    b = batch // (m * mesh.dp_size)
-    firsts = [k * (batch // m) + mesh.dp_rank * b for k in range(m)]
-    x = [to_device(data.images(step, batch, f, b), device) for f in firsts] if pos.is_first_stage else None
-    y = None
-    if pos.is_last_stage:
-        labels = data.labels(step, batch)
-        y = to_device(torch.cat([labels[f:f + b] for f in firsts]), device)
-    return x, y
-
-
 def aux_loss_total(model, mesh, args):
     """The load-balancing loss of the step for the log: my shares (each microbatch's, / M), summed over
     every rank holding a part of the tokens (dp x cp; tp too under sequence parallelism: each tp rank
@@ -371,7 +367,8 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert
             held.release()                #    --zero 3: the whole weights gathered for this step go
     sync_tp_grads(*tp_sums)               # 4. tp: sequence-parallel partial gradients summed (tp group)
     grads.final_late()                    #    then their buckets start too
-    grads.wait()                          # 5. dp x cp: every dense bucket all-reduced (--zero: reduce-scattered), / (D*C)
+    grads.wait()                          # 5. dp x cp: every dense bucket all-reduced (--zero: reduce-scattered),
+                                          #    / (D*C)
     expert_grads.average()                # 6. edp: the experts, all-reduced, / (D*C)
     aux = aux_loss_total(runner.model, mesh, args)   # the load-balancing loss, for the log (dp x cp, pp)
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
@@ -426,7 +423,8 @@ def main(argv=None):
                        mesh=mesh, grads=grads, expert_grads=expert_grads, tp_sums=tp_sums, shards=shards,
                        timeline=timeline)
         dense = [p for p in model.parameters() if id(p) not in {id(q) for q in expert_grads.params}]
-        job = Job(step, model, optimizer, layout, owner, evaluate=partial(evaluate_all, runner, mesh, data, env, optimizer),
+        job = Job(step, model, optimizer, layout, owner,
+                  evaluate=partial(evaluate_all, runner, mesh, data, env, optimizer),
                   # logged: the loss averaged over dp x cp (every cp rank holds its replica's), the norm's squares
                   # summed as clip_global sums them
                   sums=Sums(replicas=mesh.dp_cp_group, norm_groups=runner.norm_groups),

@@ -243,9 +243,6 @@ def validate_mesh_5d(args, world):
 
 def refuse_not_yet_exact(args):
     """Combinations parallel_5d.py does not compute exactly yet: refused, never run approximately."""
-    if args.sequence_parallel and args.cp > 1:
-        fail(f"--sequence-parallel with --cp {args.cp} is not yet exact in parallel_5d.py (the token offsets of "
-             "a cp x tp shard are not wired); drop one of them")
     if args.check:
         fail("--check is not yet supported by parallel_5d.py; compare its log with single_baseline.py "
              "--microbatches M instead (tests/test_5d.py does)")

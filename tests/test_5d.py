@@ -48,6 +48,8 @@ def assert_exact(tmp_path, baseline, nproc, layout, model, steps=4):
     slow(4, ["--tp", "2", "--cp", "2", "--attention", "ulysses"], [], 4),        # Ulysses on 4 / (tp 2) heads
     slow(4, ["--tp", "2", "--cp", "2"], MOE, 4),                                 # the ring on my tp heads
     slow(4, ["--dp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2"], CAPACITY, 4),
+    slow(4, ["--tp", "2", "--cp", "2", "--sequence-parallel"], CAPACITY, 4),      # tokens split over cp, then tp
+    slow(4, ["--tp", "2", "--cp", "2", "--sequence-parallel", "--attention", "ulysses"], [], 4),
     slow(4, ["--dp", "2", "--cp", "2", "--ep", "4"], CAPACITY, 4),
     # the 8-rank configurations
     slow(8, ["--cp", "2", "--tp", "2", "--ep", "2"], MOE, 6),
@@ -96,15 +98,16 @@ def test_each_pitfall_put_back_is_caught(tmp_path, baseline, fault, layout, mode
 
 
 @pytest.mark.parametrize("argv,world,message", [
-    (["--dp", "2", "--cp", "2", "--tp", "2"], 12, "error: the world size 12 is not divisible by --dp 2 x --cp 2 x --tp 2"),
+    (["--dp", "2", "--cp", "2", "--tp", "2"], 12,
+     "error: the world size 12 is not divisible by --dp 2 x --cp 2 x --tp 2"),
     (["--dp", "2", "--cp", "1", "--experts", "4", "--ep", "4"], 4, "error: --ep 4 does not divide --dp 2 x --cp 1"),
     (["--dp", "2", "--experts", "3", "--ep", "2"], 4, "error: --experts 3 is not divisible by --ep 2"),
     (["--tp", "3", "--heads", "4"], 3, "error: --heads 4 is not divisible by the tensor-parallel degree 3"),
     (["--tp", "2", "--cp", "2", "--attention", "ulysses", "--heads", "2", "--hidden", "16"], 4,
      "error: --heads 2 is not divisible by --tp 2 x --cp 2"),
     (["--cp", "3"], 3, "error: the vit's 64 tokens (--patch-size 4) are not divisible by --cp 3"),
-    (["--dp", "1", "--tp", "2", "--cp", "2", "--sequence-parallel", "--patch-size", "4"], 4,
-     "error: --sequence-parallel with --cp 2 is not yet exact"),
+    (["--tp", "2", "--cp", "2", "--sequence-parallel", "--patch-size", "2"], 4,
+     "error: --sequence-parallel splits the vit's 64 tokens of --patch-size 4"),
     (["--model", "cnn", "--cp", "2"], 2, "error: --cp: --model cnn has no sequence"),
     (["--model", "mlp", "--experts", "4"], 1, "error: --model mlp does not use --experts"),
     (["--dp", "2", "--zero", "1", "--schedule", "zb"], 2, "error: --schedule zb is not yet exact"),
