@@ -246,12 +246,10 @@ def refuse_not_yet_exact(args):
     if args.check:
         fail("--check is not yet supported by parallel_5d.py; compare its log with single_baseline.py "
              "--microbatches M instead (tests/test_5d.py does)")
-    if args.schedule in ("zb", "zbv"):
-        fail(f"--schedule {args.schedule} is not yet exact in parallel_5d.py (its deferred weight gradients "
-             "skip the experts' sync); use --schedule gpipe, 1f1b or interleaved")
-    if args.experts and args.capacity_factor is not None and args.eval_every:
-        fail("--eval-every with --capacity-factor: parallel_5d.py's evaluation routes the replicas' copies of a "
-             "test batch together, so its capacity is not the baseline's; use --eval-every 0")
+    if args.experts and args.capacity_factor is not None and args.eval_every and args.dp > 1:
+        fail(f"--eval-every with --capacity-factor and --dp {args.dp}: parallel_5d.py's evaluation routes the "
+             "replicas' copies of a test batch together, so its capacity is not the baseline's; use --eval-every 0 "
+             "or --dp 1")
 
 
 PARSERS["parallel_5d"] = parallel_5d_args

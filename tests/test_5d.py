@@ -55,6 +55,9 @@ def assert_exact(tmp_path, baseline, nproc, layout, model, steps=4):
     slow(8, ["--cp", "2", "--tp", "2", "--ep", "2"], MOE, 6),
     slow(8, ["--dp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2", "--zero", "2"], MOE, 6),
     slow(8, ["--dp", "2", "--cp", "2", "--ep", "4", "--zero", "3"], CAPACITY, 6),
+    # the zero-bubble schedules (the experts' weight gradients in W actions of their own)
+    slow(4, ["--cp", "2", "--ep", "2", "--schedule", "zb"], CAPACITY, 4),
+    slow(4, ["--dp", "2", "--ep", "2", "--schedule", "zbv", "--zero", "2"], MOE, 4),
     # ZeRO: the dense weights over dp x cp, the experts over edp
     slow(4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "1"], MOE, 4),
     slow(4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "3"], CAPACITY, 4),
@@ -110,7 +113,9 @@ def test_each_pitfall_put_back_is_caught(tmp_path, baseline, fault, layout, mode
      "error: --sequence-parallel splits the vit's 64 tokens of --patch-size 4"),
     (["--model", "cnn", "--cp", "2"], 2, "error: --cp: --model cnn has no sequence"),
     (["--model", "mlp", "--experts", "4"], 1, "error: --model mlp does not use --experts"),
-    (["--dp", "2", "--zero", "1", "--schedule", "zb"], 2, "error: --schedule zb is not yet exact"),
+    (["--dp", "2", "--experts", "4", "--capacity-factor", "1", "--eval-every", "5"], 2,
+     "error: --eval-every with --capacity-factor and --dp 2"),
+    (["--check"], 2, "error: --check is not yet supported by parallel_5d.py"),
 ])
 def test_bad_input_is_one_error_line(argv, world, message, monkeypatch, capsys):
     assert_one_error_line(p5.parse_args, FAST + argv, world, message, monkeypatch, capsys)
@@ -135,3 +140,15 @@ def test_resume_across_layouts_continues_the_baseline(tmp_path, baseline, layout
         losses += run.losses()
     worst = max(abs(a - b) for a, b in zip(losses, whole.losses()))
     assert len(losses) == 6 and worst <= 1e-6, worst
+
+
+def test_the_evaluation_routes_the_test_batch_as_the_baseline_does(tmp_path, baseline):
+    """cp ranks evaluate their tokens of each test batch, their counts gathered: the capacity drops what the
+    baseline's evaluation drops, so the test loss is the baseline's."""
+    args = RUN[:RUN.index("--eval-every")] + RUN[RUN.index("--eval-every") + 2:] + CAPACITY + ["--steps", "2",
+                                                                                              "--eval-every", "1"]
+    run = launch("parallel_5d.py", args + ["--cp", "2", "--ep", "2"], tmp_path, nproc=4)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got, want = run.events("eval"), baseline(args).events("eval")
+    assert len(got) == len(want) == 2
+    assert max(abs(a["test_loss"] - b["test_loss"]) for a, b in zip(got, want)) <= 1e-6
