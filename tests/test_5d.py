@@ -29,6 +29,7 @@ def compare(tmp_path, baseline, nproc, layout, model, steps=4, program="parallel
 
 def assert_exact(tmp_path, baseline, nproc, layout, model, steps=4):
     run, reference, loss, norm = compare(tmp_path, baseline, nproc, layout, model, steps)
+    print(f"{nproc} ranks {' '.join(layout)} {' '.join(model)}: loss {loss:.2g}, norm {norm:.2g}")   # pytest -s
     assert loss <= 1e-6 and norm <= 1e-6, f"largest difference: loss {loss:.3g}, grad norm {norm:.3g}"
     assert all(e["grad_norm"] > 0.5 for e in reference.events("train")), "clipping was not active"
     summary, ref = run.events("summary")[0], reference.events("summary")[0]
@@ -122,25 +123,32 @@ def test_bad_input_is_one_error_line(argv, world, message, monkeypatch, capsys):
     assert_one_error_line(p5.parse_args, FAST + argv, world, message, monkeypatch, capsys)
 
 
-@pytest.mark.parametrize("layout,model", [
-    (["--cp", "2", "--ep", "2"], MOE),                                                     # experts saved by name
-    slow(["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "3"], MOE),                     # ZeRO-3's slices
+BASE = ("single_baseline.py", 1, [])
+
+
+@pytest.mark.parametrize("model,chain", [
+    (MOE, [BASE, ("parallel_5d.py", 4, ["--cp", "2", "--ep", "2"]), BASE]),              # experts saved by name
+    slow(MOE, [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "3"]), BASE]),
+    # dense: the 5-D mesh's ZeRO-3 slices to the 3-D program's grid and back
+    slow(["--microbatches", "2"], [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--zero", "3"]),
+                                   ("parallel_3d.py", 4, ["--dp", "2", "--tp", "2"]),
+                                   ("parallel_5d.py", 4, ["--tp", "2", "--cp", "2", "--sequence-parallel"])]),
 ])
-def test_resume_across_layouts_continues_the_baseline(tmp_path, baseline, layout, model):
-    """One process -> the 5-D mesh -> one process, two steps each, through one checkpoint directory (written
-    in the baseline's coordinates): the uninterrupted baseline's losses."""
+def test_resume_across_layouts_continues_the_baseline(tmp_path, baseline, model, chain):
+    """Layout after layout, two steps each, through one checkpoint directory (written in the baseline's
+    coordinates): the uninterrupted baseline's losses."""
     args = RUN + model + ["--save-every", "2"]
-    whole = baseline(args + ["--steps", "6"])
+    whole = baseline(args + ["--steps", str(2 * len(chain))])
     losses = []
-    for steps, program, nproc, extra in ((2, "single_baseline.py", 1, []), (4, "parallel_5d.py", 4, layout),
-                                         (6, "single_baseline.py", 1, [])):
+    for k, (program, nproc, extra) in enumerate(chain):
+        steps = 2 * (k + 1)
         part = args + ["--steps", str(steps), "--checkpoint-dir", str(tmp_path / "ckpt")] + extra
         run = launch(program, part, tmp_path, nproc=nproc, log_name=f"part{steps}.jsonl")
         assert run.returncode == 0, run.stderr[-2000:]
         assert [r["step"] for r in run.events("train")] == list(range(steps - 2, steps))
         losses += run.losses()
     worst = max(abs(a - b) for a, b in zip(losses, whole.losses()))
-    assert len(losses) == 6 and worst <= 1e-6, worst
+    assert len(losses) == 2 * len(chain) and worst <= 1e-6, worst
 
 
 def test_the_evaluation_routes_the_test_batch_as_the_baseline_does(tmp_path, baseline):
