@@ -26,7 +26,8 @@ The mesh for 16 ranks, arange(16).view(dp 2, pp 2, cp 2, tp 2) (mp/mesh.py says 
                     two all-to-alls; the head's all-reduce of the pooled [b, H]
     ep {0,2,8,10}   (ep 4) each MoE layer: the counts all-gathered (over dp x cp), rows dispatched and
                     combined by two all-to-alls
-    pp {0,4}        the activation [b, S/C, H] (1/T of it when whole on every tp rank) and its gradient
+    pp {0,4}        the activation [b, S/C, H] (1/T of it when whole on every tp rank; [b, S/(C*T), H]
+                    under --sequence-parallel) and its gradient
     dp x cp         once a step: the dense gradients' all-reduce, / (D*C), in buckets during the backward
     {0,2,8,10}
     edp {0} (ep 4)  once a step: the experts' gradients, all-reduced and / (D*C) (not / edp size: the

@@ -1,6 +1,9 @@
 """parallel_5d.py against single_baseline.py --microbatches M, step by step (loss and gradient norm within
 1e-6, the same tokens routed and dropped), each pitfall of issue 64 put back by tests/broken_5d.py and
 caught, and the bad inputs refused before any collective."""
+import glob
+import json
+
 import pytest
 
 import parallel_5d as p5
@@ -161,3 +164,17 @@ def test_the_evaluation_routes_the_test_batch_as_the_baseline_does(tmp_path, bas
     got, want = run.events("eval"), baseline(args).events("eval")
     assert len(got) == len(want) == 2
     assert max(abs(a["test_loss"] - b["test_loss"]) for a, b in zip(got, want)) <= 1e-6
+
+
+def test_a_moe_layer_reads_the_device_once_a_microbatch(tmp_path, monkeypatch):
+    """The one declared read (mp.moe.rows_per_expert) a MoE layer a microbatch, and no other read in a step:
+    pp 2 x cp 2 puts one MoE block on each stage, run for M = 2 microbatches a step (tests/count_reads.py)."""
+    monkeypatch.setenv("COUNT_PROGRAM", "parallel_5d.py")
+    monkeypatch.setenv("COUNT_DIR", str(tmp_path))
+    sgd = RUN[:RUN.index("--optimizer")]   # (torch's AdamW reads its step counts: not ours to count)
+    run = launch("tests/count_reads.py", sgd + CAPACITY + ["--steps", "4", "--cp", "2", "--ep", "2"], tmp_path,
+                 nproc=4, log_name="log.jsonl")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.load(open(path)) for path in sorted(glob.glob(str(tmp_path / "rank-*.json")))]
+    assert len(ranks) == 4 and all(r["steps"] == 4 for r in ranks), ranks
+    assert all(r["step_reads"] == r["declared_reads"] == 1 * 2 * 4 for r in ranks), ranks
