@@ -55,6 +55,7 @@ from mp.data import agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.dropout import KeyedDropout
 from mp.ep.evaluate import Traffic
+from mp.ep.routing import complete_routing
 from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
@@ -375,6 +376,8 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
         norm = clip(runner, optimizer, args)                                   # 7. clip
     optimizer.step()                      # 8. update (--zero 1, 2: my slices, then the all-gather over dp x cp)
+    if args.experts and step == args.steps - 1:
+        complete_routing(runner.model, mesh.pp_group)   # every stage's routing record, for the summary
     timeline.end(step)
     return (loss + aux if aux is not None and loss is not None else loss), norm
 

@@ -35,14 +35,10 @@ def assert_exact(tmp_path, baseline, nproc, layout, model, steps=4):
     print(f"{nproc} ranks {' '.join(layout)} {' '.join(model)}: loss {loss:.2g}, norm {norm:.2g}")   # pytest -s
     assert loss <= 1e-6 and norm <= 1e-6, f"largest difference: loss {loss:.3g}, grad norm {norm:.3g}"
     assert all(e["grad_norm"] > 0.5 for e in reference.events("train")), "clipping was not active"
-    summary, ref = run.events("summary")[0], reference.events("summary")[0]
-    # the same tokens routed to the same experts, the same choices dropped (the summary's routing record is the
-    # logging rank's: its stage's blocks, among the baseline's; none where its stage has none, zbv's ends)
-    if "--experts" in model and "tokens_per_expert" in summary:
-        for step, want in zip(summary["tokens_per_expert"], ref["tokens_per_expert"]):
-            assert step and all(block in want for block in step), (step, want)
-        if len(summary["tokens_per_expert"][0]) == len(ref["tokens_per_expert"][0]):
-            assert summary["dropped_per_step"] == ref["dropped_per_step"]
+    if "--experts" in model:   # the same tokens routed to the same experts, the same choices dropped, every block
+        summary, ref = run.events("summary")[0], reference.events("summary")[0]    # (every stage's: mp/ep/routing.py)
+        assert summary["tokens_per_expert"] == ref["tokens_per_expert"]
+        assert summary["dropped_per_step"] == ref["dropped_per_step"]
         assert any(summary["dropped_per_step"]) == ("--capacity-factor" in model)
     return run
 
@@ -177,4 +173,7 @@ def test_a_moe_layer_reads_the_device_once_a_microbatch(tmp_path, monkeypatch):
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.load(open(path)) for path in sorted(glob.glob(str(tmp_path / "rank-*.json")))]
     assert len(ranks) == 4 and all(r["steps"] == 4 for r in ranks), ranks
-    assert all(r["step_reads"] == r["declared_reads"] == 1 * 2 * 4 for r in ranks), ranks
+    assert all(r["declared_reads"] == 1 * 2 * 4 for r in ranks), ranks
+    # and a few reads once a run: the last step gathers every stage's routing record (mp/ep/routing.py: the
+    # record to the host, all_gather_object's sizes)
+    assert all(r["step_reads"] - r["declared_reads"] <= 3 for r in ranks), [r["step_reads"] for r in ranks]
