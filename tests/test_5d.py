@@ -72,12 +72,12 @@ def test_5d_matches_the_baseline_step_by_step(tmp_path, baseline, nproc, layout,
     assert_exact(tmp_path, baseline, nproc, layout, model, steps)
 
 
-@pytest.mark.parametrize("layout,tokens", [
-    (["--cp", "2", "--ep", "2"], 32),                                          # S/C
-    slow(["--tp", "2", "--sequence-parallel"], 32),                            # S/(C*T) under sequence parallelism
+@pytest.mark.parametrize("nproc,layout,tokens", [
+    (4, ["--cp", "2", "--ep", "2"], 32),                                        # S/C, pp 2
+    slow(8, ["--tp", "2", "--cp", "2", "--sequence-parallel"], 16),            # S/(C*T) under sequence parallelism
 ])
-def test_pipeline_messages_carry_my_token_shard(tmp_path, layout, tokens):
-    run = launch("parallel_5d.py", RUN + MOE + ["--steps", "1"] + layout, tmp_path, nproc=4)
+def test_pipeline_messages_carry_my_token_shard(tmp_path, nproc, layout, tokens):
+    run = launch("parallel_5d.py", RUN + MOE + ["--steps", "1"] + layout, tmp_path, nproc=nproc)
     assert run.returncode == 0, run.stderr[-2000:]
     line = next(line for line in run.stdout.splitlines() if line.startswith("per-sample message"))
     assert f"[{tokens}, 16]" in line, line

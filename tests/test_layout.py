@@ -1,4 +1,4 @@
-"""The repository's layout stays what a student came for (docs/map.md): seven programs and their
+"""The repository's layout stays what a student came for (docs/map.md): eight programs and their
 launchers on top, one package below them; imports point down and never run in a circle; each
 program reads in one sitting and holds its own lesson."""
 import ast
