@@ -28,8 +28,7 @@ The mesh for 16 ranks, arange(16).view(dp 2, pp 2, cp 2, tp 2) (mp/mesh.py says 
                     combined by two all-to-alls
     pp {0,4}        the activation [b, S/C, H] (1/T of it when whole on every tp rank; [b, S/(C*T), H]
                     under --sequence-parallel) and its gradient
-    dp x cp         once a step: the dense gradients' all-reduce, / (D*C), in buckets during the backward
-    {0,2,8,10}
+    dp x cp         {0,2,8,10}, once a step: the dense gradients' all-reduce, / (D*C), in buckets
     edp {0} (ep 4)  once a step: the experts' gradients, all-reduced and / (D*C) (not / edp size: the
                     all-to-all's backward already summed them over the ep ranks)
 
@@ -309,8 +308,8 @@ def gradient_syncs(model, runner, mesh, args):
     experts = [p for m in model.modules() if isinstance(m, FoldedMoE) for p in m.experts.parameters()]
     expert_ids = {id(p) for p in experts}
     dense = [p for p in runner.parameters() if id(p) not in expert_ids]
-    tp_sums = (sum_sequence_parallel_grads(model, mesh.tp_group), average_replicated_grads(model, mesh.tp_group,
-                                                                                          env_device(model)))
+    tp_sums = (sum_sequence_parallel_grads(model, mesh.tp_group),
+               average_replicated_grads(model, mesh.tp_group, next(model.parameters()).device))
     late = tp_sums[0].params if tp_sums[0] else ()
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # W writes these in place itself
     waiting = (f"rank {dist.get_rank()} waited for the dp x cp all-reduce, ranks {mesh.peers('dp_cp')}", args.timeout_s)
@@ -332,10 +331,6 @@ def gradient_syncs(model, runner, mesh, args):
     return grads, expert_grads, tp_sums, shards
 
 
-def env_device(model):
-    return next(model.parameters()).device
-
-
 # ----------------------------------------------------------------------------- training
 
 
@@ -343,13 +338,14 @@ def aux_loss_total(model, mesh, args):
     """The load-balancing loss of the step for the log: my shares (each microbatch's, / M), summed over
     every rank holding a part of the tokens (dp x cp; tp too under sequence parallelism: each tp rank
     else holds the same share) and over the stages (each its own blocks). None for a dense model."""
-    layers = [m for m in model.modules() if isinstance(m, FoldedMoE)]
-    if not layers and not getattr(model, "moe", False):
+    if not args.experts:
         return None
+    layers = [m for m in model.modules() if isinstance(m, FoldedMoE)]
     shares = [s for m in layers for s in m.shares]
     for m in layers:
         m.shares = []
-    total = torch.stack(shares).sum() / args.microbatches if shares else torch.zeros((), device=env_device(model))
+    none = torch.zeros((), device=next(model.parameters()).device)   # a stage without MoE blocks still takes part
+    total = torch.stack(shares).sum() / args.microbatches if shares else none
     for group in [mesh.dp_cp_group] + ([mesh.tp_group] if args.sequence_parallel else []) + [mesh.pp_group]:
         dist.all_reduce(total, group=group)
     return total
@@ -382,6 +378,16 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert
     return (loss + aux if aux is not None and loss is not None else loss), norm
 
 
+def make_5d_optimizer(runner, grads, expert_grads, shards, args):
+    """torch's optimizer; --zero: mp.zero's over my slices of the dense buckets, and with experts a second one
+    over my slices of theirs, stepped together (mp/ep/zero.py)."""
+    if not args.zero:
+        return make_optimizer(runner.parameters(), args)
+    dense = ZeroOptimizer(grads, args, shards)
+    return ZeroPair(dense, ZeroOptimizer(expert_grads.buckets, args, expert_grads.shards)) if expert_grads.params \
+        else dense
+
+
 def clip(runner, optimizer, args):
     """The global norm over the groups of runner.norm_groups; --zero: over my slices (mp.zero)."""
     if not args.zero:
@@ -408,16 +414,14 @@ def main(argv=None):
         mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep,
                           timeout=group_timeout(env, args.timeout_s))
         pos, model, runner = build_stage(args, env, mesh)
-        runner.model, model.moe = model, bool(args.experts)
+        runner.model = model
         if env.rank == 0:
             print(f"mesh = arange({env.world_size}).view(dp {mesh.dp_size}, pp {mesh.pp_size}, cp {mesh.cp_size}, "
                   f"tp {mesh.tp_size}), ep {mesh.ep_size}:\n{mesh.ranks}\nper-sample message at each cut, on rank 0: "
                   + (", ".join(str(runner.messenger.message_shape(c)) for c in range(1, len(runner.messenger.shapes)))
                      or "none (one stage)"), flush=True)
         grads, expert_grads, tp_sums, shards = gradient_syncs(model, runner, mesh, args)
-        optimizer = make_optimizer(runner.parameters(), args) if not args.zero else ZeroOptimizer(grads, args, shards) \
-            if not expert_grads.params else ZeroPair(ZeroOptimizer(grads, args, shards),
-                                                    ZeroOptimizer(expert_grads.buckets, args, expert_grads.shards))
+        optimizer = make_5d_optimizer(runner, grads, expert_grads, shards, args)
         actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)
         owner = pos.is_last_stage and mesh.dp_cp_rank == 0 and mesh.tp_rank == 0   # logs the loss
         timeline = Timeline(args, runner, pos, owner)
@@ -436,7 +440,7 @@ def main(argv=None):
                   replicas=[Replicas(dense, mesh.dp_cp_group, "dense weights bit-identical across the "
                                      f"{mesh.dp_cp_size} dp x cp ranks of every stage", args.zero),
                             Replicas(expert_grads.params, mesh.edp_group, "experts bit-identical across their "
-                                     f"{mesh.edp_size} expert-data-parallel ranks")])
+                                     f"{mesh.edp_size} expert-data-parallel ranks", args.zero)])
         status = train(args, env, job)
         timeline.write()
     exit_now(status)
