@@ -295,8 +295,8 @@ class ExpertGrads:
         if self.buckets:
             self.buckets.final(self.params)   # the runner tells only the dense buckets when theirs are final
             self.buckets.final_late()
-            self.buckets.wait()
-            for g in self.buckets.shard_grads:
+            self.buckets.wait()   # my slices (--zero 1-3), or every whole bucket
+            for g in self.buckets.shard_grads if self.buckets.sharded else [b.grad for b in self.buckets.buckets]:
                 g /= self.ep_sum
 
 

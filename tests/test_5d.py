@@ -46,6 +46,7 @@ def assert_exact(tmp_path, baseline, nproc, layout, model, steps=4):
 @pytest.mark.parametrize("nproc,layout,model,steps", [
     # pp 2 x cp 2, ep 2 over the cp ranks: the capacity's order interleaves the cp ranks' token chunks
     (4, ["--cp", "2", "--ep", "2"], CAPACITY, 4),
+    (4, ["--dp", "2", "--cp", "2", "--ep", "2"], CAPACITY, 4),   # edp 2 x ep 2: every edp rank's experts / N
     slow(4, ["--tp", "2", "--cp", "2", "--attention", "ulysses"], [], 4),        # Ulysses on 4 / (tp 2) heads
     slow(4, ["--tp", "2", "--cp", "2"], MOE, 4),                                 # the ring on my tp heads
     slow(4, ["--dp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2"], CAPACITY, 4),
@@ -128,6 +129,10 @@ BASE = ("single_baseline.py", 1, [])
 @pytest.mark.parametrize("model,chain", [
     (MOE, [BASE, ("parallel_5d.py", 4, ["--cp", "2", "--ep", "2"]), BASE]),              # experts saved by name
     slow(MOE, [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "3"]), BASE]),
+    # one microbatch (expert_parallel.py routes the whole batch): the 5-D mesh to expert_parallel.py and back
+    slow(["--experts", "4", "--top-k", "2", "--capacity-factor", "1.0"],
+         [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "2"]),
+          ("expert_parallel.py", 2, []), ("parallel_5d.py", 4, ["--cp", "2", "--tp", "2", "--ep", "2"])]),
     # dense: the 5-D mesh's ZeRO-3 slices to the 3-D program's grid and back
     slow(["--microbatches", "2"], [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--zero", "3"]),
                                    ("parallel_3d.py", 4, ["--dp", "2", "--tp", "2"]),
