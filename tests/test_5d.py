@@ -131,8 +131,8 @@ BASE = ("single_baseline.py", 1, [])
     slow(MOE, [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "3"]), BASE]),
     # one microbatch (expert_parallel.py routes the whole batch): the 5-D mesh to expert_parallel.py and back
     slow(["--experts", "4", "--top-k", "2", "--capacity-factor", "1.0"],
-         [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "2"]),
-          ("expert_parallel.py", 2, []), ("parallel_5d.py", 4, ["--cp", "2", "--tp", "2", "--ep", "2"])]),
+         [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "2", "--microbatches", "1"]),
+          ("expert_parallel.py", 2, []), ("parallel_5d.py", 4, ["--cp", "2", "--ep", "2", "--microbatches", "1"])]),
     # dense: the 5-D mesh's ZeRO-3 slices to the 3-D program's grid and back
     slow(["--microbatches", "2"], [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--zero", "3"]),
                                    ("parallel_3d.py", 4, ["--dp", "2", "--tp", "2"]),
