@@ -5,8 +5,7 @@ per-step loss of `single_baseline.py --microbatches M` (same expert flags). Noth
 is parallel_3d.py's (pipeline_microbatch.py's schedules over tensor_parallel.py's sliced blocks), each
 block then runs on my tokens (context_parallel.py's ring or Ulysses, on my tp rank's heads) and its
 mixture of experts keeps my experts (expert_parallel.py's all-to-all, over the ep group folded over
-dp x cp). This file wires them, and writes out where they meet: the data split, the experts' counts,
-the loss's scale and the gradients' syncs, each on its named group.
+dp x cp). Written out here: where they meet (the experts' counts, the loss's scale, each sync's group).
 
     torchrun --standalone --nproc-per-node 8 -- parallel_5d.py --data synthetic --cp 2 --tp 2 \\
         --experts 4 --top-k 2 --ep 2 --microbatches 2                     (pp 2 = 8 ranks / (cp 2 x tp 2))
@@ -48,13 +47,14 @@ import torch.distributed as dist
 
 from mp import checkpoint
 from mp.buckets import GradBuckets
+from mp.check import check_and_exit
 from mp.cli import parallel_5d_args
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.dropout import KeyedDropout
 from mp.ep.evaluate import Traffic
-from mp.ep.routing import complete_routing
+from mp.ep.routing import aux_loss_total, complete_routing
 from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
@@ -97,10 +97,8 @@ def parse_args(argv=None):
 
 
 class TensorContextAttention(ContextParallelAttention):
-    """tensor_parallel.ParallelAttention's sliced q, k, v (my h/T heads) and row-parallel proj, with
-    context_parallel.py's attention between them: the ring (or Ulysses) runs on my tp rank's heads of
-    my cp rank's tokens, over the cp group; the tp group's f (copy in, all-reduce the input's gradient)
-    and proj's g (all-reduce out) stay where tensor parallelism puts them."""
+    """tensor_parallel.ParallelAttention's sliced q, k, v (my h/T heads) and row-parallel proj (its f and
+    g on the tp group), with context_parallel.py's ring or Ulysses between them on the cp group."""
 
     def __init__(self, tp_attention, group, attention):
         super().__init__(tp_attention, group, attention)   # takes q, k, v, proj: the tp slices
@@ -113,11 +111,10 @@ class TensorContextAttention(ContextParallelAttention):
 
 
 class _SumOverCP(torch.autograd.Function):
-    """Forward: the cp ranks' shares of the pooled mean, summed (all-reduce). Backward: C times the
-    gradient. Every cp rank computes the same loss from the same sum, and the dense gradients are then
-    averaged over dp x cp (a division by C too): the gradient reaching my tokens must be the sum of the
-    C ranks' (identical) gradients, so that my tokens' share of every weight's gradient survives the
-    average. The classifier, after this point, is whole on every cp rank: the average leaves it whole."""
+    """Forward: the cp ranks' shares of the pooled mean, summed (all-reduce). Backward: C times the gradient.
+    Every cp rank computes the same loss from the same sum and the dense gradients are averaged over dp x cp
+    (/ C too), so my tokens must get the sum of the C ranks' (identical) gradients: my tokens' share of every
+    weight's gradient then survives the average. The classifier, after this point, is whole everywhere."""
 
     @staticmethod
     def forward(ctx, share, group):
@@ -192,9 +189,8 @@ class _WithAuxLoss(torch.autograd.Function):
 
 
 class FoldedMoE(ExpertParallelMoE):
-    """expert_parallel.ExpertParallelMoE on the mesh: my E/N experts, the all-to-all over the ep group
-    (folded over dp x cp), and the counts of every rank holding a part of this microbatch's tokens (dp x cp,
-    and tp under sequence parallelism), per (sample, token chunk), in the baseline's order (mp/ep/order.py)."""
+    """expert_parallel.ExpertParallelMoE on the mesh: my E/N experts, the all-to-all over the ep group, and the
+    counts of every rank holding this microbatch's tokens per (sample, token chunk), in the baseline's order."""
 
     def __init__(self, full, mesh, args, traffic):
         super().__init__(full, mesh.ep_group, traffic)
@@ -221,14 +217,13 @@ class FoldedMoE(ExpertParallelMoE):
         d, c, s = self.me
         mine = per_rank(kept).view(self.dp * self.cp, -1, *kept.shape[-2:])[:, s]   # [D*C, K, E], my tp chunk's
         rows = rows_per_expert(mine[self.ep_first:self.ep_first + dist.get_world_size(self.group)])   # the one read
-        n = len(rows)
-        send_splits = [sum(self.on_rank(rows[me], j)) for j in range(n)]
-        recv_splits = [sum(self.on_rank(rows[j], me)) for j in range(n)]
+        send_splits = [sum(self.on_rank(rows[me], j)) for j in range(len(rows))]
+        recv_splits = [sum(self.on_rank(rows[j], me)) for j in range(len(rows))]
         keep = kept_mask_blocks(choice, ahead[d, :, c, s], capacity)
         token, slot = sorted_by_expert(keep, choice, self.num_experts, sum(rows[me]))
         traffic = self.traffic if self.training_step is not None else None
         received = AllToAll.apply(x[token], send_splits, recv_splits, self.group, traffic)   # 4. dispatch
-        y = self.run_my_experts(received, [self.on_rank(rows[j], me) for j in range(n)])   # 5. my experts
+        y = self.run_my_experts(received, [self.on_rank(rows[j], me) for j in range(len(rows))])   # 5. my experts
         y = AllToAll.apply(y, recv_splits, send_splits, self.group, traffic)        # 6. combine
         y = combine(y, token, slot, weights, b * t).view(b, t, h)
         if self.training_step is None:
@@ -334,23 +329,6 @@ def gradient_syncs(model, runner, mesh, args):
 # ----------------------------------------------------------------------------- training
 
 
-def aux_loss_total(model, mesh, args):
-    """The load-balancing loss of the step for the log: my shares (each microbatch's, / M), summed over
-    every rank holding a part of the tokens (dp x cp; tp too under sequence parallelism: each tp rank
-    else holds the same share) and over the stages (each its own blocks). None for a dense model."""
-    if not args.experts:
-        return None
-    layers = [m for m in model.modules() if isinstance(m, FoldedMoE)]
-    shares = [s for m in layers for s in m.shares]
-    for m in layers:
-        m.shares = []
-    none = torch.zeros((), device=next(model.parameters()).device)   # a stage without MoE blocks still takes part
-    total = torch.stack(shares).sum() / args.microbatches if shares else none
-    for group in [mesh.dp_cp_group] + ([mesh.tp_group] if args.sequence_parallel else []) + [mesh.pp_group]:
-        dist.all_reduce(total, group=group)
-    return total
-
-
 def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert_grads, tp_sums, shards, timeline):
     """One optimizer step on the 5-D mesh, in the order it runs."""
     timeline.begin(step)
@@ -396,6 +374,24 @@ def clip(runner, optimizer, args):
                        squares=optimizer.squares(runner.counted))
 
 
+def check_step(runner, actions, data, args, mesh, grads, expert_grads, tp_sums):
+    """--check's step (mp.check): step 0 as train_step runs it, up to the gradients synchronised (with
+    --microbatches 1 my samples are the contiguous slice mp.check compares me on)."""
+    def step(x, y):
+        x, y, outputs = *my_microbatches(data, 0, args, mesh, runner.pos, runner.messenger.device), {}
+        grads.zero_grad()
+        expert_grads.zero_grad()
+        with runner.keys.training(0):
+            loss = forward_backward(runner, actions, x, y, 1, args.batch_size // mesh.dp_size, outputs=outputs,
+                                    grads=grads)
+        sync_tp_grads(*tp_sums)
+        grads.final_late()
+        grads.wait()
+        expert_grads.average()
+        return (outputs[0], loss) if outputs else (None, None)
+    return step
+
+
 def evaluate_all(runner, mesh, data, env, optimizer):
     """Every replica runs the test batches (the experts' counts are gathered over dp x cp, so every rank
     must take part; --zero 3: the weights gathered whole first); the owner's figures are logged."""
@@ -415,14 +411,18 @@ def main(argv=None):
                           timeout=group_timeout(env, args.timeout_s))
         pos, model, runner = build_stage(args, env, mesh)
         runner.model = model
+        cuts = [str(runner.messenger.message_shape(c)) for c in range(1, len(runner.messenger.shapes))]
         if env.rank == 0:
-            print(f"mesh = arange({env.world_size}).view(dp {mesh.dp_size}, pp {mesh.pp_size}, cp {mesh.cp_size}, "
-                  f"tp {mesh.tp_size}), ep {mesh.ep_size}:\n{mesh.ranks}\nper-sample message at each cut, on rank 0: "
-                  + (", ".join(str(runner.messenger.message_shape(c)) for c in range(1, len(runner.messenger.shapes)))
-                     or "none (one stage)"), flush=True)
+            print(f"mesh = arange(world).view(dp, pp, cp, tp), ep {mesh.ep_size}:\n{mesh.ranks}\nper-sample message "
+                  f"at each cut, on rank 0: {', '.join(cuts) or 'none (one stage)'}", flush=True)
         grads, expert_grads, tp_sums, shards = gradient_syncs(model, runner, mesh, args)
-        optimizer = make_5d_optimizer(runner, grads, expert_grads, shards, args)
         actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)
+        if args.check:   # my shards against the matching slices of a full model in this process
+            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+            exit_now(check_and_exit(env, args, f"5-D {args.schedule}", model, check_step(
+                runner, actions, data, args, mesh, grads, expert_grads, tp_sums), x, y,
+                replica=(mesh.dp_rank, mesh.dp_size), norm=(runner.norm_groups, runner.counted)))
+        optimizer = make_5d_optimizer(runner, grads, expert_grads, shards, args)
         owner = pos.is_last_stage and mesh.dp_cp_rank == 0 and mesh.tp_rank == 0   # logs the loss
         timeline = Timeline(args, runner, pos, owner)
         layout = checkpoint.layout_of(PROGRAM, env, dp=mesh.dp_size, pp=mesh.pp_size, cp=mesh.cp_size,

@@ -243,10 +243,10 @@ def validate_mesh_5d(args, world):
 
 def refuse_not_yet_exact(args):
     """Combinations parallel_5d.py does not compute exactly yet: refused, never run approximately."""
-    if args.check:
-        fail("--check is not yet supported by parallel_5d.py; compare its log with single_baseline.py "
-             "--microbatches M instead (tests/test_5d.py does)")
-    if args.experts and args.capacity_factor is not None and args.eval_every and args.dp > 1:
+    if args.check and args.microbatches != 1:
+        fail(f"--check compares one step with a full model that routes the batch as one microbatch: use "
+             f"--microbatches 1 (and --schedule gpipe or 1f1b), not --microbatches {args.microbatches}")
+    if args.experts and args.capacity_factor is not None and args.eval_every and args.dp > 1 and not args.check:
         fail(f"--eval-every with --capacity-factor and --dp {args.dp}: parallel_5d.py's evaluation routes the "
              "replicas' copies of a test batch together, so its capacity is not the baseline's; use --eval-every 0 "
              "or --dp 1")

@@ -117,7 +117,7 @@ def test_each_pitfall_put_back_is_caught(tmp_path, baseline, fault, layout, mode
     (["--model", "mlp", "--experts", "4"], 1, "error: --model mlp does not use --experts"),
     (["--dp", "2", "--experts", "4", "--capacity-factor", "1", "--eval-every", "5"], 2,
      "error: --eval-every with --capacity-factor and --dp 2"),
-    (["--check"], 2, "error: --check is not yet supported by parallel_5d.py"),
+    (["--check", "--microbatches", "2"], 2, "error: --check compares one step with a full model"),
 ])
 def test_bad_input_is_one_error_line(argv, world, message, monkeypatch, capsys):
     assert_one_error_line(p5.parse_args, FAST + argv, world, message, monkeypatch, capsys)
@@ -182,3 +182,17 @@ def test_a_moe_layer_reads_the_device_once_a_microbatch(tmp_path, monkeypatch):
     # and a few reads once a run: the last step gathers every stage's routing record (mp/ep/routing.py: the
     # record to the host, all_gather_object's sizes)
     assert all(r["step_reads"] - r["declared_reads"] <= 3 for r in ranks), [r["step_reads"] for r in ranks]
+
+
+@pytest.mark.parametrize("program,layout,status", [
+    ("parallel_5d.py", ["--dp", "2", "--cp", "2", "--ep", "2"], 0),
+    slow("parallel_5d.py", ["--tp", "2", "--cp", "2", "--sequence-parallel"], 0),
+    ("tests/broken_5d.py", ["edp-average", "--dp", "2", "--cp", "2", "--ep", "2"], 1),   # --check sees it too
+])
+def test_check_compares_every_shard_with_the_full_model(tmp_path, program, layout, status):
+    args = RUN[:RUN.index("--optimizer")] + ["--experts", "4", "--top-k", "2", "--capacity-factor", "1.0",
+                                             "--microbatches", "1", "--check"]
+    run = launch(program, layout[:1] + args + layout[1:] if program.startswith("tests") else args + layout,
+                 tmp_path, nproc=4)
+    assert run.returncode == status, run.stderr[-2000:]
+    assert ("all tensors match the full model" in run.stdout) == (status == 0), run.stdout[-2000:]

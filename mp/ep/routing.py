@@ -1,4 +1,4 @@
-"""The routing record of every stage in the logging rank's summary (parallel_5d.py).
+"""parallel_5d.py's logged load-balancing loss, and the routing record of every stage in its summary.
 
 The summary's tokens_per_expert and dropped_per_step (mp.moe.expert_load) are read off the MoE layers of
 the model the logging rank holds: with a pipeline, its own stage's only. After the last step every rank
@@ -7,6 +7,7 @@ others, and each puts the layers it lacks into its model as records without weig
 place, so expert_load lists every block in order, as the baseline's does."""
 from collections import OrderedDict
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -34,3 +35,21 @@ def complete_routing(model, pp_group):
             if name not in model._modules:
                 model._modules[name] = RemoteLoad(routed, dropped)
     model._modules = OrderedDict(sorted(model._modules.items(), key=lambda item: int(item[0])))
+
+
+def aux_loss_total(model, mesh, args):
+    """The load-balancing loss of the step for the log: my shares (each microbatch's, / M; the MoE layers keep
+    them in `shares`), summed over every rank holding a part of the tokens (dp x cp; tp too under sequence
+    parallelism: each tp rank else holds the same share) and over the stages (each its own blocks). None for a
+    dense model. Every rank takes part, a stage without MoE blocks too."""
+    if not args.experts:
+        return None
+    layers = [m for m in model.modules() if hasattr(m, "shares")]
+    shares = [s for m in layers for s in m.shares]
+    for m in layers:
+        m.shares = []
+    none = torch.zeros((), device=next(model.parameters()).device)
+    total = torch.stack(shares).sum() / args.microbatches if shares else none
+    for group in [mesh.dp_cp_group] + ([mesh.tp_group] if args.sequence_parallel else []) + [mesh.pp_group]:
+        dist.all_reduce(total, group=group)
+    return total
