@@ -243,6 +243,9 @@ def validate_mesh_5d(args, world):
 
 def refuse_not_yet_exact(args):
     """Combinations parallel_5d.py does not compute exactly yet: refused, never run approximately."""
+    if args.recompute and args.experts:
+        fail("--recompute with --experts is not yet exact in parallel_5d.py (the recomputed forward routes again, "
+             "and the logged load-balancing loss and routing record count it twice); drop --recompute")
     if args.check and args.microbatches != 1:
         fail(f"--check compares one step with a full model that routes the batch as one microbatch: use "
              f"--microbatches 1 (and --schedule gpipe or 1f1b), not --microbatches {args.microbatches}")
