@@ -53,8 +53,18 @@ def contiguous_keys(_):
     p5.MicrobatchMajorKeys = lambda seed, *rest: DropoutKeys(seed)
 
 
+def aux_unscaled(_):
+    """The load-balancing loss's share backpropagated as it is, not weighted D*C/M like the rest of the loss."""
+    init = p5.FoldedMoE.__init__
+
+    def wrong(self, *args):
+        init(self, *args)
+        self.scale = 1.0
+    p5.FoldedMoE.__init__ = wrong
+
+
 FAULTS = {f.__name__.replace("_", "-"): f for f in
-          (edp_average, rank_order, cp_head_unscaled, norm_every_ep_rank, contiguous_keys)}
+          (edp_average, rank_order, cp_head_unscaled, norm_every_ep_rank, contiguous_keys, aux_unscaled)}
 
 if __name__ == "__main__":
     FAULTS[sys.argv.pop(1)](None)

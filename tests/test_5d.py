@@ -91,6 +91,7 @@ def test_pipeline_messages_carry_my_token_shard(tmp_path, nproc, layout, tokens)
     slow("cp-head-unscaled", ["--cp", "2", "--ep", "2"], MOE),      # cp-partial gradients / C
     slow("norm-every-ep-rank", ["--cp", "2", "--ep", "2"], MOE),    # dense weights counted twice in the norm
     slow("contiguous-keys", ["--dp", "2", "--ep", "2"], MOE),       # dropout masks of other samples
+    slow("aux-unscaled", ["--dp", "2", "--cp", "2", "--ep", "2"], MOE),   # the router's load-balancing gradient / D*C
 ])
 def test_each_pitfall_put_back_is_caught(tmp_path, baseline, fault, layout, model):
     """tests/broken_5d.py runs the program with one part wrong: the comparison above must see it."""
