@@ -63,6 +63,7 @@ from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, evaluate, train, whole_model_run
 from mp.mesh import Mesh
 from mp.models import Attention, build_model, num_blocks
+from mp.moe import MixtureOfExperts
 from mp.optim import make_optimizer
 from mp.sizes import split_sizes
 from mp.tp.collectives import all_reduce, tp_rank, tp_size
@@ -270,8 +271,9 @@ def parallel_vit_block(i, block, group, n_blocks, sequence_parallel=False):
         heads = block.attn.q.out_features // block.attn.head_dim
         head_sizes = [n * block.attn.head_dim for n in split_sizes(heads, tp_size(group))]
         block.attn = ParallelAttention(block.attn, group, head_sizes, sequence_parallel)
-        block.mlp[0] = ColumnParallelLinear(block.mlp[0], group, sequence_parallel=sequence_parallel)
-        block.mlp[2] = RowParallelLinear(block.mlp[2], group, sequence_parallel=sequence_parallel)
+        if not isinstance(block.mlp, MixtureOfExperts):   # experts stay whole: ep, not tp, spreads them (parallel_5d.py)
+            block.mlp[0] = ColumnParallelLinear(block.mlp[0], group, sequence_parallel=sequence_parallel)
+            block.mlp[2] = RowParallelLinear(block.mlp[2], group, sequence_parallel=sequence_parallel)
     if sequence_parallel:   # the embedding, the head, the norms and dropouts on my tokens (mp.tp.sequence)
         block = shard_sequence(i, block, group, n_blocks, reduce_from_tp_region)
     return block

@@ -15,6 +15,7 @@ from mp.ep.flags import validate_expert_parallel
 from mp.errors import fail
 from mp.flags import base_parser, validate_common
 from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
+from mp.sizes import tokens_of
 from mp.tp.flags import validate_degree, validate_hybrid, validate_sequence_parallel
 
 
@@ -187,3 +188,89 @@ def tp_fix(args, world, tp):
 PARSERS = {"single_baseline": baseline_args, "pipeline_microbatch": pipeline_args, "pipeline_dp_joint": joint_args,
            "tensor_parallel": tensor_parallel_args, "parallel_3d": grid_args, "context_parallel": context_parallel_args,
            "expert_parallel": expert_parallel_args}
+
+
+def parallel_5d_args(argv, doc):
+    """parallel_5d.py: --dp --cp --tp [--ep], stages = world / (dp x cp x tp); the pipeline flags,
+    --sequence-parallel, --attention; the vit, dense or with --experts. Every check runs here, before any
+    collective: the sizes that must divide, and the combinations not yet exact (refused, with the fix)."""
+    p = add_pipeline_flags(base_parser(doc))
+    p.set_defaults(model="vit")   # the one model with a sequence (cp) and feed-forward blocks (experts)
+    for axis, help_ in (("dp", "data-parallel replicas"), ("cp", "context-parallel ranks: each holds S/cp tokens"),
+                        ("tp", "tensor-parallel ranks per stage (the innermost axis)"),
+                        ("ep", "expert-parallel ranks, folded over a stage's dp x cp ranks (divides dp x cp)")):
+        p.add_argument(f"--{axis}", type=int, default=1, help=help_)
+    p.add_argument("--attention", choices=["ring", "ulysses"], default="ring",
+                   help="context parallelism's attention over the tokens of every cp rank (on my tp rank's heads)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="norms, dropouts, residual adds and the pipeline cuts on 1/tp of my tokens")
+    p.add_argument("--scatter-gather", action=argparse.BooleanOptionalAction, default=True,
+                   help="a cut whose activation is whole on every tp rank: each sends 1/tp of it")
+    p.add_argument("--timeline", default=None, help="rank 0's measured schedule of the last step")
+    args = p.parse_args(argv)
+    validate_common(args, "parallel_5d")
+    refuse_pipedream(args, "parallel_5d")
+    validate_mesh_5d(args, world_size())
+    return args
+
+
+def validate_mesh_5d(args, world):
+    """The issue's bad input, each with its numbers and a fix, then what is not yet exact."""
+    d, c, t, n = args.dp, args.cp, args.tp, args.ep
+    if min(d, c, t, n) <= 0:
+        fail(f"--dp {d} --cp {c} --tp {t} --ep {n} must be positive integers")
+    if world % (d * c * t):
+        fixes = [f"{k} ranks (torchrun --nproc-per-node {k})" for k in near_multiples(world, d * c * t)]
+        fail(f"the world size {world} is not divisible by --dp {d} x --cp {c} x --tp {t} = {d * c * t}: launch "
+             f"dp x cp x tp x stages processes; use {' or '.join(fixes)}")
+    if (d * c) % n:
+        fits = [k for k in range(1, d * c + 1) if (d * c) % k == 0]
+        fail(f"--ep {n} does not divide --dp {d} x --cp {c} = {d * c}: the experts are folded over a stage's "
+             f"dp x cp ranks; use --ep {' or --ep '.join(map(str, fits[-2:]))}")
+    if args.model != "vit":
+        what = "--cp" if c > 1 else "--ep" if n > 1 else "--sequence-parallel" if args.sequence_parallel else None
+        if what:
+            fail(f"{what}: --model {args.model} has no sequence of tokens (and no feed-forward blocks to make experts "
+                 f"of); use --model vit")
+    if n > 1 and not args.experts:
+        fail(f"--ep {n} spreads the experts of a mixture of experts, and this run is dense; add --experts "
+             f"{2 * n} (a multiple of --ep), or drop --ep")
+    if args.experts and args.experts % n:
+        fail(f"--experts {args.experts} is not divisible by --ep {n}; every ep rank holds E/ep whole experts: use "
+             f"--experts {n * max(1, args.experts // n)}")
+    validate_degree(args, t, use_degree=lambda k: f"--tp {k}")
+    heads_per_cp = args.heads // t
+    if args.model == "vit" and args.attention == "ulysses" and heads_per_cp % c:
+        fail(f"--heads {args.heads} is not divisible by --tp {t} x --cp {c} = {t * c}: Ulysses swaps my tp rank's "
+             f"{heads_per_cp} heads for all tokens, {c} ways; use --heads {t * c * max(1, args.heads // (t * c))} "
+             f"(--hidden divisible by it) or --attention ring")
+    if args.model == "vit":
+        tokens, split = tokens_of(args), c * t if args.sequence_parallel else c
+        if tokens % split:
+            what = f"--cp {c} x --tp {t} = {split} (--sequence-parallel)" if args.sequence_parallel else f"--cp {c}"
+            fail(f"the vit's {tokens} tokens (--patch-size {args.patch_size}) are not divisible by {what}; every "
+                 f"rank holds an equal run of tokens: use a --cp that divides {tokens}, or --patch-size 2")
+    if args.sequence_parallel:
+        validate_sequence_parallel(args, t, use_degree=lambda k: f"--tp {k}")
+    stages = world // (d * c * t)
+    validate_pipeline(args, stages=stages, replicas=d, tp=c * t)
+    if args.zero:
+        validate_zero(args, d * c)
+    refuse_not_yet_exact(args)
+
+
+def refuse_not_yet_exact(args):
+    """Combinations parallel_5d.py does not compute exactly yet: refused, never run approximately."""
+    if args.recompute and args.experts:
+        fail("--recompute with --experts is not yet exact in parallel_5d.py (the recomputed forward routes again, "
+             "and the logged load-balancing loss and routing record count it twice); drop --recompute")
+    if args.check and args.microbatches != 1:
+        fail(f"--check compares one step with a full model that routes the batch as one microbatch: use "
+             f"--microbatches 1 (and --schedule gpipe or 1f1b), not --microbatches {args.microbatches}")
+    if args.experts and args.capacity_factor is not None and args.eval_every and args.dp > 1 and not args.check:
+        fail(f"--eval-every with --capacity-factor and --dp {args.dp}: parallel_5d.py's evaluation routes the "
+             "replicas' copies of a test batch together, so its capacity is not the baseline's; use --eval-every 0 "
+             "or --dp 1")
+
+
+PARSERS["parallel_5d"] = parallel_5d_args

@@ -97,7 +97,7 @@ def base_parser(description):
 
 
 # the programs with a data-parallel axis, whose replicas can split the optimizer state (--zero 1)
-ZERO_PROGRAMS = ("pipeline_dp_joint", "parallel_3d")
+ZERO_PROGRAMS = ("pipeline_dp_joint", "parallel_3d", "parallel_5d")
 
 
 def add_optimizer_flags(p):

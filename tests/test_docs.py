@@ -52,7 +52,7 @@ def test_each_example_prints_its_error_line(command, line):
 DOCS = ["README.md"] + sorted(os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
                               if name.endswith(".md"))
 PROGRAMS = ("single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel", "parallel_3d",
-            "context_parallel", "expert_parallel")
+            "context_parallel", "expert_parallel", "parallel_5d")
 NOT_RUN = {   # a command's first word -> why this test leaves it out, and what runs it instead
     "python3": "the install line: .ci/run runs it in a fresh clone", "pip": "an install", "mkdir": "makes a folder",
     "source": "sets up the shell", "cd": "sets up the shell", "export": "sets up the shell",

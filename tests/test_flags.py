@@ -13,7 +13,7 @@ from mp import flags as mp_flags
 from helpers import PYTHON, ROOT
 
 PROGRAMS = ["single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel", "parallel_3d",
-            "context_parallel", "expert_parallel"]
+            "parallel_5d", "context_parallel", "expert_parallel"]
 
 
 class Captured(Exception):

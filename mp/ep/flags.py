@@ -7,7 +7,7 @@ import math
 from mp.errors import fail
 
 # the programs that train the mixture of experts: the reference, and the lesson that spreads it
-MOE_PROGRAMS = ("single_baseline", "expert_parallel")
+MOE_PROGRAMS = ("single_baseline", "expert_parallel", "parallel_5d")
 DEFAULTS = {"top_k": 1, "aux_loss": 0.01, "capacity_factor": None}
 
 
@@ -36,7 +36,7 @@ def validate_experts(args, program):
         return
     if program not in MOE_PROGRAMS:
         fail(f"--experts {args.experts}: {program}.py runs the dense vit only; train the mixture of experts with "
-             f"single_baseline.py or expert_parallel.py, or drop --experts")
+             f"single_baseline.py, expert_parallel.py or parallel_5d.py, or drop --experts")
     if args.model != "vit":
         fail(f"--experts {args.experts}: --model {args.model} has no feed-forward blocks to make experts of; "
              f"use --model vit")

@@ -1,0 +1,69 @@
+"""ZeRO with experts (parallel_5d.py --zero 1, 2, 3 with --experts): two sets of slices, one optimizer.
+
+A dense weight is held by every dp x cp rank of its stage, an expert only by its expert-data-parallel
+(edp) ranks, so each has its own mp.zero.ZeroOptimizer over its own buckets: the dense ones sliced over
+dp x cp, the experts' over edp. ZeroPair steps both and answers the loop and mp.checkpoint as one
+optimizer. The gradient norm: each rank's squares of its dense slice and of its expert slice, summed over
+dp x cp, which counts each once (dp x cp is the ep group times the edp group: the experts' slices are
+summed over their edp replicas and over the ep ranks' different experts)."""
+import contextlib
+
+
+class ZeroPair:
+    def __init__(self, dense, experts):
+        self.parts = [dense, experts]
+        self.slices = dense.slices + experts.slices
+        self.param_groups = dense.param_groups + experts.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        for part in self.parts:
+            part.zero_grad()
+
+    def step(self):
+        for part in self.parts:       # my slices of each, then each one's all-gather on its own group
+            part.step()
+
+    def squares(self, counted=None):
+        return sum(part.squares(counted) for part in self.parts)
+
+    def whole_params(self):
+        stack = contextlib.ExitStack()
+        for part in self.parts:
+            stack.enter_context(part.whole_params())
+        return stack
+
+    def held_params(self):
+        held = [part.held_params() for part in self.parts]
+        return None if held[0] is None else held[0] + held[1]
+
+    def saved_pieces(self, params):
+        """Each part's slices (nothing whole: every trained weight is in one of the two)."""
+        return self.parts[0].saved_pieces([]) + self.parts[1].saved_pieces([])
+
+    def load_param_state(self, p, state):
+        part = next(part for part in self.parts if id(p) in part.grads.where)
+        part.load_param_state(p, state)
+
+    def state_mb(self):
+        return sum(part.state_mb() for part in self.parts)
+
+
+# --zero 3: mp.param_shards gathers a unit's weights in its forward pre-hook, one bucket a unit. A block
+# with a mixture of experts is two kinds of unit: its dense pieces (over dp x cp) and each expert (over edp).
+
+def is_moe_block(block):
+    return hasattr(getattr(block, "mlp", None), "router") and hasattr(block.mlp, "experts")
+
+
+def dense_units(chunks):
+    """Per chunk, the modules holding its dense weights, each one called in the forward, in forward order:
+    a block; of a block with experts, its norms, attention and router."""
+    return [[unit for block in chunk
+             for unit in ([block.ln1, block.attn, block.ln2, block.mlp.router] if is_moe_block(block) else [block])]
+            for chunk in chunks]
+
+
+def expert_units(chunks):
+    """Per chunk, its experts (each called once a microbatch, in the order they run)."""
+    return [[expert for block in chunk if is_moe_block(block) for expert in block.mlp.experts.values()]
+            for chunk in chunks]

@@ -1,0 +1,42 @@
+"""The 5-D data split (parallel_5d.py), once over the (dp, cp) coordinates: microbatch m of the baseline
+(`single_baseline.py --microbatches M`) is samples m*B/M .. (m+1)*B/M - 1, and replica d runs its b = B/(M*D) of
+them as its own microbatch m (each cp rank embeds those whole images and keeps its tokens). So a microbatch
+routes the baseline's tokens through its mixture of experts, and dropout draws the baseline's masks."""
+import torch
+
+from mp.data import to_device
+from mp.dropout import DropoutKeys
+
+
+def my_microbatches(data, step, args, mesh, pos, device):
+    """My part of every microbatch of the baseline: replica d's b = B/(M*D) samples of microbatch m
+    (m*B/M + d*b ...), as a list for the first stage (each cp rank embeds the whole images and keeps
+    its tokens), and their labels, microbatch after microbatch, for the last stage."""
+    batch, m = args.batch_size, args.microbatches
+    b = batch // (m * mesh.dp_size)
+    firsts = [k * (batch // m) + mesh.dp_rank * b for k in range(m)]
+    x = [to_device(data.images(step, batch, f, b), device) for f in firsts] if pos.is_first_stage else None
+    y = None
+    if pos.is_last_stage:
+        labels = data.labels(step, batch)
+        y = to_device(torch.cat([labels[f:f + b] for f in firsts]), device)
+    return x, y
+
+
+class MicrobatchMajorKeys(DropoutKeys):
+    """The dropout keys (mp/dropout.py) with the baseline's sample indices. The pipeline's runner numbers
+    my samples as one run (microbatch mb's first is mb * b); in the baseline it is mb * B/M + dp_rank * b."""
+
+    def __init__(self, seed, batch, microbatches, dp_rank, dp):
+        self.b, self.stride = batch // (microbatches * dp), batch // microbatches
+        self.offset = dp_rank * self.b
+        super().__init__(seed)
+
+    @property
+    def first_sample(self):
+        mb, i = divmod(self.local, self.b)
+        return mb * self.stride + self.offset + i
+
+    @first_sample.setter
+    def first_sample(self, local):
+        self.local = local

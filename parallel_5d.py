@@ -1,0 +1,450 @@
+"""Every axis at once: data x pipeline x tensor (sequence) x context x expert parallelism on one mesh.
+
+The capstone: the lessons compose, each on its own group of mp.mesh, and the run still logs the
+per-step loss of `single_baseline.py --microbatches M` (same expert flags). Nothing is copied: a stage
+is parallel_3d.py's (pipeline_microbatch.py's schedules over tensor_parallel.py's sliced blocks), each
+block then runs on my tokens (context_parallel.py's ring or Ulysses, on my tp rank's heads) and its
+mixture of experts keeps my experts (expert_parallel.py's all-to-all, over the ep group folded over
+dp x cp). Written out here: where they meet (the experts' counts, the loss's scale, each sync's group).
+
+    torchrun --standalone --nproc-per-node 8 -- parallel_5d.py --data synthetic --cp 2 --tp 2 \\
+        --experts 4 --top-k 2 --ep 2 --microbatches 2                     (pp 2 = 8 ranks / (cp 2 x tp 2))
+    torchrun --standalone --nproc-per-node 16 -- parallel_5d.py --data synthetic --dp 2 --cp 2 --tp 2 \\
+        --experts 8 --ep 4 --schedule interleaved --microbatches 4
+
+The mesh for 16 ranks, arange(16).view(dp 2, pp 2, cp 2, tp 2) (mp/mesh.py says why this order):
+
+                    stage 0 (pp 0)               stage 1 (pp 1)
+                   cp 0       cp 1              cp 0       cp 1
+    replica 0:   [ 0 | 1 ]  [ 2 | 3 ]  ---->  [ 4 | 5 ]  [ 6 | 7 ]
+    replica 1:   [ 8 | 9 ]  [10 |11 ]  ---->  [12 |13 ]  [14 |15 ]
+
+    what runs where, per microbatch unless said (rank 0's groups):
+    tp {0,1}        q,k,v column- / proj row-parallel: an all-reduce of [b, S/C, H] in each attention
+    cp {0,2}        the ring (C-1 key/value blocks of [b, h/T, S/C, d] to the next rank) or Ulysses'
+                    two all-to-alls; the head's all-reduce of the pooled [b, H]
+    ep {0,2,8,10}   (ep 4) each MoE layer: the counts all-gathered (over dp x cp), rows dispatched and
+                    combined by two all-to-alls
+    pp {0,4}        the activation [b, S/C, H] (1/T of it when whole on every tp rank; [b, S/(C*T), H]
+                    under --sequence-parallel) and its gradient
+    dp x cp         {0,2,8,10}, once a step: the dense gradients' all-reduce, / (D*C), in buckets
+    edp {0} (ep 4)  once a step: the experts' gradients, all-reduced and / (D*C) (not / edp size: the
+                    all-to-all's backward already summed them over the ep ranks)
+
+The data: microbatch m of the baseline is samples m*B/M .. (m+1)*B/M - 1; replica d runs its b = B/(M*D)
+of them as its microbatch m, and cp rank c embeds those samples and keeps tokens c*S/C .. (c+1)*S/C - 1.
+So the tokens a microbatch routes are the baseline's microbatch's, and its experts' counts (the load-
+balancing loss's f_i, the capacity and its order) are gathered over every rank holding a part of them.
+"""
+from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
+if __name__ == "__main__":
+    stop_on_interrupt()      # Ctrl-C from here on: exit 130 with one line, no traceback (mp/errors.py)
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from mp import checkpoint
+from mp.buckets import GradBuckets
+from mp.check import check_and_exit
+from mp.cli import parallel_5d_args
+from mp.clipping import clip_global
+from mp.data import agree_on_data, load_data
+from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
+from mp.dropout import KeyedDropout
+from mp.ep.evaluate import Traffic
+from mp.ep.routing import aux_loss_total, complete_routing
+from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
+from mp.errors import note_one_rank
+from mp.loop import Job, Replicas, Sums, train
+from mp.mesh import Mesh
+from mp.models import PatchEmbed, num_blocks
+from mp.moe import (MixtureOfExperts, ahead_of, capacity_of, combine, kept_counts, route, rows_per_expert,
+                    sorted_by_expert)
+from mp.optim import make_optimizer, whole_params
+from mp.param_shards import ParamShards, weights_by_block
+from mp.pp.balance import resolve_balance
+from mp.pp.evaluate import evaluate_pipeline
+from mp.pp.schedules import placement_of, schedule_actions
+from mp.pp.timeline import Timeline
+from mp.replicas import average_replicated_grads, counted_once
+from mp.sizes import tokens_of
+from mp.split import MicrobatchMajorKeys, my_microbatches
+from mp.tp.mappings import gather_from_sequence_parallel_region
+from mp.tp.sequence import partial_gradients, sum_sequence_parallel_grads
+from mp.zero import ZeroOptimizer
+from mp.ep.zero import ZeroPair, dense_units, expert_units
+# the lessons it composes
+from context_parallel import ContextParallelAttention, ContextParallelEmbed, ContextParallelHead
+from expert_parallel import AllToAll, ExpertParallelMoE
+from parallel_3d import CutMessenger, note_whole_cuts
+from pipeline_dp_joint import pipeline
+from pipeline_microbatch import forward_backward, setup_stage
+from tensor_parallel import copy_to_tp_region, parallelize_block, sync_tp_grads
+
+PROGRAM = "parallel_5d"
+
+
+def parse_args(argv=None):
+    args = parallel_5d_args(argv, __doc__)   # mp/cli.py: the flags and every check they allow, without torch
+    resolve_balance(args, stages=torchrun_env("gloo").world_size // (args.dp * args.cp * args.tp))
+    checkpoint.validate(args)                # the checkpoint to resume from, if any: whole, and of this run
+    return args
+
+
+# ----------------------------------------------------------------------------- a block: tp, then cp, then ep
+
+
+class TensorContextAttention(ContextParallelAttention):
+    """tensor_parallel.ParallelAttention's sliced q, k, v (my h/T heads) and row-parallel proj (its f and
+    g on the tp group), with context_parallel.py's ring or Ulysses between them on the cp group."""
+
+    def __init__(self, tp_attention, group, attention):
+        super().__init__(tp_attention, group, attention)   # takes q, k, v, proj: the tp slices
+        self.tp_group = tp_attention.group
+        # sequence parallelism: my tp rank's tokens gathered into my cp rank's (proj reduce-scatters back)
+        self.enter = gather_from_sequence_parallel_region if tp_attention.sequence_parallel else copy_to_tp_region
+
+    def forward(self, x):
+        return super().forward(self.enter(x, self.tp_group))
+
+
+class _SumOverCP(torch.autograd.Function):
+    """Forward: the cp ranks' shares of the pooled mean, summed (all-reduce). Backward: C times the gradient.
+    Every cp rank computes the same loss from the same sum and the dense gradients are averaged over dp x cp
+    (/ C too), so my tokens must get the sum of the C ranks' (identical) gradients: my tokens' share of every
+    weight's gradient then survives the average. The classifier, after this point, is whole everywhere."""
+
+    @staticmethod
+    def forward(ctx, share, group):
+        ctx.size = dist.get_world_size(group)
+        share = share.clone()
+        dist.all_reduce(share, group=group)
+        return share
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.size, None
+
+
+class SummedHead(ContextParallelHead):
+    """The head on my tokens: my share of the pooled mean (under sequence parallelism summed over tp
+    first, by the sequence-parallel head's g), summed over cp, then the classifier."""
+
+    def __init__(self, full, group, tokens):
+        super().__init__(full, group, tokens)
+        self.tp = (full.reduce, full.group) if hasattr(full, "reduce") else None   # mp.tp.sequence's head
+
+    def forward(self, x):
+        share = self.ln(x).sum(dim=1) / self.tokens
+        share = self.tp[0](share, self.tp[1]) if self.tp else share
+        return self.fc(_SumOverCP.apply(share, self.group))
+
+
+class TokenShardEmbed(ContextParallelEmbed):
+    """The patch embedding, then my run of tokens: first, count (my cp rank's, or of them my tp rank's)."""
+
+    def __init__(self, full, group, first, count):
+        super().__init__(full, group)
+        self.first, self.count = first, count
+
+    def forward(self, x):   # a copy, not a view: a view would keep the whole embedding alive
+        mine = PatchEmbed.forward(self, x).narrow(1, self.first, self.count)
+        return mine.clone(memory_format=torch.contiguous_format)
+
+
+def on_my_tokens(i, block, mesh, n_blocks, tokens, attention, sequence_parallel):
+    """Block i (already tensor-parallel) on my cp rank's S/C tokens (under sequence parallelism, my tp
+    rank's S/(C*T) of them): context_parallel.context_parallel_block, with the attention on my tp heads
+    and the head's sum that keeps the dp x cp average exact."""
+    if mesh.cp_size == 1:   # the 3-D block as it is
+        return block
+    per_cp = tokens // mesh.cp_size
+    count = per_cp // mesh.tp_size if sequence_parallel else per_cp
+    first = mesh.cp_rank * per_cp + (mesh.tp_rank * count if sequence_parallel else 0)
+    if i == 0:
+        return TokenShardEmbed(block, mesh.cp_group, first, count)
+    if i == n_blocks - 1:
+        return SummedHead(block, mesh.cp_group, tokens)
+    block.attn = TensorContextAttention(block.attn, mesh.cp_group, attention)
+    for drop in (block.drop1, block.drop2):
+        if isinstance(drop, KeyedDropout):   # my tokens' masks: those of these tokens in the full layer
+            drop.first_token = first
+    return block
+
+
+class _WithAuxLoss(torch.autograd.Function):
+    """Forward: the MoE's output, unchanged. Backward: also a gradient of 1 into the (scaled) load-
+    balancing loss share. A pipeline stage differentiates only its output, so a loss made in the middle
+    of a stage rides on the activation (Megatron's MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx, y, aux):
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
+
+
+class FoldedMoE(ExpertParallelMoE):
+    """expert_parallel.ExpertParallelMoE on the mesh: my E/N experts, the all-to-all over the ep group, and the
+    counts of every rank holding this microbatch's tokens per (sample, token chunk), in the baseline's order."""
+
+    def __init__(self, full, mesh, args, traffic):
+        super().__init__(full, mesh.ep_group, traffic)
+        self.dp_cp_group, self.dp, self.cp = mesh.dp_cp_group, mesh.dp_size, mesh.cp_size
+        self.tp_group = mesh.tp_group if args.sequence_parallel else None   # else every tp rank routes the same
+        self.me = (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank if args.sequence_parallel else 0)
+        self.ep_first = mesh.dp_cp_rank - mesh.ep_rank   # my ep group: dp x cp ranks ep_first .. + N - 1
+        # my backward carries D*C / M of my share: the dense gradients are averaged over dp x cp (/ D*C)
+        # and the baseline's loss is the mean over the M microbatches
+        self.scale, self.shares = mesh.dp_cp_size / args.microbatches, []
+        if args.sequence_parallel:            # my tokens only: the router's and experts' gradients, summed over tp
+            partial_gradients(self.router, self.experts)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        x, me = x.reshape(b * t, h), dist.get_rank(self.group)
+        probs, weights, choice = route(self.router, x, self.top_k)                  # 1. route my tokens
+        blocks = gather_blocks(sample_counts(choice, b, self.num_experts), self.dp_cp_group, self.dp, self.cp,
+                               self.tp_group)                                        # 2. every block's counts
+        capacity = capacity_of(blocks.shape[:4].numel() * t, self.num_experts, self.top_k, self.capacity_factor)
+        ahead = from_order(ahead_of(in_order(blocks)), blocks.shape)                 # 3. the baseline's order
+        kept = from_order(kept_counts(in_order(blocks), capacity), blocks.shape)
+        self.record(probs, per_rank(blocks), per_rank(kept))   # f_i of the microbatch, my tokens' P_i share
+        d, c, s = self.me
+        mine = per_rank(kept).view(self.dp * self.cp, -1, *kept.shape[-2:])[:, s]   # [D*C, K, E], my tp chunk's
+        rows = rows_per_expert(mine[self.ep_first:self.ep_first + dist.get_world_size(self.group)])   # the one read
+        send_splits = [sum(self.on_rank(rows[me], j)) for j in range(len(rows))]
+        recv_splits = [sum(self.on_rank(rows[j], me)) for j in range(len(rows))]
+        keep = kept_mask_blocks(choice, ahead[d, :, c, s], capacity)
+        token, slot = sorted_by_expert(keep, choice, self.num_experts, sum(rows[me]))
+        traffic = self.traffic if self.training_step is not None else None
+        received = AllToAll.apply(x[token], send_splits, recv_splits, self.group, traffic)   # 4. dispatch
+        y = self.run_my_experts(received, [self.on_rank(rows[j], me) for j in range(len(rows))])   # 5. my experts
+        y = AllToAll.apply(y, recv_splits, send_splits, self.group, traffic)        # 6. combine
+        y = combine(y, token, slot, weights, b * t).view(b, t, h)
+        if self.training_step is None:
+            return y
+        self.shares.append(self.aux_loss.detach())
+        return _WithAuxLoss.apply(y, self.aux_loss * self.scale)
+
+
+def shard_block(i, block, args, mesh, n_blocks, traffic):
+    """Block i of the vit as built from --seed: my tp slices, on my tokens, with my experts."""
+    block = parallelize_block(i, block, "vit", mesh.tp_group, n_blocks, sequence_parallel=args.sequence_parallel)
+    block = on_my_tokens(i, block, mesh, n_blocks, tokens_of(args), args.attention, args.sequence_parallel)
+    if isinstance(getattr(block, "mlp", None), MixtureOfExperts):
+        block.mlp = FoldedMoE(block.mlp, mesh, args, traffic)
+    return block
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def build_stage(args, env, mesh):
+    """My stage's blocks, each sliced (shard_block), measured by one zero sample as parallel_3d.py's are
+    (so every pipeline message has my token shard's shape, [S/C, H]), and the runner of my chunks."""
+    pos = pipeline(mesh, args.virtual_stages, placement_of(args.schedule))
+    traffic = Traffic()
+    shard = partial(shard_block, args=args, mesh=mesh, n_blocks=num_blocks(args), traffic=traffic)
+    scattered = set()   # the cuts whose activation is whole on every tp rank (parallel_3d.py)
+    if args.scatter_gather and not args.sequence_parallel:
+        shard = note_whole_cuts(shard, args, pos, mesh.tp_group, scattered)
+    model, runner = setup_stage(args, env, pos, shard, partial(CutMessenger, group=mesh.tp_group, scattered=scattered))
+    keys = MicrobatchMajorKeys(args.seed, args.batch_size, args.microbatches, mesh.dp_rank, mesh.dp_size)
+    for m in model.modules():   # every dropout layer and MoE reads the one keys object
+        if getattr(m, "keys", None) is model.dropout_keys:
+            m.keys = keys
+    model.dropout_keys = runner.keys = keys
+    model.all_to_all = traffic
+    return pos, model, runner
+
+
+class ExpertGrads:
+    """The experts' gradients, in buckets over the expert-data-parallel group (mp.buckets: all-reduced,
+    --zero 1, 2: reduce-scattered, and divided by the edp size D*C/N), then divided by N: the all-to-all's
+    backward already summed every expert's gradient over the N ep ranks' tokens, so the mean over the
+    D*C ranks that saw tokens is the sum over edp / (D*C). Dividing by the edp size only counts the ep sum
+    twice: N times the gradient (Megatron #5956, torchtitan #1551); tests/test_5d.py puts it back."""
+
+    def __init__(self, params, mesh, args, runner, late, direct):
+        waiting = (f"rank {dist.get_rank()} waited for the experts' all-reduce, ranks {mesh.peers('edp')}",
+                   args.timeout_s)
+        self.params, self.ep_sum, self.buckets, self.shards = params, mesh.ep_size, None, None
+        if params:   # --zero 3: a bucket an expert, gathered over edp before it runs (mp/ep/zero.py)
+            units = expert_units(runner.chunks)
+            self.buckets = GradBuckets(params, mesh.edp_group, waiting, shard=args.zero >= 1, recorder=runner,
+                                       late=late, direct=direct, free=args.zero >= 2,
+                                       groups=weights_by_block(units) if args.zero == 3 else None)
+            self.shards = ParamShards(units, self.buckets, args.zero3_gather) if args.zero == 3 else None
+
+    def zero_grad(self):
+        if self.buckets:
+            self.buckets.zero_grad()
+
+    def average(self):
+        """After the backward (and the tp sums): every bucket started, waited, / N."""
+        if self.buckets:
+            self.buckets.final(self.params)   # the runner tells only the dense buckets when theirs are final
+            self.buckets.final_late()
+            self.buckets.wait()   # my slices (--zero 1-3), or every whole bucket
+            for g in self.buckets.shard_grads if self.buckets.sharded else [b.grad for b in self.buckets.buckets]:
+                g /= self.ep_sum
+
+
+def gradient_syncs(model, runner, mesh, args):
+    """The three syncs and the norm's bookkeeping (each parameter knows how it is held):
+    tp: sequence-parallel partial gradients summed (parallel_3d.py's); dp x cp: every dense gradient in
+    buckets, averaged; edp: the experts. The norm counts a tp shard on its tp rank, a tp replica on tp
+    rank 0, a dense weight on ep rank 0 (all dp x cp ranks hold it) and an expert on its own ep rank."""
+    experts = [p for m in model.modules() if isinstance(m, FoldedMoE) for p in m.experts.parameters()]
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in runner.parameters() if id(p) not in expert_ids]
+    tp_sums = (sum_sequence_parallel_grads(model, mesh.tp_group),
+               average_replicated_grads(model, mesh.tp_group, next(model.parameters()).device))
+    late = tp_sums[0].params if tp_sums[0] else ()
+    direct = [w for stash in runner.stashes or [] for w in stash.weights]   # W writes these in place itself
+    waiting = (f"rank {dist.get_rank()} waited for the dp x cp all-reduce, ranks {mesh.peers('dp_cp')}", args.timeout_s)
+    # --zero 1: reduce-scattered, my 1/(D*C) stepped, all-gathered; 2: in every microbatch; 3: a bucket a block,
+    # whose weights mp.param_shards gathers before it runs (the dp x cp ranks hold the same dense weights)
+    grads = GradBuckets(dense, mesh.dp_cp_group, waiting, shard=args.zero >= 1, recorder=runner, late=late,
+                        direct=direct, free=args.zero >= 2,
+                        groups=weights_by_block(dense_units(runner.chunks)) if args.zero == 3 else None)
+    grads.name_params(model.named_parameters())
+    model.grad_buckets = grads
+    shards = ParamShards(dense_units(runner.chunks), grads, args.zero3_gather) if args.zero == 3 else None
+    expert_grads = ExpertGrads(experts, mesh, args, runner, late, direct)
+    on_tp, first_ep = counted_once(model, mesh.tp_group), mesh.ep_rank == 0
+    if not args.zero:   # whole gradients: summed over tp, ep (an expert each ep rank), pp
+        runner.counted = lambda p: on_tp(p) and (first_ep or id(p) in expert_ids)
+        runner.norm_groups = [mesh.tp_group, mesh.ep_group, mesh.pp_group]
+    else:               # each dp x cp rank its slices (dp x cp = ep x edp: each expert slice once too)
+        runner.counted, runner.norm_groups = on_tp, [mesh.tp_group, mesh.pp_group, mesh.dp_cp_group]
+    return grads, expert_grads, tp_sums, shards
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert_grads, tp_sums, shards, timeline):
+    """One optimizer step on the 5-D mesh, in the order it runs."""
+    timeline.begin(step)
+    x, y = my_microbatches(data, step, args, mesh, runner.pos, runner.messenger.device)   # 1. my tokens' batch
+    grads.zero_grad()                     # 2. the dense buckets zeroed, each .grad a view into its bucket;
+    expert_grads.zero_grad()              #    the experts' gradients gone
+    with runner.keys.training(step):      # 3. the schedule: cp, tp and ep collectives inside the blocks,
+        loss = forward_backward(runner, actions, x, y, args.microbatches,   # pp messages between stages
+                                samples=args.batch_size // mesh.dp_size, grads=grads)
+    for held in (shards, expert_grads.shards):
+        if held:
+            held.release()                #    --zero 3: the whole weights gathered for this step go
+    sync_tp_grads(*tp_sums)               # 4. tp: sequence-parallel partial gradients summed (tp group)
+    grads.final_late()                    #    then their buckets start too
+    grads.wait()                          # 5. dp x cp: every dense bucket all-reduced (--zero: reduce-scattered),
+                                          #    / (D*C)
+    expert_grads.average()                # 6. edp: the experts, all-reduced, / (D*C)
+    aux = aux_loss_total(runner.model, mesh, args)   # the load-balancing loss, for the log (dp x cp, pp)
+    with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
+        norm = clip(runner, optimizer, args)                                   # 7. clip
+    optimizer.step()                      # 8. update (--zero 1, 2: my slices, then the all-gather over dp x cp)
+    if args.experts and step == args.steps - 1:
+        complete_routing(runner.model, mesh.pp_group)   # every stage's routing record, for the summary
+    timeline.end(step)
+    return (loss + aux if aux is not None and loss is not None else loss), norm
+
+
+def make_5d_optimizer(runner, grads, expert_grads, shards, args):
+    """torch's optimizer; --zero: mp.zero's over my slices of the dense buckets, and with experts a second one
+    over my slices of theirs, stepped together (mp/ep/zero.py)."""
+    if not args.zero:
+        return make_optimizer(runner.parameters(), args)
+    dense = ZeroOptimizer(grads, args, shards)
+    return ZeroPair(dense, ZeroOptimizer(expert_grads.buckets, args, expert_grads.shards)) if expert_grads.params \
+        else dense
+
+
+def clip(runner, optimizer, args):
+    """The global norm over the groups of runner.norm_groups; --zero: over my slices (mp.zero)."""
+    if not args.zero:
+        return clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups, runner.counted)
+    return clip_global(optimizer.slices, args.clip_grad_norm, runner.norm_groups,
+                       squares=optimizer.squares(runner.counted))
+
+
+def check_step(runner, actions, data, args, mesh, grads, expert_grads, tp_sums):
+    """--check's step (mp.check): step 0 as train_step runs it, up to the gradients synchronised (with
+    --microbatches 1 my samples are the contiguous slice mp.check compares me on)."""
+    def step(x, y):
+        x, y, outputs = *my_microbatches(data, 0, args, mesh, runner.pos, runner.messenger.device), {}
+        grads.zero_grad()
+        expert_grads.zero_grad()
+        with runner.keys.training(0):
+            loss = forward_backward(runner, actions, x, y, 1, args.batch_size // mesh.dp_size, outputs=outputs,
+                                    grads=grads)
+        sync_tp_grads(*tp_sums)
+        grads.final_late()
+        grads.wait()
+        expert_grads.average()
+        return (outputs[0], loss) if outputs else (None, None)
+    return step
+
+
+def evaluate_all(runner, mesh, data, env, optimizer):
+    """Every replica runs the test batches (the experts' counts are gathered over dp x cp, so every rank
+    must take part; --zero 3: the weights gathered whole first); the owner's figures are logged."""
+    with whole_params(optimizer):
+        result = evaluate_pipeline(runner, runner.pos, data, env.device)
+    return result if mesh.dp_rank == 0 else None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    note_one_rank("a mesh of one rank")
+    data = load_data(args)
+    with distributed(args) as env:
+        data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
+        # every group of the mesh, made once and in the same order on every rank (mp/mesh.py)
+        mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep,
+                          timeout=group_timeout(env, args.timeout_s))
+        pos, model, runner = build_stage(args, env, mesh)
+        runner.model = model
+        cuts = [str(runner.messenger.message_shape(c)) for c in range(1, len(runner.messenger.shapes))]
+        if env.rank == 0:
+            print(f"mesh = arange(world).view(dp, pp, cp, tp), ep {mesh.ep_size}:\n{mesh.ranks}\nper-sample message "
+                  f"at each cut, on rank 0: {', '.join(cuts) or 'none (one stage)'}", flush=True)
+        grads, expert_grads, tp_sums, shards = gradient_syncs(model, runner, mesh, args)
+        actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)
+        if args.check:   # my shards against the matching slices of a full model in this process
+            x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+            exit_now(check_and_exit(env, args, f"5-D {args.schedule}", model, check_step(
+                runner, actions, data, args, mesh, grads, expert_grads, tp_sums), x, y,
+                replica=(mesh.dp_rank, mesh.dp_size), norm=(runner.norm_groups, runner.counted)))
+        optimizer = make_5d_optimizer(runner, grads, expert_grads, shards, args)
+        owner = pos.is_last_stage and mesh.dp_cp_rank == 0 and mesh.tp_rank == 0   # logs the loss
+        timeline = Timeline(args, runner, pos, owner)
+        layout = checkpoint.layout_of(PROGRAM, env, dp=mesh.dp_size, pp=mesh.pp_size, cp=mesh.cp_size,
+                                      tp=mesh.tp_size, ep=mesh.ep_size, schedule=args.schedule)
+        step = partial(train_step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args,
+                       mesh=mesh, grads=grads, expert_grads=expert_grads, tp_sums=tp_sums, shards=shards,
+                       timeline=timeline)
+        dense = [p for p in model.parameters() if id(p) not in {id(q) for q in expert_grads.params}]
+        job = Job(step, model, optimizer, layout, owner,
+                  evaluate=partial(evaluate_all, runner, mesh, data, env, optimizer),
+                  # logged: the loss averaged over dp x cp (every cp rank holds its replica's), the norm's squares
+                  # summed as clip_global sums them
+                  sums=Sums(replicas=mesh.dp_cp_group, norm_groups=runner.norm_groups),
+                  collectives="the 5-D mesh's collectives",
+                  replicas=[Replicas(dense, mesh.dp_cp_group, "dense weights bit-identical across the "
+                                     f"{mesh.dp_cp_size} dp x cp ranks of every stage", args.zero),
+                            Replicas(expert_grads.params, mesh.edp_group, "experts bit-identical across their "
+                                     f"{mesh.edp_size} expert-data-parallel ranks", args.zero)])
+        status = train(args, env, job)
+        timeline.write()
+    exit_now(status)
+
+
+if __name__ == "__main__":
+    main()
