@@ -350,8 +350,6 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
         norm = clip(runner, optimizer, args)                                   # 7. clip
     optimizer.step()                      # 8. update (--zero 1, 2: my slices, then the all-gather over dp x cp)
-    if args.experts and step == args.steps - 1:
-        complete_routing(runner.model, mesh.pp_group)   # every stage's routing record, for the summary
     timeline.end(step)
     return (loss + aux if aux is not None and loss is not None else loss), norm
 
@@ -437,6 +435,8 @@ def main(argv=None):
                   # summed as clip_global sums them
                   sums=Sums(replicas=mesh.dp_cp_group, norm_groups=runner.norm_groups),
                   collectives="the 5-D mesh's collectives",
+                  # after the last step, outside it (it reads the device): every stage's routing record, for the summary
+                  before_summary=partial(complete_routing, model, mesh.pp_group) if args.experts else None,
                   replicas=[Replicas(dense, mesh.dp_cp_group, "dense weights bit-identical across the "
                                      f"{mesh.dp_cp_size} dp x cp ranks of every stage", args.zero),
                             Replicas(expert_grads.params, mesh.edp_group, "experts bit-identical across their "

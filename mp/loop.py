@@ -54,6 +54,8 @@ class Job:
     collectives: str = None       # what the step and the evaluation wait for ("the tensor-parallel
                                   # collectives"): a timeout names it, with the step (mp.dist.awaiting)
     replicas: list = field(default_factory=list)   # [Replicas]: compared after the last step (mp.check)
+    before_summary: Callable = None   # run by every rank after the last step, before the summary is written
+                                      # (parallel_5d.py: every stage's routing record gathered over the pipeline)
 
 
 @dataclass
@@ -151,6 +153,9 @@ def train(args, env, job):
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
         checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions)
+    if job.before_summary is not None:
+        with waiting_for(job, env, args, "the summary's gathering"):
+            job.before_summary()
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
               **activation_fields(env, job.model), **data_parallel_fields(env, job, args.steps - first),

@@ -2,7 +2,8 @@
 logs the losses of the baseline run on the same device, its --check passes, and the logs say what
 ran where. Where the NCCL loaded is 2.30 or later and NCCL_MULTI_RANK_GPU_ENABLE=1, two nccl ranks also
 share the one GPU (experimental in NCCL): every pipeline schedule, tensor, data (ZeRO 1, 2 and 3), 3-D,
-context (ring, Ulysses) and expert parallelism (capacity, top-2) at world size 2 against the same baseline.
+context (ring, Ulysses), expert parallelism (capacity, top-2) and the 5-D program (cp, ep) at world size 2
+against the same baseline.
 No step waits for the device beyond what it declares: none, or a mixture of experts' one read a block a
 forward (mp.moe.rows_per_expert, the all-to-all's splits)."""
 import json
@@ -59,8 +60,9 @@ VIT = GPU + ["--model", "vit", "--layers", "4", "--hidden", "64"]
 MOE = ["--experts", "4", "--top-k", "2", "--capacity-factor", "1.25"]   # the most a MoE layer computes
 VIT_PROGRAMS = [("context_parallel.py", ["--attention", "ring"]), ("context_parallel.py", ["--attention", "ulysses"]),
                 ("tensor_parallel.py", ["--sequence-parallel"])]
-MOE_PROGRAMS = [("single_baseline.py", MOE), ("expert_parallel.py", MOE),
-                ("expert_parallel.py", ["--experts", "4", "--top-k", "1"])]
+MOE_PROGRAMS = [("single_baseline.py", MOE, 4), ("expert_parallel.py", MOE, 4),   # 4 blocks, one forward a step
+                ("expert_parallel.py", ["--experts", "4", "--top-k", "1"], 4),
+                ("parallel_5d.py", MOE + ["--microbatches", "2"], 8)]             # a read a block a microbatch
 
 
 def test_no_step_makes_the_cpu_wait_for_the_gpu(tmp_path, monkeypatch):
@@ -68,11 +70,12 @@ def test_no_step_makes_the_cpu_wait_for_the_gpu(tmp_path, monkeypatch):
     torch.cuda.set_sync_debug_mode("error") (tests/count_reads.py, SYNC_DEBUG=1), so a read or a
     blocking copy inside a step raises; the log's reads every --log-every steps are outside them. A
     mixture of experts' one declared read a block a forward (mp.moe.rows_per_expert) is let through and
-    counted: 4 blocks, one forward a step."""
+    counted: a read a block a microbatch."""
     monkeypatch.setenv("SYNC_DEBUG", "1")
     monkeypatch.setenv("COUNT_DIR", str(tmp_path))
     cases = [(GPU, p, e, 0) for p, e in [("single_baseline.py", [])] + PROGRAMS]
-    cases += [(VIT, p, e, 0) for p, e in VIT_PROGRAMS] + [(VIT, p, e, 4) for p, e in MOE_PROGRAMS]
+    cases += [(VIT, p, e, 0) for p, e in VIT_PROGRAMS + [("parallel_5d.py", [])]]
+    cases += [(VIT, p, e, reads) for p, e, reads in MOE_PROGRAMS]
     for i, (args, program, extra, declared) in enumerate(cases):
         monkeypatch.setenv("COUNT_PROGRAM", program)
         run = launch("tests/count_reads.py", args + extra + ["--log-every", "10"], tmp_path, log_name=f"s{i}.jsonl")
@@ -90,8 +93,8 @@ SHARED = [("pipeline_microbatch.py", ["--schedule", s]) for s in ("gpipe", "1f1b
     ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2", "--zero", "2"]),
     ("pipeline_dp_joint.py", ["--dp", "2", "--batch-size", "64", "--microbatches", "2", "--zero", "3"]),
     ("parallel_3d.py", ["--dp", "1", "--tp", "2", "--batch-size", "64", "--microbatches", "2"])]
-SHARED_VIT = VIT_PROGRAMS
-SHARED_MOE = [("expert_parallel.py", [])]
+SHARED_VIT = VIT_PROGRAMS + [("parallel_5d.py", ["--cp", "2"])]
+SHARED_MOE = [("expert_parallel.py", []), ("parallel_5d.py", ["--cp", "2", "--ep", "2", "--microbatches", "1"])]
 
 
 NCCL = loaded_nccl_version()
