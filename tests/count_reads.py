@@ -23,11 +23,11 @@ wait on the device still raises.
 Also written: "alive", the number of tensors alive (gc) after the 3rd and the 25th step, so that a
 test sees whether anything the steps keep grows with the run."""
 import gc
-import warnings
 import json
 import os
 import runpy
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
