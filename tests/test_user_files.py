@@ -105,8 +105,8 @@ def test_ctrl_c_says_one_line_keeps_the_partial_log_and_leaves_the_earlier_set_a
 @pytest.mark.parametrize("script,knobs,message", [
     ("run_pipeline.sh", dict(SCHEDUEL="zb"), "error: SCHEDUEL is set, and run_pipeline.sh has no such knob: "
                                              "did you mean SCHEDULE?"),
-    ("run_tp.sh", dict(SCHEDULE="zb"), "error: SCHEDULE is a knob of run_3d.sh, run_joint.sh, run_pipeline.sh, "
-                                       "run_slurm.sh, not of run_tp.sh, which would ignore it"),
+    ("run_tp.sh", dict(SCHEDULE="zb"), "error: SCHEDULE is a knob of run_3d.sh, run_5d.sh, run_joint.sh, "
+                                       "run_pipeline.sh, run_slurm.sh, not of run_tp.sh, which would ignore it"),
     ("run_joint.sh", dict(steps="5"), "error: steps is set, and run_joint.sh has no such knob: did you mean STEPS?"),
     ("run_3d.sh", dict(NPROCS="4"), "error: NPROCS is set, and run_3d.sh has no such knob: did you mean NPROC?"),
     ("run_pipeline.sh", dict(HYBRID="1"), "error: HYBRID is a knob of run_tp.sh, not of run_pipeline.sh"),
