@@ -14,7 +14,7 @@ FIGURES = {"run_pipeline": ["pipeline_loss_synthetic.png", "pipeline_timeline_sy
                             "pipeline_loss_2bw_synthetic.png"],
            "run_joint": ["joint_loss_synthetic.png"],
            "run_tp": ["tp_loss_hybrid1_synthetic.png"], "run_3d": ["3d_loss_synthetic.png"],
-           "run_cp": ["cp_loss_synthetic.png"], "run_ep": ["ep_loss_synthetic.png"]}
+           "run_cp": ["cp_loss_synthetic.png"], "run_ep": ["ep_loss_synthetic.png"], "run_5d": ["5d_loss_synthetic.png"]}
 OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh",   # drawn by another documented command
                   "tp_ladder.png": "python benchmarks/tp_ladder.py --steps 300 --plot plots/tp_ladder.png"}
 
@@ -92,9 +92,12 @@ def test_each_loss_figure_shows_the_runs_of_the_documented_knobs(launcher):
                 int(s["DP"]), int(s["MICROBATCHES"]), s["SCHEDULE"])
         if launcher == "run_3d":
             assert args["tp"] == int(s["TP"])
-        if launcher == "run_ep":
+        if launcher in ("run_ep", "run_5d"):
             assert (args["experts"], args["top_k"], args["capacity_factor"] or "") == (
                 int(s["EXPERTS"]), int(s["TOP_K"]), s["CAPACITY"] and float(s["CAPACITY"]))
+        if launcher == "run_5d":
+            assert (args["dp"], args["cp"], args["tp"], args["ep"], args["microbatches"], args["schedule"]) == (
+                int(s["DP"]), int(s["CP"]), int(s["TP"]), int(s["EP"]), int(s["MICROBATCHES"]), s["SCHEDULE"])
     if launcher == "run_pipeline":   # 2bw has a figure of its own, against its own reference
         assert [run["args"]["schedule"] for run in parallel] == [x for x in s["SCHEDULE"].split() if x != "2bw"]
     if launcher == "run_tp":

@@ -90,13 +90,13 @@ def label_of(records, path):
     if config is None:
         return os.path.basename(path)
     args, parts = config["args"], []
-    for key in ("schedule", "attention", "dp", "tp", "microbatches"):
+    for key in ("schedule", "attention", "dp", "cp", "tp", "ep", "microbatches"):   # cp, ep: parallel_5d.py's
         if args.get(key) is not None:
             parts.append(f"{'m' if key == 'microbatches' else key}={args[key]}" if key != "schedule"
                          else str(args[key]))
     if (args.get("virtual_stages") or 1) > 1:
         parts.append(f"v={args['virtual_stages']}")
-    parts += [flag for flag in ("recompute", "hybrid") if args.get(flag)]   # what changes how the run computes
+    parts += [flag for flag in ("recompute", "hybrid", "sequence_parallel") if args.get(flag)]   # how the run computes
     if args.get("experts"):
         parts.append(f"E={args['experts']} top-{args.get('top_k', 1)}" + (
             f" C={args['capacity_factor']:g}" if args.get("capacity_factor") else " dropless"))
