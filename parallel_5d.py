@@ -54,7 +54,7 @@ from mp.data import agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.dropout import KeyedDropout
 from mp.ep.evaluate import Traffic
-from mp.ep.routing import aux_loss_total, complete_routing
+from mp.ep.routing import aux_loss_total
 from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
@@ -432,11 +432,11 @@ def main(argv=None):
         job = Job(step, model, optimizer, layout, owner,
                   evaluate=partial(evaluate_all, runner, mesh, data, env, optimizer),
                   # logged: the loss averaged over dp x cp (every cp rank holds its replica's), the norm's squares
-                  # summed as clip_global sums them
-                  sums=Sums(replicas=mesh.dp_cp_group, norm_groups=runner.norm_groups),
+                  # summed as clip_global sums them; after the last step, every stage's routing record gathered
+                  # over the pipeline for the summary
+                  sums=Sums(replicas=mesh.dp_cp_group, norm_groups=runner.norm_groups,
+                            routing=mesh.pp_group if args.experts else None),
                   collectives="the 5-D mesh's collectives",
-                  # after the last step, outside it (it reads the device): every stage's routing record, for the summary
-                  before_summary=partial(complete_routing, model, mesh.pp_group) if args.experts else None,
                   replicas=[Replicas(dense, mesh.dp_cp_group, "dense weights bit-identical across the "
                                      f"{mesh.dp_cp_size} dp x cp ranks of every stage", args.zero),
                             Replicas(expert_grads.params, mesh.edp_group, "experts bit-identical across their "

@@ -20,6 +20,7 @@ from mp import checkpoint
 from mp.check import report_replicas
 from mp.clipping import finish_norms
 from mp.data import test_batches
+from mp.ep.routing import complete_routing
 from mp.dist import awaiting, settle
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
 from mp.models import param_mb
@@ -35,6 +36,8 @@ class Sums:
     norm's sums of squares summed over the groups that split the model (each rank kept its own)."""
     replicas: object = None       # the data-parallel group whose losses are averaged (None: one replica)
     norm_groups: list = None      # the groups the squares are summed over (None: the step's norm is whole)
+    routing: object = None        # the pipeline group over which the stages' routing records are gathered for
+                                  # the summary, after the last step (parallel_5d.py; None: mine is whole)
 
 
 @dataclass
@@ -54,8 +57,6 @@ class Job:
     collectives: str = None       # what the step and the evaluation wait for ("the tensor-parallel
                                   # collectives"): a timeout names it, with the step (mp.dist.awaiting)
     replicas: list = field(default_factory=list)   # [Replicas]: compared after the last step (mp.check)
-    before_summary: Callable = None   # run by every rank after the last step, before the summary is written
-                                      # (parallel_5d.py: every stage's routing record gathered over the pipeline)
 
 
 @dataclass
@@ -153,9 +154,9 @@ def train(args, env, job):
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
         checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions)
-    if job.before_summary is not None:
-        with waiting_for(job, env, args, "the summary's gathering"):
-            job.before_summary()
+    if job.sums.routing is not None:      # outside the steps: it reads the device and talks to every stage
+        with waiting_for(job, env, args, "the stages' routing records"):
+            complete_routing(job.model, job.sums.routing)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
               **activation_fields(env, job.model), **data_parallel_fields(env, job, args.steps - first),
