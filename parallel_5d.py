@@ -373,20 +373,20 @@ def clip(runner, optimizer, args):
 
 
 def check_step(runner, actions, data, args, mesh, grads, expert_grads, tp_sums):
-    """--check's step (mp.check): step 0 as train_step runs it, up to the gradients synchronised (with
-    --microbatches 1 my samples are the contiguous slice mp.check compares me on)."""
+    """--check's step (mp.check): step 0 as train_step runs it, up to the gradients synchronised; my microbatches
+    in order are the slice mp.check compares me on at --microbatches 1 or one replica (mp.cli refuses the rest)."""
     def step(x, y):
         x, y, outputs = *my_microbatches(data, 0, args, mesh, runner.pos, runner.messenger.device), {}
         grads.zero_grad()
         expert_grads.zero_grad()
         with runner.keys.training(0):
-            loss = forward_backward(runner, actions, x, y, 1, args.batch_size // mesh.dp_size, outputs=outputs,
-                                    grads=grads)
+            loss = forward_backward(runner, actions, x, y, args.microbatches, args.batch_size // mesh.dp_size,
+                                    outputs=outputs, grads=grads)
         sync_tp_grads(*tp_sums)
         grads.final_late()
         grads.wait()
         expert_grads.average()
-        return (outputs[0], loss) if outputs else (None, None)
+        return (torch.cat([outputs[i] for i in range(args.microbatches)]), loss) if outputs else (None, None)
     return step
 
 

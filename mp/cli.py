@@ -264,9 +264,12 @@ def refuse_not_yet_exact(args):
     if args.recompute and args.experts:
         fail("--recompute with --experts is not yet exact in parallel_5d.py (the recomputed forward routes again, "
              "and the logged load-balancing loss and routing record count it twice); drop --recompute")
-    if args.check and args.microbatches != 1:
-        fail(f"--check compares one step with a full model that routes the batch as one microbatch: use "
-             f"--microbatches 1 (and --schedule gpipe or 1f1b), not --microbatches {args.microbatches}")
+    if args.check and args.microbatches != 1 and (args.experts or args.dp > 1):
+        why = ("a full model that routes the batch as one microbatch" if args.experts else
+               f"each replica's contiguous slice of the batch, and --dp {args.dp} interleaves the replicas' samples "
+               f"microbatch by microbatch")
+        fail(f"--check compares one step with {why}: use --microbatches 1 (and --schedule gpipe or 1f1b), not "
+             f"--microbatches {args.microbatches}")
     if args.experts and args.capacity_factor is not None and args.eval_every and args.dp > 1 and not args.check:
         fail(f"--eval-every with --capacity-factor and --dp {args.dp}: parallel_5d.py's evaluation routes the "
              "replicas' copies of a test batch together, so its capacity is not the baseline's; use --eval-every 0 "
