@@ -112,6 +112,20 @@ def slow(*values):
     return pytest.param(*values, marks=pytest.mark.slow)
 
 
+def flags_id(value):
+    """A parametrized case's id from its flags ("tp2-cp2-attention=ulysses" for ["--tp", "2", "--cp", "2",
+    "--attention", "ulysses"], where pytest's own would be "layout3"); None (pytest's) for anything else."""
+    if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+        return None
+    parts = []
+    for v in value:
+        if v.startswith("--") or not parts:
+            parts.append(v[2:] if v.startswith("--") else v)
+        else:
+            parts[-1] += v if v.replace(".", "", 1).isdigit() else f"={v}"
+    return "-".join(parts)
+
+
 def assert_same_losses(run, reference, atol=1e-4):
     """The equivalence contract: the same per-step loss as the baseline, within atol, every step."""
     assert run.returncode == 0, run.stderr[-3000:]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import parallel_5d as p5
-from helpers import FAST, assert_one_error_line, launch, slow
+from helpers import FAST, assert_one_error_line, flags_id, launch, slow
 
 # dropout 0.1, clipping 0.5 (active: the norms exceed it), AdamW
 RUN = FAST + ["--model", "vit", "--hidden", "16", "--heads", "4", "--layers", "2", "--batch-size", "8",
@@ -69,7 +69,7 @@ def assert_exact(tmp_path, baseline, nproc, layout, model, steps=4):
     slow(8, ["--dp", "2", "--cp", "2", "--zero", "3", "--schedule", "1f1b"], ["--microbatches", "2"], 6),
     slow(16, ["--dp", "2", "--cp", "2", "--tp", "2", "--ep", "4", "--schedule", "interleaved"],
          ["--experts", "8", "--top-k", "2", "--microbatches", "2"], 6),
-])
+], ids=flags_id)
 def test_5d_matches_the_baseline_step_by_step(tmp_path, baseline, nproc, layout, model, steps):
     assert_exact(tmp_path, baseline, nproc, layout, model, steps)
 
@@ -77,7 +77,7 @@ def test_5d_matches_the_baseline_step_by_step(tmp_path, baseline, nproc, layout,
 @pytest.mark.parametrize("nproc,layout,tokens", [
     (4, ["--cp", "2", "--ep", "2"], 32),                                        # S/C, pp 2
     slow(8, ["--tp", "2", "--cp", "2", "--sequence-parallel"], 16),            # S/(C*T) under sequence parallelism
-])
+], ids=flags_id)
 def test_pipeline_messages_carry_my_token_shard(tmp_path, nproc, layout, tokens):
     run = launch("parallel_5d.py", RUN + MOE + ["--steps", "1"] + layout, tmp_path, nproc=nproc)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -92,7 +92,7 @@ def test_pipeline_messages_carry_my_token_shard(tmp_path, nproc, layout, tokens)
     slow("norm-every-ep-rank", ["--cp", "2", "--ep", "2"], MOE),    # dense weights counted twice in the norm
     slow("contiguous-keys", ["--dp", "2", "--ep", "2"], MOE),       # dropout masks of other samples
     slow("aux-unscaled", ["--dp", "2", "--cp", "2", "--ep", "2"], MOE),   # the router's load-balancing gradient / D*C
-])
+], ids=flags_id)
 def test_each_pitfall_put_back_is_caught(tmp_path, baseline, fault, layout, model):
     """tests/broken_5d.py runs the program with one part wrong: the comparison above must see it."""
     args = RUN + ["--steps", "3"] + model
@@ -122,7 +122,7 @@ def test_each_pitfall_put_back_is_caught(tmp_path, baseline, fault, layout, mode
     (["--check", "--microbatches", "2", "--experts", "4"], 2, "error: --check compares one step with a full model"),
     (["--check", "--microbatches", "2", "--dp", "2"], 2, "error: --check compares one step with each replica's"),
     (["--experts", "4", "--recompute"], 2, "error: --recompute with --experts is not yet exact"),
-])
+], ids=flags_id)
 def test_bad_input_is_one_error_line(argv, world, message, monkeypatch, capsys):
     assert_one_error_line(p5.parse_args, FAST + argv, world, message, monkeypatch, capsys)
 
@@ -141,7 +141,7 @@ BASE = ("single_baseline.py", 1, [])
     slow(["--microbatches", "2"], [BASE, ("parallel_5d.py", 4, ["--dp", "2", "--cp", "2", "--zero", "3"]),
                                    ("parallel_3d.py", 4, ["--dp", "2", "--tp", "2"]),
                                    ("parallel_5d.py", 4, ["--tp", "2", "--cp", "2", "--sequence-parallel"])]),
-])
+], ids=flags_id)
 def test_resume_across_layouts_continues_the_baseline(tmp_path, baseline, model, chain):
     """Layout after layout, two steps each, through one checkpoint directory (written in the baseline's
     coordinates): the uninterrupted baseline's losses."""
@@ -191,7 +191,7 @@ def test_a_moe_layer_reads_the_device_once_a_microbatch(tmp_path, monkeypatch):
     ("parallel_5d.py", ["--dp", "2", "--cp", "2", "--ep", "2"], 0),
     slow("parallel_5d.py", ["--tp", "2", "--cp", "2", "--sequence-parallel"], 0),
     ("tests/broken_5d.py", ["edp-average", "--dp", "2", "--cp", "2", "--ep", "2"], 1),   # --check sees it too
-])
+], ids=flags_id)
 def test_check_compares_every_shard_with_the_full_model(tmp_path, program, layout, status):
     """--check at one microbatch, where the reference routes the batch as the run does."""
     args = RUN[:RUN.index("--optimizer")] + ["--experts", "4", "--top-k", "2", "--capacity-factor", "1.0",
