@@ -54,7 +54,7 @@ from mp.data import agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.dropout import KeyedDropout
 from mp.ep.evaluate import Traffic
-from mp.ep.routing import aux_loss_total
+from mp.ep.routing import WithAuxLoss, aux_loss_total
 from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
@@ -174,20 +174,6 @@ def on_my_tokens(i, block, mesh, n_blocks, tokens, attention, sequence_parallel)
     return block
 
 
-class _WithAuxLoss(torch.autograd.Function):
-    """Forward: the MoE's output, unchanged. Backward: also a gradient of 1 into the (scaled) load-
-    balancing loss share. A pipeline stage differentiates only its output, so a loss made in the middle
-    of a stage rides on the activation (Megatron's MoEAuxLossAutoScaler does the same)."""
-
-    @staticmethod
-    def forward(ctx, y, aux):
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
-
-
 class FoldedMoE(ExpertParallelMoE):
     """expert_parallel.ExpertParallelMoE on the mesh: my E/N experts, the all-to-all over the ep group, and the
     counts of every rank holding this microbatch's tokens per (sample, token chunk), in the baseline's order."""
@@ -201,6 +187,7 @@ class FoldedMoE(ExpertParallelMoE):
         # my backward carries D*C / M of my share: the dense gradients are averaged over dp x cp (/ D*C)
         # and the baseline's loss is the mean over the M microbatches
         self.scale, self.shares = mesh.dp_cp_size / args.microbatches, []
+        self.recompute = args.recompute       # its backward routes each microbatch again (mp.moe: rerun)
         if args.sequence_parallel:            # my tokens only: the router's and experts' gradients, summed over tp
             partial_gradients(self.router, self.experts)
 
@@ -228,8 +215,9 @@ class FoldedMoE(ExpertParallelMoE):
         y = combine(y, token, slot, weights, b * t).view(b, t, h)
         if self.training_step is None:
             return y
-        self.shares.append(self.aux_loss.detach())
-        return _WithAuxLoss.apply(y, self.aux_loss * self.scale)
+        if not self.rerun:                    # --recompute's second forward: its share was logged by the first
+            self.shares.append(self.aux_loss.detach())
+        return WithAuxLoss.apply(y, self.aux_loss * self.scale)
 
 
 def shard_block(i, block, args, mesh, n_blocks, traffic):

@@ -261,9 +261,6 @@ def validate_mesh_5d(args, world):
 
 def refuse_not_yet_exact(args):
     """Combinations parallel_5d.py does not compute exactly yet: refused, never run approximately."""
-    if args.recompute and args.experts:
-        fail("--recompute with --experts is not yet exact in parallel_5d.py (the recomputed forward routes again, "
-             "and the logged load-balancing loss and routing record count it twice); drop --recompute")
     if args.check and args.microbatches != 1 and (args.experts or args.dp > 1):
         why = ("a full model that routes the batch as one microbatch" if args.experts else
                f"each replica's contiguous slice of the batch, and --dp {args.dp} interleaves the replicas' samples "

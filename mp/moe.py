@@ -158,6 +158,7 @@ class MixtureOfExperts(nn.Module):
         self.num_experts, self.top_k, self.capacity_factor, self.aux_weight = experts, top_k, capacity_factor, aux_weight
         self.keys, self.load, self.aux_loss = keys, LoadRecord(), None
         self.microbatches = 1    # single_baseline.py --microbatches M: a training batch routed as M microbatches
+        self.recompute = False   # parallel_5d.py --recompute: each microbatch's forward runs twice (rerun)
 
     def forward(self, x):
         """x: [B, T, H]. In a training step with microbatches = M > 1, microbatch m (samples m*B/M ..
@@ -197,8 +198,15 @@ class MixtureOfExperts(nn.Module):
         """This forward's share of the load-balancing loss, and in a training step the load of each expert
         (the routing record the summary logs)."""
         self.aux_loss = aux_loss_share(probs, counts, self.aux_weight)
-        if self.training_step is not None:
+        if self.training_step is not None and not self.rerun:
             self.load.add(self.training_step, counts, kept)
+
+    @property
+    def rerun(self):
+        """This forward is --recompute's second one of a microbatch (in its backward, autograd on; the first ran
+        without): it routes the same tokens the same way, so only its load-balancing loss's graph is new, and
+        the routing record and the logged loss keep the first's."""
+        return self.recompute and torch.is_grad_enabled()
 
 
 def moe_layers(model):

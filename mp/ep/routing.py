@@ -1,4 +1,4 @@
-"""parallel_5d.py's logged load-balancing loss, and the routing record of every stage in its summary.
+"""parallel_5d.py's load-balancing loss (its gradient, and its value in the log), and the routing record of every stage in its summary.
 
 The summary's tokens_per_expert and dropped_per_step (mp.moe.expert_load) are read off the MoE layers of
 the model the logging rank holds: with a pipeline, its own stage's only. After the last step every rank
@@ -12,6 +12,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from mp.moe import LoadRecord, moe_layers, read_load
+
+
+class WithAuxLoss(torch.autograd.Function):
+    """Forward: the MoE's output, unchanged. Backward: also a gradient of 1 into the (scaled) load-
+    balancing loss share. A pipeline stage differentiates only its output, so a loss made in the middle
+    of a stage (parallel_5d.FoldedMoE's) rides on the activation, as Megatron's MoEAuxLossAutoScaler does."""
+
+    @staticmethod
+    def forward(ctx, y, aux):
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
 
 
 class RemoteLoad(nn.Module):
