@@ -150,6 +150,7 @@ class LoadRecord:
 class MixtureOfExperts(nn.Module):
     """The block's MLP as E experts behind a router, in one process (expert_parallel.py's ExpertParallelMoE
     runs the same arithmetic with the experts spread over the ranks)."""
+    recompute = False   # parallel_5d.py --recompute sets it: each microbatch's forward runs twice (rerun)
 
     def __init__(self, dim, experts, top_k, capacity_factor, aux_weight, act, keys):
         super().__init__()
@@ -158,7 +159,6 @@ class MixtureOfExperts(nn.Module):
         self.num_experts, self.top_k, self.capacity_factor, self.aux_weight = experts, top_k, capacity_factor, aux_weight
         self.keys, self.load, self.aux_loss = keys, LoadRecord(), None
         self.microbatches = 1    # single_baseline.py --microbatches M: a training batch routed as M microbatches
-        self.recompute = False   # parallel_5d.py --recompute: each microbatch's forward runs twice (rerun)
 
     def forward(self, x):
         """x: [B, T, H]. In a training step with microbatches = M > 1, microbatch m (samples m*B/M ..
