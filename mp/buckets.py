@@ -43,10 +43,8 @@ So a replica holds its accumulators (1/D of the gradients) and the buckets in fl
 filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts).
 Which buckets the bound holds, and why (bounded_by_in_flight):
 under --zero 2 and 3, a bucket that every microbatch reduces, since waiting for it is what frees it.
-No collective here copies its bucket: torch's gloo reduce-scatter clones the whole bucket and all-reduces
-the clone (9 buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces
-raised it 5), so on gloo the bucket itself is all-reduced in place (reduce_scatter): the same bytes and
-sums, no copy. A bucket of one parameter (--zero 2's large weights) is not made at all: autograd's own
+No collective here copies its bucket (mp.dp_collectives.reduce_scatter: on gloo the bucket itself is
+all-reduced in place, where torch's reduce-scatter would clone it). A bucket of one parameter (--zero 2's large weights) is not made at all: autograd's own
 gradient tensor, which it hands over to an empty .grad without a copy, is the bucket (Bucket.alone).
 The price: M reduce-scatters a step instead of one, (M + 1)(D-1)/D N sent with the all-gather where
 --zero 1 sends 2(D-1)/D N (docs/optimizers.md). A bucket whose gradients other ranks complete after
@@ -60,66 +58,15 @@ all-reduce of n bytes over D replicas sends 2(D-1)/D n, a reduce-scatter or an a
 so there it sends twice what is counted). held_bytes and peak_bytes count the gradients' memory where it
 is made and let go here: the buckets and the accumulators (the summary's peak_grad_mb).
 """
-import time
-
 import torch
 import torch.distributed as dist
 
 from mp.dist import awaiting, buckets
+from mp.dp_collectives import CollectiveSpans, reduce_scatter
 from mp.errors import CommError
 
-# torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn); either works
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 BUCKET_MB = 4   # small enough that a few-MB stage gets several buckets to overlap; DDP's first is 1 MB
 IN_FLIGHT = 2   # reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
-
-
-def reduce_scatter_copies(group):
-    """Does this group's reduce-scatter work on a copy of its bucket, held until it is done? gloo's does:
-    torch's ProcessGroupGloo reduce-scatters by cloning the whole input, all-reducing the clone and copying
-    my chunk out of it; nccl's reads and writes the bucket itself."""
-    return dist.get_backend(group) == "gloo"
-
-
-def all_gather(flat, mine, rank, group):
-    """Start gathering every replica's slice `mine` into `flat` (slice d at d's offset). gloo's all-gather
-    receives into a temporary the size of `flat` and then copies it over (torch's ProcessGroupGloo), a second
-    bucket's worth at the moment the weights are made whole; there each replica's slice is broadcast from it
-    straight into its place instead: D broadcasts, the same bytes received, the same bits, no temporary."""
-    if not reduce_scatter_copies(group):
-        return ALL_GATHER(flat, mine, group=group, async_op=True)
-    parts = flat.split(flat.numel() // dist.get_world_size(group))
-    if parts[rank].data_ptr() != mine.data_ptr():
-        parts[rank].copy_(mine)
-    return Works([dist.broadcast(part, group_src=d, group=group, async_op=True) for d, part in enumerate(parts)])
-
-
-class Works:
-    """Several collectives waited for as one (all_gather's broadcasts)."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for work in self.works:
-            work.wait()
-        return True
-
-    def get_future(self):
-        raise RuntimeError("several collectives: no one future")   # CollectiveSpans ends the span at the wait
-
-
-def reduce_scatter(flat, rank, group):
-    """Start the sum of `flat` over the group into my 1/D of it, in place. Where the backend's reduce-scatter
-    would clone the bucket (gloo: reduce_scatter_copies), the bucket is all-reduced in place instead: the
-    same all-reduce gloo runs on its clone, so the same bytes sent and the same sums, bit for bit, without
-    the copy (a second bucket's worth of memory for each one on its way). The rest of the bucket then holds
-    the other slices' sums, which nobody reads."""
-    size = flat.numel() // dist.get_world_size(group)
-    if reduce_scatter_copies(group):
-        return dist.all_reduce(flat, group=group, async_op=True)
-    return REDUCE_SCATTER(flat[rank * size:(rank + 1) * size], flat, group=group, async_op=True)
 
 
 class Bucket:
@@ -495,66 +442,3 @@ class GradBuckets:
 
     def collective(self):
         return "reduce-scatter" if self.sharded else "all-reduce"
-
-
-class CollectiveSpans:
-    """The timeline's collective row (when the recorder records): each collective's span, from when it
-    was started to its end. On the CPU (gloo) a Work's future completes with the collective, so its
-    callback ends the span; gloo's reduce-scatter and all-gather have none (get_future raises): their
-    span ends where the step waited for them, at most that long. On a GPU the future of an nccl Work
-    completes when the collective is enqueued, not when it ends, so the span is read from CUDA events
-    instead: one recorded on the current stream as the collective is enqueued (nccl's stream starts
-    after what was queued before it) and one on a side stream made to wait for the Work (the host does
-    not wait), both read against a reference event when the step waits for the collective."""
-
-    def __init__(self, recorder):
-        self.recorder, self.open, self.side, self.reference = recorder, [], None, None
-
-    def events(self):
-        return getattr(self.recorder, "events", None)
-
-    def begin(self, work, name, device):
-        events = self.events()
-        if events is None:
-            return
-        if device.type == "cuda":
-            self.open.append((work, name, self.cuda_marks(work, device)))
-            return
-        start = time.perf_counter()
-        try:
-            future = work.get_future()
-        except RuntimeError:
-            self.open.append((work, name, start))
-            return
-        future.add_done_callback(lambda _: events.append(("collective", name, None, 0, start, time.perf_counter())))
-
-    def cuda_marks(self, work, device):
-        """(start event, end event) of a collective just enqueued on a GPU; the reference (an event and
-        the host's clock when it completed) is taken when no span is open, once per burst of collectives."""
-        if not self.open:
-            self.reference = torch.cuda.Event(enable_timing=True)
-            self.reference.record()
-            self.reference.synchronize()
-            self.reference = (self.reference, time.perf_counter())
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.side = self.side or torch.cuda.Stream(device)
-        with torch.cuda.stream(self.side):
-            work.wait()                   # the side stream waits for the collective; the host goes on
-            end.record(self.side)
-        return start, end, self.reference
-
-    def end(self, work):
-        """work was waited for: its span on the timeline, if no callback ends it."""
-        events = self.events()
-        for item in [u for u in self.open if u[0] is work]:
-            self.open.remove(item)
-            if events is None:
-                continue
-            if isinstance(item[2], tuple):    # a GPU's: from its events, on the host's clock
-                start, end, (reference, host) = item[2]
-                end.synchronize()
-                span = (host + reference.elapsed_time(start) / 1e3, host + reference.elapsed_time(end) / 1e3)
-            else:
-                span = (item[2], time.perf_counter())
-            events.append(("collective", item[1], None, 0, *span))

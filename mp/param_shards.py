@@ -44,7 +44,7 @@ from contextlib import contextmanager
 
 import torch
 
-from mp.buckets import all_gather
+from mp.dp_collectives import all_gather
 from mp.dist import awaiting
 
 

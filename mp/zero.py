@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from mp import optim
-from mp.buckets import all_gather
+from mp.dp_collectives import all_gather
 from mp.clipping import grad_squares
 from mp.dist import awaiting
 

@@ -15,7 +15,7 @@ import pipeline_dp_joint
 import single_baseline
 import tensor_parallel
 from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks, slow
-from mp.buckets import ALL_GATHER, REDUCE_SCATTER
+from mp.dp_collectives import ALL_GATHER, REDUCE_SCATTER
 from test_optimizer import ADAMW, STEPS, assert_same_state, full_tensors, reference, saved_run  # noqa: F401
 
 JOINT = ("pipeline_dp_joint.py", ["--dp", "2", "--microbatches", "2"], 4)
