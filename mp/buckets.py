@@ -178,7 +178,7 @@ class GradBuckets:
         self.buckets = [Bucket(ps, self.size if shard else 1, device,
                                self.free and not any(id(p) in self.late_ids for p in ps),
                                any(id(p) in direct for p in ps), by_block) for ps in groups]
-        self.when_filled = []                         # f(bucket) once a copy_in bucket's gradients are all in
+        self.when_filled = []                         # f(bucket) once a bucket's gradients are all in (say_filled)
         self.sent_bytes, self.held_bytes, self.peak_bytes, self.in_flight = 0, 0, 0, []
         # bytes of buckets on their way and filling (make_room): IN_FLIGHT + 1 of the set size, or of the
         # median bucket's where that is larger (--zero 3's blocks: a 4 MB weight and its bias)
@@ -286,15 +286,24 @@ class GradBuckets:
             if len(b.filled) == len(b.params):
                 if b.copy_in:
                     self.fill(b)
+                else:
+                    self.say_filled(b)
                 self.start(b)
         elif id(p) in b.expected:         # the step's last gradient of p
             self._final(b, p)
 
-    def fill(self, b):
-        """A copy_in bucket's gradients are all in, as autograd's own tensors: say so (--zero 3 lets the block's
-        whole weights go), make room, then the flat bucket from them."""
+    def say_filled(self, b):
+        """Every parameter of bucket b has its gradient of this backward: no node of autograd reads their
+        weights again in it (a weight's gradient is accumulated once its node is done). when_filled hears it:
+        --zero 3 lets the block's whole weights go, --zero 2 all but my slice of them after the step's last
+        backward (mp.zero.ZeroOptimizer.release)."""
         for f in self.when_filled:
             f(b)
+
+    def fill(self, b):
+        """A copy_in bucket's gradients are all in, as autograd's own tensors: say so (say_filled), make room,
+        then the flat bucket from them."""
+        self.say_filled(b)
         self.make_room(b)
         apart = sum(p.grad.numel() * p.grad.element_size() for p in b.params if p.grad is not None)
         if b.assemble():                  # both at once while it copies, then autograd's tensors go
