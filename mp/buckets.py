@@ -293,10 +293,8 @@ class GradBuckets:
             self._final(b, p)
 
     def say_filled(self, b):
-        """Every parameter of bucket b has its gradient of this backward: no node of autograd reads their
-        weights again in it (a weight's gradient is accumulated once its node is done). when_filled hears it:
-        --zero 3 lets the block's whole weights go, --zero 2 all but my slice of them after the step's last
-        backward (mp.zero.ZeroOptimizer.release)."""
+        """Bucket b's gradients of this backward are all in, so no autograd node reads its weights again in it:
+        --zero 3 lets the block's whole weights go, --zero 2 all but my slice (ZeroOptimizer.release)."""
         for f in self.when_filled:
             f(b)
 

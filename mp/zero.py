@@ -24,6 +24,10 @@ the flat range of it that the slice holds (saved_pieces, mp.checkpoint's `#first
 sharded state, nothing gathered), and resuming, in any layout, cuts this replica's slice out of the
 pieces put back together (docs/optimizers.md).
 
+--zero 2 (release): once a bucket's gradients of the step's last backward are all in, nothing reads its
+weights until the all-gather after the update rewrites all but my slice; so my slice moves to a tensor of
+its own and the bucket's whole weights go, made whole again (rejoin) just before that all-gather.
+
 --zero 3 (mp.param_shards.ParamShards, `shards`): the slices are tensors of their own, not views of the
 whole weights, which exist only while a block runs; so the step ends after the update, without the
 all-gather (the next forward gathers each block); a save writes each replica's slice of the weights
