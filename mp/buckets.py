@@ -90,6 +90,7 @@ class Bucket:
         # own tensors, so that the block's whole weights can go first (GradBuckets.when_filled)
         self.copy_in = self.alone or (every_microbatch and by_block and not direct)
         self.started, self.expected, self.final, self.filled = False, set(), set(), set()
+        self.lazy = False                 # GradBuckets: --zero 0, 1 let its memory go through the forward
 
     def make_grad(self):
         """The flat gradient, zeroed, and each parameter's .grad a view into it."""
@@ -178,6 +179,8 @@ class GradBuckets:
         self.buckets = [Bucket(ps, self.size if shard else 1, device,
                                self.free and not any(id(p) in self.late_ids for p in ps),
                                any(id(p) in direct for p in ps), by_block) for ps in groups]
+        for b in self.buckets:                        # made when first needed in a step (let_go, make)
+            b.lazy = not b.every_microbatch and not any(id(p) in self.late_ids for p in b.params)
         self.when_filled = []                         # f(bucket) once a bucket's gradients are all in (say_filled)
         self.sent_bytes, self.held_bytes, self.peak_bytes, self.in_flight = 0, 0, 0, []
         # bytes of buckets on their way and filling (make_room): IN_FLIGHT + 1 of the set size, or of the
@@ -199,7 +202,7 @@ class GradBuckets:
         for p in params:
             if id(p) not in direct:
                 p.register_post_accumulate_grad_hook(self.arrived)
-                if self.free:                         # before autograd accumulates: the bucket's memory
+                if self.free or self.where[id(p)].lazy:   # before autograd accumulates: the bucket's memory
                     p.register_hook(lambda grad, p=p: self.arriving(p))
 
     def name_params(self, named):
@@ -233,6 +236,9 @@ class GradBuckets:
             elif b.grad is None:          # --zero 2: a late bucket let go after the last step
                 b.make_grad()
                 self.note(b.nbytes)
+            elif b.lazy:                  # each .grad a view into it again, its memory let go until needed
+                b.point_grads()
+                self.let_go(b)
             else:
                 b.grad.zero_()
                 b.point_grads()
@@ -252,6 +258,8 @@ class GradBuckets:
         --zero 2, 3: its bucket's memory, made now (an earlier microbatch's reduce-scatter of it finished first)."""
         b = self.where.get(id(p))
         if b is None or not b.every_microbatch:
+            if b is not None and b.lazy:
+                self.make(b)
             return
         if b.started:
             self.retire(b)
@@ -260,6 +268,24 @@ class GradBuckets:
         if b.grad is None:
             self.make_room(b)
             b.make_grad()
+            self.note(b.nbytes)
+
+    def let_go(self, b):
+        """--zero 0, 1 (a bucket of no late gradient), at the step's start: the bucket's memory goes, as torch's
+        zero_grad(set_to_none=True) lets .grad go, so the forward (the vit's peak) runs without it; the
+        tensor and the .grad views into it stay. Between steps it holds the last step's gradients."""
+        storage = b.grad.untyped_storage()
+        if storage.nbytes():
+            storage.resize_(0)
+            self.note(-b.nbytes)
+
+    def make(self, b):
+        """A lazy bucket's memory, zeroed, before its first gradient of the step is added (arriving) or its
+        collective starts (a bucket none of whose gradients came: zeros)."""
+        storage = b.grad.untyped_storage()
+        if not storage.nbytes():
+            storage.resize_(b.nbytes)
+            b.grad.zero_()
             self.note(b.nbytes)
 
     def make_room(self, b):
@@ -341,6 +367,8 @@ class GradBuckets:
         """The bucket's collective, without waiting for it (at most IN_FLIGHT on their way where that lowers
         the peak: bounded_by_in_flight)."""
         b.started = True
+        if b.lazy:
+            self.make(b)
         if self.size > 1:
             if self.sharded:              # in place: my slice of the bucket receives the sum of my slice
                 b.work = reduce_scatter(b.grad, self.rank, self.group)
