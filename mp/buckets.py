@@ -40,23 +40,18 @@ before autograd accumulates into it; zero-bubble's W says arriving()):
     bucket 1:                                     made, filled | reduce-scatter --> acc += my slice, freed
 
 So a replica holds its accumulators (1/D of the gradients) and the buckets in flight: the ones being
-filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts).
-Which buckets the bound holds, and why (bounded_by_in_flight):
-under --zero 2 and 3, a bucket that every microbatch reduces, since waiting for it is what frees it.
-No collective here copies its bucket (mp.dp_collectives.reduce_scatter: on gloo the bucket itself is
-all-reduced in place, where torch's reduce-scatter would clone it). A bucket of one parameter (--zero 2's large weights) is not made at all: autograd's own
-gradient tensor, which it hands over to an empty .grad without a copy, is the bucket (Bucket.alone).
-The price: M reduce-scatters a step instead of one, (M + 1)(D-1)/D N sent with the all-gather where
---zero 1 sends 2(D-1)/D N (docs/optimizers.md). A bucket whose gradients other ranks complete after
-the backward (`late`: parallel_3d.py's tensor-parallel sums) is reduced once, after those sums.
-groups (--zero 3, mp.param_shards): one bucket per block, so that a block's weights are gathered and
-freed as one flat tensor, the bucket its gradients are reduce-scattered in.
+filled and at most IN_FLIGHT being reduce-scattered (waiting for the oldest is what frees it). No
+collective copies its bucket (mp.dp_collectives: on gloo the bucket is all-reduced in place), and a
+bucket of one parameter is autograd's own gradient tensor, uncopied (Bucket.alone). The price: M
+reduce-scatters a step, (M + 1)(D-1)/D N sent with the all-gather where --zero 1 sends 2(D-1)/D N
+(docs/optimizers.md). `late` gradients (parallel_3d.py's tensor-parallel sums, complete only after the
+backward) are reduced once, after those sums. groups (--zero 3, mp.param_shards): one bucket per block,
+its weights gathered and freed as one flat tensor. --zero 0 and 1 let a bucket's memory go at zero_grad
+and make it again before its first gradient (`lazy`), as torch's set_to_none lets .grad go.
 
-sent_bytes counts what this replica sends in the data-parallel collectives, as a ring moves them: an
-all-reduce of n bytes over D replicas sends 2(D-1)/D n, a reduce-scatter or an all-gather (D-1)/D n
-(the summary's dp_sent_mb_per_step; gloo's reduce-scatter, torch's or ours, is an all-reduce on the wire,
-so there it sends twice what is counted). held_bytes and peak_bytes count the gradients' memory where it
-is made and let go here: the buckets and the accumulators (the summary's peak_grad_mb).
+sent_bytes counts what this replica sends in the data-parallel collectives as a ring moves them (2(D-1)/D
+of a buffer for an all-reduce, (D-1)/D for its halves: dp_sent_mb_per_step); held_bytes and peak_bytes
+the gradients' memory where it is made and let go (the buckets, the accumulators: peak_grad_mb).
 """
 import torch
 import torch.distributed as dist
@@ -232,13 +227,13 @@ class GradBuckets:
         its bucket."""
         for b in self.buckets:
             if b.every_microbatch:        # as torch's zero_grad(set_to_none=True): made again when first needed
-                self.let_acc_go(b)
+                self.let_go(b.acc)
             elif b.grad is None:          # --zero 2: a late bucket let go after the last step
                 b.make_grad()
                 self.note(b.nbytes)
             elif b.lazy:                  # each .grad a view into it again, its memory let go until needed
                 b.point_grads()
-                self.let_go(b)
+                self.let_go(b.grad)
             else:
                 b.grad.zero_()
                 b.point_grads()
@@ -259,7 +254,7 @@ class GradBuckets:
         b = self.where.get(id(p))
         if b is None or not b.every_microbatch:
             if b is not None and b.lazy:
-                self.make(b)
+                self.make(b.grad)
             return
         if b.started:
             self.retire(b)
@@ -268,24 +263,6 @@ class GradBuckets:
         if b.grad is None:
             self.make_room(b)
             b.make_grad()
-            self.note(b.nbytes)
-
-    def let_go(self, b):
-        """--zero 0, 1 (a bucket of no late gradient), at the step's start: the bucket's memory goes, as torch's
-        zero_grad(set_to_none=True) lets .grad go, so the forward (the vit's peak) runs without it; the
-        tensor and the .grad views into it stay. Between steps it holds the last step's gradients."""
-        storage = b.grad.untyped_storage()
-        if storage.nbytes():
-            storage.resize_(0)
-            self.note(-b.nbytes)
-
-    def make(self, b):
-        """A lazy bucket's memory, zeroed, before its first gradient of the step is added (arriving) or its
-        collective starts (a bucket none of whose gradients came: zeros)."""
-        storage = b.grad.untyped_storage()
-        if not storage.nbytes():
-            storage.resize_(b.nbytes)
-            b.grad.zero_()
             self.note(b.nbytes)
 
     def make_room(self, b):
@@ -368,7 +345,7 @@ class GradBuckets:
         the peak: bounded_by_in_flight)."""
         b.started = True
         if b.lazy:
-            self.make(b)
+            self.make(b.grad)
         if self.size > 1:
             if self.sharded:              # in place: my slice of the bucket receives the sum of my slice
                 b.work = reduce_scatter(b.grad, self.rank, self.group)
@@ -394,11 +371,8 @@ class GradBuckets:
                 self.make_room(nxt)
 
     def bounded_by_in_flight(self, b):
-        """Does bucket b count against IN_FLIGHT? Where waiting for it sooner lowers the peak: a bucket
-        that every microbatch reduces (--zero 2, 3) is let go once waited for (retire). Elsewhere (--zero 1,
-        and --zero 2's late buckets) the bucket stays whole through the step anyway and its collective
-        copies nothing (reduce_scatter: in place on every backend), so all of them stay on their way,
-        overlapping the backward, until wait()."""
+        """Does bucket b count against IN_FLIGHT? Where waiting sooner lowers the peak (--zero 2, 3: retire lets
+        it go); elsewhere it stays whole through the step anyway, its collective on its way until wait()."""
         return b.every_microbatch
 
     def retire(self, b):
@@ -411,26 +385,27 @@ class GradBuckets:
         b.work = None
         self.in_flight.remove(b)
         if b.every_microbatch:
-            self.make_acc(b)
+            self.make(b.acc)
             b.acc += b.shard(b.grad, self.rank)
             b.drop_grad()
             self.note(-b.nbytes)
             b.started, b.filled = False, set()
 
-    def let_acc_go(self, b):
-        """--zero 2, 3, at the step's start: the accumulator's memory goes (the tensor stays, and the optimizer's
-        slice's .grad with it) until the backward's first reduce-scatter of b needs it: not held through the
-        forward, where --zero 3 --zero3-gather step has the whole weights gathered."""
-        storage = b.acc.untyped_storage()
+    def let_go(self, t):
+        """At a step's start, as torch's zero_grad(set_to_none=True): t's memory goes (the tensor and views of it
+        stay) until make(t): a lazy bucket (--zero 0, 1) or an accumulator (--zero 2, 3). So the forward runs
+        without them (the vit's peak; --zero 3 step's whole weights)."""
+        storage = t.untyped_storage()
         if storage.nbytes():
             self.note(-storage.nbytes())
             storage.resize_(0)
 
-    def make_acc(self, b):
-        storage, nbytes = b.acc.untyped_storage(), b.acc.numel() * b.acc.element_size()
+    def make(self, t):
+        """t's memory again, zeroed: a lazy bucket's before its first gradient or collective, an accumulator's."""
+        storage, nbytes = t.untyped_storage(), t.numel() * t.element_size()
         if not storage.nbytes():
             storage.resize_(nbytes)
-            b.acc.zero_()
+            t.zero_()
             self.note(nbytes)
 
     def count(self, flat, halves):
@@ -453,7 +428,7 @@ class GradBuckets:
             self.retire(b)
         for b in self.buckets:
             if b.every_microbatch:
-                self.make_acc(b)          # (a bucket none of whose gradients came: zeros)
+                self.make(b.acc)          # (a bucket none of whose gradients came: zeros)
         with awaiting(*self.waiting):
             for b in self.buckets:
                 if b.work is not None:
