@@ -2,6 +2,10 @@
 
     python benchmarks/data_axis.py                        # mlp 8 x 1024, D = 4, batch 64, AdamW, 3 paired rounds
     python benchmarks/data_axis.py --hidden 64 --steps 4 --rounds 1   # a quick look
+    python benchmarks/data_axis.py --model vit --layers 6 --hidden 256 --steps 5 --rounds 2   # the vit rows
+    python benchmarks/data_axis.py --no-floor --only 0,ddp ...   # no floor runs: the harness, not memory figures
+
+$PYTHON, where set, is the python its torchruns start (as the launchers read it; the tests set their zygote's).
 
 Ours is pipeline_dp_joint.py --dp D (one stage, one microbatch); torch's run in this file's worker (the same
 torchrun, the same model from mp.models.build_model and --seed, the same global batches, AdamW from

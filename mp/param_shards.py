@@ -48,8 +48,8 @@ from contextlib import contextmanager
 
 import torch
 
-from mp.dp_collectives import all_gather
 from mp.dist import awaiting
+from mp.dp_collectives import all_gather
 
 
 class ParamShards:

@@ -39,9 +39,9 @@ import torch
 import torch.nn as nn
 
 from mp import optim
-from mp.dp_collectives import all_gather
 from mp.clipping import grad_squares
 from mp.dist import awaiting
+from mp.dp_collectives import all_gather
 
 
 class ZeroOptimizer:
