@@ -2,6 +2,10 @@
 
     python benchmarks/data_axis.py                        # mlp 8 x 1024, D = 4, batch 64, AdamW, 3 paired rounds
     python benchmarks/data_axis.py --hidden 64 --steps 4 --rounds 1   # a quick look
+    python benchmarks/data_axis.py --model vit --layers 6 --hidden 256 --steps 5 --rounds 2   # the vit rows
+    python benchmarks/data_axis.py --no-floor --only 0,ddp ...   # no floor runs: the harness, not memory figures
+
+$PYTHON, where set, is the python its torchruns start (as the launchers read it; the tests set their zygote's).
 
 Ours is pipeline_dp_joint.py --dp D (one stage, one microbatch); torch's run in this file's worker (the same
 torchrun, the same model from mp.models.build_model and --seed, the same global batches, AdamW from
@@ -13,10 +17,14 @@ mp.optim.make_optimizer with the same settings, the replica's slice of every bat
     fsdp2-rs   the same with reshard_after_forward=True (ZeRO-3: weights gathered again for the backward)
 
 The pairs: --zero 0 / ddp, --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) / fsdp2 and
-fsdp2-rs. A round runs every engine once, ours and torch's in turn (A, B, A, B...), each as its own torchrun
-(a process's peak resident set cannot be reset), and again with a tiny model (--hidden 8: the interpreter,
-torch, gloo, the data) for its floor; memory is the peak RSS above the floor, summed over the D ranks, with
-glibc's mmap threshold pinned (docs/memory.md). Step time: the median step of rank 0 (step 0 left out),
+fsdp2-rs. A round runs every engine once, ours and torch's in turn (A, B, A, B...), each as its own torchrun,
+and again with a tiny model (--hidden 8: the interpreter, torch, gloo, the data) for its floor; memory is the
+peak RSS of the steps above the floor's, summed over the D ranks, with glibc's mmap threshold pinned
+(docs/memory.md). The steps' peak: the kernel's high-water mark is reset when set-up ends (reset_peak), in the
+worker and in ours (--ours runs pipeline_dp_joint.py's main with the loop's start_memory_count doing it), since
+a tiny model's peak over the whole process is set-up's, whose transients differ by engine (on the vit the
+worker's DDP set-up peaked 5 MB above ours, while their steps held the same). Step time: the median step of
+rank 0 (step 0 left out),
 zero_grad to the update's end. Printed per pair: the medians over rounds of each side and of the per-round
 ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference
 over the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug).
@@ -24,7 +32,6 @@ over the steps (the engines sum the replicas' gradients in other orders: float32
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -46,6 +53,7 @@ sys.path.insert(0, ROOT)   # the repository root
 from mp.data import dp_slice, load_data  # noqa: E402
 from mp.models import build_model  # noqa: E402
 from mp.optim import make_optimizer  # noqa: E402
+import pipeline_dp_joint  # noqa: E402
 from pipeline_dp_joint import parse_args  # noqa: E402
 OURS = {"0": ["--zero", "0"], "1": ["--zero", "1"], "2": ["--zero", "2"],
         "3-step": ["--zero", "3", "--zero3-gather", "step"], "3-microbatch": ["--zero", "3", "--zero3-gather", "microbatch"]}
@@ -76,6 +84,19 @@ def wrap(engine, model, args, world):
     return model, make_optimizer(model.parameters(), args)
 
 
+def reset_peak():
+    """The kernel's high-water mark of this process's resident set, reset to what it holds now (Linux:
+    /proc/self/clear_refs, 5), so that the peak read afterwards is the steps', not set-up's."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_mb():
+    """This process's peak resident set since reset_peak (VmHWM), in MB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def local_mb(tensors):
     """MB of this rank's part of the tensors (a DTensor's local shard)."""
     out = 0
@@ -92,6 +113,7 @@ def worker(engine, argv):
     rank, world = dist.get_rank(), dist.get_world_size()
     data = load_data(args)
     model, opt = wrap(engine, build_model(args), args, world)
+    reset_peak()                                  # set-up is over: the peak of the steps from here
     losses, times = [], []
     for step in range(args.steps):
         start = time.perf_counter()
@@ -110,7 +132,7 @@ def worker(engine, argv):
     losses = torch.stack(losses)
     dist.all_reduce(losses)                       # the replicas' mean, as our log's
     peaks = [None] * world
-    dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    dist.all_gather_object(peaks, peak_mb())
     if rank == 0:
         with open(args.log_file, "w") as f:
             json.dump({"losses": (losses / world).tolist(), "median_step_time_s": statistics.median(times[1:]),
@@ -119,15 +141,28 @@ def worker(engine, argv):
     dist.destroy_process_group()
 
 
+def ours(argv):
+    """pipeline_dp_joint.py, its peak measured as the worker's: the loop says when set-up is over
+    (mp.loop.start_memory_count, a no-op on the CPU, where the process's peak includes set-up) and the
+    summary's peak_memory_mb is then the steps' (peak_mb); nothing else of the program is touched."""
+    import mp.log
+    import mp.loop
+    mp.loop.start_memory_count = lambda device: reset_peak()
+    mp.log.peak_memory_mb = lambda device, kind="allocated": peak_mb()
+    pipeline_dp_joint.main(argv)
+
+
 # ----------------------------------------------------------------------------- the driver
 
 
 def launch(name, flags, log):
     """One run of engine `name` (ours: pipeline_dp_joint.py) on D ranks: {losses, median_step_time_s,
     peak_memory_mb, held_mb, sent_mb}."""
-    script = ["pipeline_dp_joint.py"] + OURS[name] if name in OURS else [os.path.abspath(__file__), "--worker", name]
+    script = [os.path.abspath(__file__)] + (["--ours"] + OURS[name] if name in OURS else ["--worker", name])
     d = flags[flags.index("--dp") + 1]
-    cmd = [sys.executable, "-m", "mp.tools.torchrun", "--standalone", f"--nproc-per-node={d}", "--"] + script
+    # $PYTHON as the launchers read it (the tests point it at their zygote's stand-in, tests/python)
+    cmd = [os.environ.get("PYTHON", sys.executable), "-m", "mp.tools.torchrun", "--standalone",
+           f"--nproc-per-node={d}", "--"] + script
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     proc = subprocess.run(cmd + flags + ["--log-file", log], env=env, capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
@@ -158,7 +193,9 @@ def one_round(args, tmp):
     out = {}
     for name in [n for n in ORDER if n in args.only]:
         big = launch(name, common + ["--hidden", str(args.hidden)], os.path.join(tmp, "big.jsonl"))
-        tiny = launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
+        # --no-floor: the peak itself (a quick check of the harness; not a memory figure to compare)
+        tiny = {"peak_memory_mb": {r: 0 for r in big["peak_memory_mb"]}} if args.no_floor else \
+            launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
         big["above_floor_mb"] = sum(big["peak_memory_mb"][r] - tiny["peak_memory_mb"][r] for r in big["peak_memory_mb"])
         out[name] = big
         print(f"{name}: {big['median_step_time_s'] * 1e3:.1f} ms, {big['above_floor_mb']:.0f} MB", file=sys.stderr,
@@ -169,7 +206,8 @@ def one_round(args, tmp):
 def table(rounds, args):
     n = next(r["held_mb"][0] for name, r in rounds[0].items() if name in ("0", "1", "2", "ddp", "zero1"))
     med = lambda f: statistics.median(f(r) for r in rounds)   # noqa: E731
-    lines = ["| ours | torch | peak above floor, MB (4 ranks) ours / torch | ratio | step ms ours / torch | ratio "
+    peak = "peak" if getattr(args, "no_floor", False) else "peak above floor"
+    lines = [f"| ours | torch | {peak}, MB ({args.dp} ranks) ours / torch | ratio | step ms ours / torch | ratio "
              "| held MB (weights, grads, AdamW) ours / torch | sent MB/step ours / torch | max loss diff |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for a, b in [(a, b) for a, b in PAIRS if a in rounds[0] and b in rounds[0]]:
@@ -191,6 +229,8 @@ def table(rounds, args):
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         return worker(sys.argv[2], sys.argv[3:])
+    if len(sys.argv) > 1 and sys.argv[1] == "--ours":
+        return ours(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["mlp", "vit"], default="mlp")
     p.add_argument("--layers", type=int, default=8)
@@ -202,6 +242,8 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench", "data_axis.json"))
     p.add_argument("--only", type=lambda s: s.split(","), default=ORDER,
                    help=f"the engines to run, comma-separated (default: all, {','.join(ORDER)})")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip each engine's run with the tiny model: memory is then the whole peak, not above its floor")
     p.add_argument("--table", default=None, help="print the table of an earlier run's --out file, run nothing")
     args = p.parse_args()
     if args.table:

@@ -40,86 +40,28 @@ before autograd accumulates into it; zero-bubble's W says arriving()):
     bucket 1:                                     made, filled | reduce-scatter --> acc += my slice, freed
 
 So a replica holds its accumulators (1/D of the gradients) and the buckets in flight: the ones being
-filled and at most IN_FLIGHT being reduce-scattered (the oldest is waited for before another starts).
-Which buckets the bound holds, and why (bounded_by_in_flight):
-under --zero 2 and 3, a bucket that every microbatch reduces, since waiting for it is what frees it.
-No collective here copies its bucket: torch's gloo reduce-scatter clones the whole bucket and all-reduces
-the clone (9 buckets of 4 MB on their way at once raised a process's peak by 40 MB, where all-reduces
-raised it 5), so on gloo the bucket itself is all-reduced in place (reduce_scatter): the same bytes and
-sums, no copy. A bucket of one parameter (--zero 2's large weights) is not made at all: autograd's own
-gradient tensor, which it hands over to an empty .grad without a copy, is the bucket (Bucket.alone).
-The price: M reduce-scatters a step instead of one, (M + 1)(D-1)/D N sent with the all-gather where
---zero 1 sends 2(D-1)/D N (docs/optimizers.md). A bucket whose gradients other ranks complete after
-the backward (`late`: parallel_3d.py's tensor-parallel sums) is reduced once, after those sums.
-groups (--zero 3, mp.param_shards): one bucket per block, so that a block's weights are gathered and
-freed as one flat tensor, the bucket its gradients are reduce-scattered in.
+filled and at most IN_FLIGHT being reduce-scattered (waiting for the oldest is what frees it). No
+collective copies its bucket (mp.dp_collectives: on gloo the bucket is all-reduced in place), and a
+bucket of one parameter is autograd's own gradient tensor, uncopied (Bucket.alone). The price: M
+reduce-scatters a step, (M + 1)(D-1)/D N sent with the all-gather where --zero 1 sends 2(D-1)/D N
+(docs/optimizers.md). `late` gradients (parallel_3d.py's tensor-parallel sums, complete only after the
+backward) are reduced once, after those sums. groups (--zero 3, mp.param_shards): one bucket per block,
+its weights gathered and freed as one flat tensor. --zero 0 and 1 let a bucket's memory go at zero_grad
+and make it again before its first gradient (`lazy`), as torch's set_to_none lets .grad go.
 
-sent_bytes counts what this replica sends in the data-parallel collectives, as a ring moves them: an
-all-reduce of n bytes over D replicas sends 2(D-1)/D n, a reduce-scatter or an all-gather (D-1)/D n
-(the summary's dp_sent_mb_per_step; gloo's reduce-scatter, torch's or ours, is an all-reduce on the wire,
-so there it sends twice what is counted). held_bytes and peak_bytes count the gradients' memory where it
-is made and let go here: the buckets and the accumulators (the summary's peak_grad_mb).
+sent_bytes counts what this replica sends in the data-parallel collectives as a ring moves them (2(D-1)/D
+of a buffer for an all-reduce, (D-1)/D for its halves: dp_sent_mb_per_step); held_bytes and peak_bytes
+the gradients' memory where it is made and let go (the buckets, the accumulators: peak_grad_mb).
 """
-import time
-
 import torch
 import torch.distributed as dist
 
 from mp.dist import awaiting, buckets
+from mp.dp_collectives import CollectiveSpans, reduce_scatter
 from mp.errors import CommError
 
-# torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn); either works
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 BUCKET_MB = 4   # small enough that a few-MB stage gets several buckets to overlap; DDP's first is 1 MB
 IN_FLIGHT = 2   # reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
-
-
-def reduce_scatter_copies(group):
-    """Does this group's reduce-scatter work on a copy of its bucket, held until it is done? gloo's does:
-    torch's ProcessGroupGloo reduce-scatters by cloning the whole input, all-reducing the clone and copying
-    my chunk out of it; nccl's reads and writes the bucket itself."""
-    return dist.get_backend(group) == "gloo"
-
-
-def all_gather(flat, mine, rank, group):
-    """Start gathering every replica's slice `mine` into `flat` (slice d at d's offset). gloo's all-gather
-    receives into a temporary the size of `flat` and then copies it over (torch's ProcessGroupGloo), a second
-    bucket's worth at the moment the weights are made whole; there each replica's slice is broadcast from it
-    straight into its place instead: D broadcasts, the same bytes received, the same bits, no temporary."""
-    if not reduce_scatter_copies(group):
-        return ALL_GATHER(flat, mine, group=group, async_op=True)
-    parts = flat.split(flat.numel() // dist.get_world_size(group))
-    if parts[rank].data_ptr() != mine.data_ptr():
-        parts[rank].copy_(mine)
-    return Works([dist.broadcast(part, group_src=d, group=group, async_op=True) for d, part in enumerate(parts)])
-
-
-class Works:
-    """Several collectives waited for as one (all_gather's broadcasts)."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for work in self.works:
-            work.wait()
-        return True
-
-    def get_future(self):
-        raise RuntimeError("several collectives: no one future")   # CollectiveSpans ends the span at the wait
-
-
-def reduce_scatter(flat, rank, group):
-    """Start the sum of `flat` over the group into my 1/D of it, in place. Where the backend's reduce-scatter
-    would clone the bucket (gloo: reduce_scatter_copies), the bucket is all-reduced in place instead: the
-    same all-reduce gloo runs on its clone, so the same bytes sent and the same sums, bit for bit, without
-    the copy (a second bucket's worth of memory for each one on its way). The rest of the bucket then holds
-    the other slices' sums, which nobody reads."""
-    size = flat.numel() // dist.get_world_size(group)
-    if reduce_scatter_copies(group):
-        return dist.all_reduce(flat, group=group, async_op=True)
-    return REDUCE_SCATTER(flat[rank * size:(rank + 1) * size], flat, group=group, async_op=True)
 
 
 class Bucket:
@@ -143,6 +85,7 @@ class Bucket:
         # own tensors, so that the block's whole weights can go first (GradBuckets.when_filled)
         self.copy_in = self.alone or (every_microbatch and by_block and not direct)
         self.started, self.expected, self.final, self.filled = False, set(), set(), set()
+        self.lazy = False                 # GradBuckets: --zero 0, 1 let its memory go through the forward
 
     def make_grad(self):
         """The flat gradient, zeroed, and each parameter's .grad a view into it."""
@@ -231,7 +174,9 @@ class GradBuckets:
         self.buckets = [Bucket(ps, self.size if shard else 1, device,
                                self.free and not any(id(p) in self.late_ids for p in ps),
                                any(id(p) in direct for p in ps), by_block) for ps in groups]
-        self.when_filled = []                         # f(bucket) once a copy_in bucket's gradients are all in
+        for b in self.buckets:                        # made when first needed in a step (let_go, make)
+            b.lazy = not b.every_microbatch and not any(id(p) in self.late_ids for p in b.params)
+        self.when_filled = []                         # f(bucket) once a bucket's gradients are all in (say_filled)
         self.sent_bytes, self.held_bytes, self.peak_bytes, self.in_flight = 0, 0, 0, []
         # bytes of buckets on their way and filling (make_room): IN_FLIGHT + 1 of the set size, or of the
         # median bucket's where that is larger (--zero 3's blocks: a 4 MB weight and its bias)
@@ -252,7 +197,7 @@ class GradBuckets:
         for p in params:
             if id(p) not in direct:
                 p.register_post_accumulate_grad_hook(self.arrived)
-                if self.free:                         # before autograd accumulates: the bucket's memory
+                if self.free or self.where[id(p)].lazy:   # before autograd accumulates: the bucket's memory
                     p.register_hook(lambda grad, p=p: self.arriving(p))
 
     def name_params(self, named):
@@ -282,10 +227,13 @@ class GradBuckets:
         its bucket."""
         for b in self.buckets:
             if b.every_microbatch:        # as torch's zero_grad(set_to_none=True): made again when first needed
-                self.let_acc_go(b)
+                self.let_go(b.acc)
             elif b.grad is None:          # --zero 2: a late bucket let go after the last step
                 b.make_grad()
                 self.note(b.nbytes)
+            elif b.lazy:                  # each .grad a view into it again, its memory let go until needed
+                b.point_grads()
+                self.let_go(b.grad)
             else:
                 b.grad.zero_()
                 b.point_grads()
@@ -305,6 +253,8 @@ class GradBuckets:
         --zero 2, 3: its bucket's memory, made now (an earlier microbatch's reduce-scatter of it finished first)."""
         b = self.where.get(id(p))
         if b is None or not b.every_microbatch:
+            if b is not None and b.lazy:
+                self.make(b.grad)
             return
         if b.started:
             self.retire(b)
@@ -339,15 +289,22 @@ class GradBuckets:
             if len(b.filled) == len(b.params):
                 if b.copy_in:
                     self.fill(b)
+                else:
+                    self.say_filled(b)
                 self.start(b)
         elif id(p) in b.expected:         # the step's last gradient of p
             self._final(b, p)
 
-    def fill(self, b):
-        """A copy_in bucket's gradients are all in, as autograd's own tensors: say so (--zero 3 lets the block's
-        whole weights go), make room, then the flat bucket from them."""
+    def say_filled(self, b):
+        """Bucket b's gradients of this backward are all in, so no autograd node reads its weights again in it:
+        --zero 3 lets the block's whole weights go, --zero 2 all but my slice (ZeroOptimizer.release)."""
         for f in self.when_filled:
             f(b)
+
+    def fill(self, b):
+        """A copy_in bucket's gradients are all in, as autograd's own tensors: say so (say_filled), make room,
+        then the flat bucket from them."""
+        self.say_filled(b)
         self.make_room(b)
         apart = sum(p.grad.numel() * p.grad.element_size() for p in b.params if p.grad is not None)
         if b.assemble():                  # both at once while it copies, then autograd's tensors go
@@ -387,6 +344,8 @@ class GradBuckets:
         """The bucket's collective, without waiting for it (at most IN_FLIGHT on their way where that lowers
         the peak: bounded_by_in_flight)."""
         b.started = True
+        if b.lazy:
+            self.make(b.grad)
         if self.size > 1:
             if self.sharded:              # in place: my slice of the bucket receives the sum of my slice
                 b.work = reduce_scatter(b.grad, self.rank, self.group)
@@ -412,11 +371,8 @@ class GradBuckets:
                 self.make_room(nxt)
 
     def bounded_by_in_flight(self, b):
-        """Does bucket b count against IN_FLIGHT? Where waiting for it sooner lowers the peak: a bucket
-        that every microbatch reduces (--zero 2, 3) is let go once waited for (retire). Elsewhere (--zero 1,
-        and --zero 2's late buckets) the bucket stays whole through the step anyway and its collective
-        copies nothing (reduce_scatter: in place on every backend), so all of them stay on their way,
-        overlapping the backward, until wait()."""
+        """Does bucket b count against IN_FLIGHT? Where waiting sooner lowers the peak (--zero 2, 3: retire lets
+        it go); elsewhere it stays whole through the step anyway, its collective on its way until wait()."""
         return b.every_microbatch
 
     def retire(self, b):
@@ -429,26 +385,27 @@ class GradBuckets:
         b.work = None
         self.in_flight.remove(b)
         if b.every_microbatch:
-            self.make_acc(b)
+            self.make(b.acc)
             b.acc += b.shard(b.grad, self.rank)
             b.drop_grad()
             self.note(-b.nbytes)
             b.started, b.filled = False, set()
 
-    def let_acc_go(self, b):
-        """--zero 2, 3, at the step's start: the accumulator's memory goes (the tensor stays, and the optimizer's
-        slice's .grad with it) until the backward's first reduce-scatter of b needs it: not held through the
-        forward, where --zero 3 --zero3-gather step has the whole weights gathered."""
-        storage = b.acc.untyped_storage()
+    def let_go(self, t):
+        """At a step's start, as torch's zero_grad(set_to_none=True): t's memory goes (the tensor and views of it
+        stay) until make(t): a lazy bucket (--zero 0, 1) or an accumulator (--zero 2, 3). So the forward runs
+        without them (the vit's peak; --zero 3 step's whole weights)."""
+        storage = t.untyped_storage()
         if storage.nbytes():
             self.note(-storage.nbytes())
             storage.resize_(0)
 
-    def make_acc(self, b):
-        storage, nbytes = b.acc.untyped_storage(), b.acc.numel() * b.acc.element_size()
+    def make(self, t):
+        """t's memory again, zeroed: a lazy bucket's before its first gradient or collective, an accumulator's."""
+        storage, nbytes = t.untyped_storage(), t.numel() * t.element_size()
         if not storage.nbytes():
             storage.resize_(nbytes)
-            b.acc.zero_()
+            t.zero_()
             self.note(nbytes)
 
     def count(self, flat, halves):
@@ -471,7 +428,7 @@ class GradBuckets:
             self.retire(b)
         for b in self.buckets:
             if b.every_microbatch:
-                self.make_acc(b)          # (a bucket none of whose gradients came: zeros)
+                self.make(b.acc)          # (a bucket none of whose gradients came: zeros)
         with awaiting(*self.waiting):
             for b in self.buckets:
                 if b.work is not None:
@@ -495,66 +452,3 @@ class GradBuckets:
 
     def collective(self):
         return "reduce-scatter" if self.sharded else "all-reduce"
-
-
-class CollectiveSpans:
-    """The timeline's collective row (when the recorder records): each collective's span, from when it
-    was started to its end. On the CPU (gloo) a Work's future completes with the collective, so its
-    callback ends the span; gloo's reduce-scatter and all-gather have none (get_future raises): their
-    span ends where the step waited for them, at most that long. On a GPU the future of an nccl Work
-    completes when the collective is enqueued, not when it ends, so the span is read from CUDA events
-    instead: one recorded on the current stream as the collective is enqueued (nccl's stream starts
-    after what was queued before it) and one on a side stream made to wait for the Work (the host does
-    not wait), both read against a reference event when the step waits for the collective."""
-
-    def __init__(self, recorder):
-        self.recorder, self.open, self.side, self.reference = recorder, [], None, None
-
-    def events(self):
-        return getattr(self.recorder, "events", None)
-
-    def begin(self, work, name, device):
-        events = self.events()
-        if events is None:
-            return
-        if device.type == "cuda":
-            self.open.append((work, name, self.cuda_marks(work, device)))
-            return
-        start = time.perf_counter()
-        try:
-            future = work.get_future()
-        except RuntimeError:
-            self.open.append((work, name, start))
-            return
-        future.add_done_callback(lambda _: events.append(("collective", name, None, 0, start, time.perf_counter())))
-
-    def cuda_marks(self, work, device):
-        """(start event, end event) of a collective just enqueued on a GPU; the reference (an event and
-        the host's clock when it completed) is taken when no span is open, once per burst of collectives."""
-        if not self.open:
-            self.reference = torch.cuda.Event(enable_timing=True)
-            self.reference.record()
-            self.reference.synchronize()
-            self.reference = (self.reference, time.perf_counter())
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.side = self.side or torch.cuda.Stream(device)
-        with torch.cuda.stream(self.side):
-            work.wait()                   # the side stream waits for the collective; the host goes on
-            end.record(self.side)
-        return start, end, self.reference
-
-    def end(self, work):
-        """work was waited for: its span on the timeline, if no callback ends it."""
-        events = self.events()
-        for item in [u for u in self.open if u[0] is work]:
-            self.open.remove(item)
-            if events is None:
-                continue
-            if isinstance(item[2], tuple):    # a GPU's: from its events, on the host's clock
-                start, end, (reference, host) = item[2]
-                end.synchronize()
-                span = (host + reference.elapsed_time(start) / 1e3, host + reference.elapsed_time(end) / 1e3)
-            else:
-                span = (item[2], time.perf_counter())
-            events.append(("collective", item[1], None, 0, *span))

@@ -36,6 +36,10 @@ first block of a chunk, the backward call returning (a callback queued on autogr
 does). Every replica of a stage runs the same schedule, so the all-gathers start in the same order on
 every replica, as gloo and nccl need.
 
+While a block is whole, `mine` holds no memory of its own: its bytes are my part of the whole weights, so
+its storage is let go once the all-gather is done and made again from there when the block is freed (the
+optimizer steps it only after every block is freed; FSDP2 keeps both, the shard and the whole).
+
 A checkpoint, the evaluation and the replicas' end-of-run comparison read the weights whole: whole()
 gathers every block for their duration, and writes each replica's slice back into `mine` afterwards (a
 resume loaded new weights into the whole tensors).
@@ -44,8 +48,8 @@ from contextlib import contextmanager
 
 import torch
 
-from mp.buckets import all_gather
 from mp.dist import awaiting
+from mp.dp_collectives import all_gather
 
 
 class ParamShards:
@@ -95,19 +99,28 @@ class ParamShards:
         self.grads.spans.begin(b.gathering, f"all-gather {self.buckets.index(b)}", b.param.device)
 
     def wait(self, b):
-        """Block b's weights, whole: gathered now, or the prefetch waited for."""
+        """Block b's weights, whole: gathered now, or the prefetch waited for. Then my slice's own memory goes
+        while they are whole: the same bytes sit in my part of them (free makes it again from there)."""
         self.gather(b)
         if b.gathering is not None:
             with awaiting(*self.grads.waiting):
                 b.gathering.wait()
             self.grads.spans.end(b.gathering)   # its span on the timeline (gloo's: ends where it was waited for)
             b.gathering, b.whole = None, True
+            b.mine.untyped_storage().resize_(0)   # (the optimizer's Parameter shares it: nothing steps it now)
+            self.note(-b.mine.numel() * b.mine.element_size())
 
     def free(self, b):
-        """Give block b's whole weights back (an all-gather on its way is waited for first: it writes there)."""
+        """Give block b's whole weights back (an all-gather on its way is waited for first: it writes there),
+        my slice first copied out of them into its own memory again."""
         if b.gathering is not None:
             self.wait(b)
         if b.whole:
+            storage, nbytes = b.mine.untyped_storage(), b.mine.numel() * b.mine.element_size()
+            if not storage.nbytes():          # let go while whole (wait): made again from my part of them
+                storage.resize_(nbytes)
+                b.mine.copy_(b.shard(b.param.detach(), self.rank))
+                self.note(nbytes)
             b.param.untyped_storage().resize_(0)
             b.whole = False
             self.note(-b.param.numel() * b.param.element_size())
@@ -186,7 +199,8 @@ class ParamShards:
             self.pinned = False
             with torch.no_grad():
                 for b in self.buckets:
-                    b.mine.copy_(b.shard(b.param, self.rank))
+                    if b.mine.untyped_storage().nbytes():   # (else free makes it again from the whole weights)
+                        b.mine.copy_(b.shard(b.param, self.rank))
                     self.free(b)
             self.peak_bytes, self.grads.sent_bytes = peak, sent
 

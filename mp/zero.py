@@ -24,6 +24,10 @@ the flat range of it that the slice holds (saved_pieces, mp.checkpoint's `#first
 sharded state, nothing gathered), and resuming, in any layout, cuts this replica's slice out of the
 pieces put back together (docs/optimizers.md).
 
+--zero 2 (release): once a bucket's gradients of the step's last backward are all in, nothing reads its
+weights until the all-gather after the update rewrites all but my slice; so my slice moves to a tensor of
+its own and the bucket's whole weights go, made whole again (rejoin) just before that all-gather.
+
 --zero 3 (mp.param_shards.ParamShards, `shards`): the slices are tensors of their own, not views of the
 whole weights, which exist only while a block runs; so the step ends after the update, without the
 all-gather (the next forward gathers each block); a save writes each replica's slice of the weights
@@ -35,9 +39,9 @@ import torch
 import torch.nn as nn
 
 from mp import optim
-from mp.buckets import all_gather
 from mp.clipping import grad_squares
 from mp.dist import awaiting
+from mp.dp_collectives import all_gather
 
 
 class ZeroOptimizer:
@@ -57,9 +61,35 @@ class ZeroOptimizer:
         # tensor at a time anyway); the same kernels on each element, so the same bits
         self.inner = optim.make_optimizer([{"params": [s]} for s in self.slices], args)
         self.state, self.param_groups = self.inner.state, self.inner.param_groups
+        self.released = {}                # --zero 2: bucket -> its slice's index, whole weights let go (release)
+        if grad_buckets.free and not shards:
+            grad_buckets.when_filled.append(self.release)
 
     def zero_grad(self, set_to_none=True):
         self.grads.zero_grad()
+
+    def release(self, b):
+        """--zero 2: bucket b's gradients of the step's last backward are all in (each of its parameters said
+        expected, GradBuckets.say_filled). Nothing reads its weights again before the all-gather after the
+        update, which rewrites all but my slice: so my slice moves to a tensor of its own (the optimizer's
+        Parameter takes it as its data; its state is keyed by the Parameter, not the memory) and the whole
+        weights go, as FSDP2 reshards a module after its backward. The peak of the backward then holds the
+        whole weights of the buckets still to come and my slices of the others, not every weight; step()
+        makes them whole again (rejoin), one bucket before its all-gather."""
+        if len(b.expected) < len(b.params) or b in self.released:
+            return
+        i = self.grads.buckets.index(b)
+        self.slices[i].data = self.slices[i].detach().clone()
+        b.param.untyped_storage().resize_(0)
+        self.released[b] = i
+
+    def rejoin(self, b):
+        """--zero 2, after the update: bucket b's whole weights made again, my updated slice in its place."""
+        mine = self.slices[self.released.pop(b)]
+        b.param.untyped_storage().resize_(b.nbytes)
+        place = b.shard(b.param, self.grads.rank)
+        place.copy_(mine.detach())
+        mine.data = place                 # a view into the parameters again, as --zero 1's
 
     def step(self):
         """My slices' update, then every replica's slices into every replica's parameters."""
@@ -68,6 +98,8 @@ class ZeroOptimizer:
             return
         group, works = self.grads.group, []
         for b, mine in zip(self.grads.buckets, self.slices):
+            if b in self.released:        # --zero 2: whole again, then the others' slices broadcast into place
+                self.rejoin(b)
             # in place: my slice already sits at my offset of b.param, which every rank's slices fill
             works.append(all_gather(b.param, mine.detach(), self.grads.rank, group))
             self.grads.count(b.param, 1)

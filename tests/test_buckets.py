@@ -112,7 +112,8 @@ def test_zb_keeps_its_in_place_weight_gradients_under_data_parallelism(tmp_path)
 def _in_flight_case(rank, world, group):
     """How many reduce-scatters are on their way at once, per backend and --zero, on four one-tensor buckets."""
     import mp.buckets as buckets
-    real, backend, got = buckets.reduce_scatter, buckets.reduce_scatter_copies, {}
+    import mp.dp_collectives as collectives
+    real, backend, got = buckets.reduce_scatter, collectives.reduce_scatter_copies, {}
     on_way, most = set(), [0]
 
     class Counted:
@@ -131,7 +132,7 @@ def _in_flight_case(rank, world, group):
     buckets.reduce_scatter = counted
     try:
         for copies in (True, False):         # gloo (its reduce-scatter copies: ours all-reduces in place), nccl's faked
-            buckets.reduce_scatter_copies = lambda group, copies=copies: copies
+            collectives.reduce_scatter_copies = lambda group, copies=copies: copies
             for free in (False, True):       # --zero 1, --zero 2
                 model, most[0] = model_of(), 0
                 grads = GradBuckets(list(model.parameters()), None, ("the test's reduce-scatter", 30), shard=True,
@@ -143,7 +144,7 @@ def _in_flight_case(rank, world, group):
                 grads.wait()
                 got[copies, free] = most[0], [g.clone() for g in grads.shard_grads]
     finally:
-        buckets.reduce_scatter, buckets.reduce_scatter_copies = real, backend
+        buckets.reduce_scatter, collectives.reduce_scatter_copies = real, backend
     # issue 66: no collective copies its bucket now, so on either backend --zero 1 keeps all four on their
     # way; --zero 2 waits for the oldest (waiting frees the bucket): past IN_FLIGHT, and here sooner, since
     # the last bucket (the first layer's weight, 120 bytes) is larger than the set size of 64: before its
@@ -230,7 +231,7 @@ def test_on_a_gpu_the_timeline_clocks_a_collective_with_cuda_events(monkeypatch)
     stream as the collective is enqueued, one on a side stream made to wait for the Work; the span ends
     where that event says, read when the step waits for the collective (faked here on the CPU: each
     record moves the fake GPU clock 5 ms)."""
-    from mp.buckets import CollectiveSpans
+    from mp.dp_collectives import CollectiveSpans
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: "side stream")
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())

@@ -245,18 +245,28 @@ class WeightGradStash:
         self.pending = {}                         # microbatch -> [(layer, x, dy)], in backward order
         self.microbatch = None                    # the microbatch whose B is running
         self.weights = []                         # the split layers' weights: W, not B, gives their gradients
+        self.at_once, self.buckets = False, None  # backward_of(at_once=True): each W inside its B (below)
 
     def put(self, layer, x, dy):
         assert self.microbatch is not None, "a split layer's backward ran outside a B action"
+        if self.at_once and not has_grad_hooks(layer.weight):
+            # nobody waits for this B's input gradient, so nothing gains by W waiting: the layer's W now,
+            # the same GEMM into the same .grad, rather than every split layer's input and output gradient
+            # stashed until the B's end (autograd lets each go as soon as its layer's backward is done)
+            self.write_weight_grad(layer, x, dy, self.buckets)
+            return
         self.pending.setdefault(self.microbatch, []).append((layer, x.detach(), dy.detach()))
 
     @contextmanager
-    def backward_of(self, mb):
-        self.microbatch = mb
+    def backward_of(self, mb, at_once=False, buckets=None):
+        """B of microbatch mb runs inside. at_once (split "B" on a stage alone, where no exchange follows B
+        and no stage before waits for its dx): each W runs inside the B, told to buckets as weight_grads
+        tells them; its weight's gradient gets the very GEMM it would have got just after the B."""
+        self.microbatch, self.at_once, self.buckets = mb, at_once, buckets
         try:
             yield
         finally:
-            self.microbatch = None
+            self.microbatch, self.at_once, self.buckets = None, False, None
 
     def weight_grads(self, mb, buckets=None):
         """W: dA of every split layer for microbatch mb, added to A.grad. A weight that has gradient
@@ -273,16 +283,24 @@ class WeightGradStash:
             if has_grad_hooks(weight):
                 hooked.append(_DeferredWeightGrad.apply(weight, x, dy, layer))
                 continue
-            if buckets is not None:
-                buckets.arriving(weight)          # --zero 2, 3: its bucket's memory, made for this microbatch
-            if weight.grad is None:               # the step's first W (the optimizer set grads to None)
-                weight.grad = layer.math.weight_grad(x, dy, weight.shape)
-            else:
-                layer.math.add_weight_grad(weight.grad, x, dy)
-            if buckets is not None:
-                buckets.arrived(weight)
+            self.write_weight_grad(layer, x, dy, buckets)
         if hooked:
             torch.autograd.backward(hooked)
+
+    @staticmethod
+    def write_weight_grad(layer, x, dy, buckets=None):
+        """dA into A.grad directly (a weight without gradient hooks): set, or added in place by one GEMM."""
+        weight = layer.weight
+        if not weight.requires_grad:              # frozen since the forward: no gradient, as autograd's
+            return
+        if buckets is not None:
+            buckets.arriving(weight)              # --zero 2, 3: its bucket's memory, made for this microbatch
+        if weight.grad is None:                   # the step's first W (the optimizer set grads to None)
+            weight.grad = layer.math.weight_grad(x, dy, weight.shape)
+        else:
+            layer.math.add_weight_grad(weight.grad, x, dy)
+        if buckets is not None:
+            buckets.arrived(weight)
 
 
 def run_weight_grads(runner, grads=None):

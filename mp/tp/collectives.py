@@ -7,7 +7,7 @@ unchanged on a group of one (or without a process group: a one-process test), so
 is the plain layer.
 
 The gather and the scatter run on one flat buffer each (ALL_GATHER, REDUCE_SCATTER: torch's
-all_gather_into_tensor and reduce_scatter_tensor, as mp.buckets names them), not on a list of
+all_gather_into_tensor and reduce_scatter_tensor, as mp.dp_collectives names them), not on a list of
 parts: one allocation and at most one copy into place, where a list costs one tensor a rank and a
 cat. gloo implements both (checked on torch 2.14.1), with the parts laid end to end along dim 0
 (it refuses them stacked in a new dim), which is the layout used here.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mp.buckets import ALL_GATHER, REDUCE_SCATTER
+from mp.dp_collectives import ALL_GATHER, REDUCE_SCATTER
 
 
 def tp_rank(group):
