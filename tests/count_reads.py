@@ -74,8 +74,8 @@ def sized_by_data(real):
 torch.repeat_interleave = sized_by_data(torch.repeat_interleave)
 torch.Tensor.repeat_interleave = sized_by_data(torch.Tensor.repeat_interleave)
 dist.all_reduce = counted("all_reduce", dist.all_reduce, "all_reduce")
-dist.broadcast = counted("broadcast", dist.broadcast, "broadcast")   # mp.buckets.all_gather's, on gloo
-# ZeRO's and tensor parallelism's flat collectives (mp.buckets binds them when the program imports it,
+dist.broadcast = counted("broadcast", dist.broadcast, "broadcast")   # mp.dp_collectives.all_gather's, on gloo
+# ZeRO's and tensor parallelism's flat collectives (mp.dp_collectives binds them when the program imports it,
 # after this; mp.tp.collectives takes them from there): torch 2.14's
 # names and the older ones, each counted once (neither calls the other through torch.distributed)
 for name, key in (("reduce_scatter_single", "reduce_scatter"), ("reduce_scatter_tensor", "reduce_scatter"),
