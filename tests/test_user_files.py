@@ -72,11 +72,11 @@ def test_ctrl_c_says_one_line_keeps_the_partial_log_and_leaves_the_earlier_set_a
     tensor-parallel run is training: exit 130, one line naming the kept partial log, every file of the
     run before (both logs and the figure) byte for byte, no process left; this run's files so far in
     its own folder. A rerun to the end then replaces the set and says so in one line (issue 59)."""
-    code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="300"))
+    code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="150"))
     assert code == 0, err[-2000:]
     first, before = written(out), snapshot(tmp_path / "logs")
     assert len(first) == 3 and sorted(before) == sorted(first)            # two logs and the figure, nothing else
-    run = launcher("run_tp.sh", tmp_path, STEPS="300", python=sys.executable)
+    run = launcher("run_tp.sh", tmp_path, STEPS="150", python=sys.executable)
     logs = tmp_path / "logs"
     deadline = time.time() + 120
     while not any(len(read_log(str(p))) > 3 for p in logs.rglob("tensor_parallel_*.partial-*.jsonl")):
@@ -96,7 +96,7 @@ def test_ctrl_c_says_one_line_keeps_the_partial_log_and_leaves_the_earlier_set_a
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
     assert not left.strip(), f"processes left running: {left}"
-    code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="300"))
+    code, out, err = finished(launcher("run_tp.sh", tmp_path, STEPS="150"))
     assert code == 0 and written(out) == first, err[-2000:]
     assert f"replaced the earlier run's files: {', '.join(first)}" in out.splitlines(), out[-2000:]
     assert sorted(snapshot(tmp_path / "logs")) == sorted(first) and not stage.exists()

@@ -23,6 +23,7 @@ the other ranks get torchrun's grace. What cannot be made equal: every rank shar
 string hash seed (PYTHONHASHSEED is read once, at start-up), so code that orders collectives by
 iterating a set of strings would agree across ranks here and not under torchrun; the modules the
 server imported are imported already; and the ranks start within milliseconds of each other."""
+import gc
 import importlib
 import json
 import os
@@ -63,6 +64,10 @@ def preload():
         import matplotlib.pyplot  # noqa: F401
     except ImportError:
         pass
+    # every object made so far out of the collector's sight: a rank's first full collection would else
+    # write to the header of each of the imports' objects, copying nearly every page fork shares
+    gc.collect()
+    gc.freeze()
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     assert threads == 1, f"tests/zygote.py: {threads} threads after the imports; forking them is unsafe"
 
