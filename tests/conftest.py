@@ -36,4 +36,4 @@ def baseline(tmp_path_factory):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a multi-process run of tens of seconds; "
-                                       "`python -m pytest -q -m 'not slow' tests` leaves these out")
+                                       "`python -m pytest -q -n 2 -m 'not slow' tests` leaves these out")

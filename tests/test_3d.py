@@ -251,5 +251,6 @@ def test_zb_splits_the_sharded_layers_and_keeps_the_baseline(tmp_path, baseline,
         events = json.load(f)["traceEvents"]
     time = {kind: sum(e["dur"] for e in events if e["cat"] == kind) for kind in ("backward", "weight")}
     # B holds the tp collectives (and, 4 ranks on 2 cores, their waits for a core): W measured 6-9% of
-    # it here; an unsplit backward's W actions are empty (about 0.1%, 1 us against B's 800 us)
-    assert time["weight"] > 0.02 * time["backward"], time
+    # it on a quiet machine, 2% beside another test file's ranks (pytest -n 2); an unsplit backward's W
+    # actions are empty (about 0.1%, 1 us against B's 800 us)
+    assert time["weight"] > 0.005 * time["backward"], time
