@@ -226,6 +226,18 @@ def table(rounds, args):
                                f"medians over {len(rounds)} paired rounds (ratios: the median of each round's).")
 
 
+def bad_input(args):
+    """What in the flags cannot make a table (None: nothing)."""
+    unknown = [name for name in args.only if name not in ORDER]
+    if unknown:
+        return f"--only {','.join(unknown)}: no such engine; choose among {','.join(ORDER)}"
+    if args.rounds < 1:
+        return f"--rounds {args.rounds}: at least one round"
+    if args.steps < 2:
+        return f"--steps {args.steps}: at least 2 (the step time is the median of the steps after step 0)"
+    return None
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         return worker(sys.argv[2], sys.argv[3:])
@@ -246,6 +258,10 @@ def main():
                    help="skip each engine's run with the tiny model: memory is then the whole peak, not above its floor")
     p.add_argument("--table", default=None, help="print the table of an earlier run's --out file, run nothing")
     args = p.parse_args()
+    problem = bad_input(args)
+    if problem:                                  # one line, before anything runs
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     if args.table:
         with open(args.table) as f:
             saved = json.load(f)

@@ -130,3 +130,22 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
         assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (ours, a, b)
         assert round_[ours]["median_step_time_s"] > 0 and round_[theirs]["median_step_time_s"] > 0
         assert round_[ours]["above_floor_mb"] > 0 and round_[theirs]["above_floor_mb"] > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--only", "0,fsdp3"], "error: --only fsdp3: no such engine; choose among 0,ddp,1,zero1"),
+    (["--rounds", "0"], "error: --rounds 0: at least one round"),
+    (["--steps", "1"], "error: --steps 1: at least 2"),
+], ids=["engine", "rounds", "steps"])
+def test_data_axis_bad_input_is_one_error_line(argv, message, monkeypatch, capsys):
+    """benchmarks/data_axis.py's flags that cannot make a table: one line, exit 2, before any torchrun."""
+    import os
+    import sys
+    from helpers import ROOT
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import data_axis
+    monkeypatch.setattr(sys, "argv", ["data_axis.py"] + argv)
+    with pytest.raises(SystemExit) as stop:
+        data_axis.main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith(message), err
