@@ -374,11 +374,13 @@ def assert_legends_clear(fig):
             assert not box.overlaps(other), f"legends {k} and {i} overlap"
 
 
-def expert_log(path, program, shift=0.0, parted_at=None, breach_at=None, world=1, steps=300, evals=range(49, 300, 50)):
+def expert_log(path, program, shift=0.0, parted_at=None, breach_at=None, world=1, steps=300, evals=range(49, 300, 50),
+               **more):
     """A mixture of experts' log by hand: the routing record (tokens per expert, per block, per step) in
     the summary; parted_at: from that step on, one token goes to another expert and the losses part;
-    breach_at: one loss moved by 1e-3 there (a doctored log: the routing still the baseline's)."""
-    p = fake_log(path, steps=steps, evals=evals, program=program, model="vit", experts=4, top_k=1)
+    breach_at: one loss moved by 1e-3 there (a doctored log: the routing still the baseline's); more: the
+    program's other flags."""
+    p = fake_log(path, steps=steps, evals=evals, program=program, **{"model": "vit", "experts": 4, "top_k": 1, **more})
     records = [json.loads(line) for line in open(p)]
     for r in records:
         if r["event"] == "config":
@@ -448,3 +450,16 @@ def test_the_expert_figure_is_two_rows_of_two_in_plain_words(tmp_path, monkeypat
     base_ring, parallel_dots = acc_ax.get_lines()[:2]
     assert base_ring.get_markersize() > parallel_dots.get_markersize() + 4 and base_ring.get_markerfacecolor() == "none"
     assert_legends_clear(fig)                             # the top row's legends between the rows, clear of both
+
+
+def test_a_5d_runs_long_label_stays_inside_the_figure(tmp_path, monkeypatch):
+    """run_5d.sh's figure (the 2x2 panels with the experts' load): parallel_5d's label runs to 100 characters;
+    unwrapped, its legend, centred under a 6-inch panel, reached past the figure's left edge."""
+    kept = drawn_figure(monkeypatch)
+    five = dict(schedule="1f1b", attention="ring", dp=1, cp=2, tp=2, ep=2, microbatches=2, top_k=2)
+    plot_curves.plot_curves([expert_log(tmp_path / "eb.jsonl", "single_baseline", steps=100, evals=[49, 99],
+                                        microbatches=2, top_k=2),
+                             expert_log(tmp_path / "5d.jsonl", "parallel_5d", world=8, steps=100, evals=[49, 99],
+                                        parted_at=63, **five)], str(tmp_path / "x.png"))
+    assert len(kept["fig"].axes) == 4
+    assert_legends_clear(kept["fig"])

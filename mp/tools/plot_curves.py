@@ -46,6 +46,7 @@ import json
 import os
 import signal
 import sys
+import textwrap
 
 import matplotlib.ticker
 
@@ -235,9 +236,15 @@ def identical_to(runs):
 def legend_label(runs, i, twins):
     """The run's label, and on a second line the earlier run whose losses it repeats bit for bit."""
     if i not in twins:
-        return runs[i][0]
-    return runs[i][0] + ("\n= baseline (bit-identical losses)" if twins[i] == 0
-                         else f"\nidentical to {runs[twins[i]][0]}")
+        return wrapped(runs[i][0])
+    return wrapped(runs[i][0]) + ("\n= baseline (bit-identical losses)" if twins[i] == 0
+                                  else f"\nidentical to {runs[twins[i]][0]}")
+
+
+def wrapped(label):
+    """A label in lines of at most 72 characters: a legend sits centred under its 6-inch panel, so a longer
+    line (parallel_5d's settings run to 100) would reach past the figure's edge and be cut off."""
+    return textwrap.fill(label, 72, break_long_words=False, break_on_hyphens=False)
 
 
 MARKERS = "os^Dv<>p"
@@ -270,7 +277,7 @@ def draw_runs(ax, runs, verdicts=()):
     for i, (label, records) in enumerate(runs):
         style, shown = run_style(i, len(runs)), legend_label(runs, i, twins)
         steps, losses = series(records, "train", "loss")
-        ax["loss"].plot(steps, losses, label=label + " [baseline]" if i == 0 else shown,
+        ax["loss"].plot(steps, losses, label=wrapped(label + " [baseline]") if i == 0 else shown,
                         markevery=marks(i, len(runs), len(steps)) if i else None, **style)
         if "acc" in ax:
             ax["acc"].plot(*series(records, "eval", "test_acc"), label=shown, **accuracy_style(style, i, few))
