@@ -252,7 +252,7 @@ class StageRunner(TimelineRecorder):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
         self.stashes = [split_weight_grads(chunk, fused=split == "B") for chunk in chunks] if split else None
         self.fused, self.versions = split == "B", versions
-        self.ws_in_b = self.fused and pos.pp_size == 1   # a stage alone: nobody waits for B's dx, W inside B
+        self.w_inside_b = self.fused and pos.pp_size == 1   # a stage alone: nobody waits for B's dx, W inside B
         self.keys = keys or DropoutKeys(seed=0)   # the model's (setup_stage): its dropout layers read them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
         self.final_after = final_after(chunks, self.stashes, split)   # whose gradients a last B (W) makes final
@@ -349,7 +349,7 @@ class StageRunner(TimelineRecorder):
                 grad = kept.logits.grad
         elif last:
             output = kept.loss
-        with self.stashes[chunk].backward_of(mb, self.ws_in_b, grads) if self.stashes else contextlib.nullcontext():
+        with self.stashes[chunk].backward_of(mb, self.w_inside_b, grads) if self.stashes else contextlib.nullcontext():
             torch.autograd.backward(output, grad)
         if vstage > 0:                        # (zbv's tip: to my own chunk, through my inbox)
             (inbox if is_mine(self.pos, vstage - 1) else outbox)[("grad", mb, vstage - 1)] = kept.input.grad
