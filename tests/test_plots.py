@@ -7,7 +7,15 @@ import pytest
 from helpers import FAST, launch
 
 from mp.tools import plot_curves, plot_timeline
-from mp.tools.figure import png_record
+from mp.tools.figure import plt, png_record
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    """drawn_figure keeps each figure open to read it: closed after its test, so that the figures of a
+    worker's files do not pile up past matplotlib's 20 (its warning, under pytest -n 2)."""
+    yield
+    plt.close("all")
 
 
 def test_loss_curves_against_the_baseline(tmp_path, baseline):
