@@ -17,15 +17,18 @@ mp.optim.make_optimizer with the same settings, the replica's slice of every bat
     fsdp2-rs   the same with reshard_after_forward=True (ZeRO-3: weights gathered again for the backward)
 
 The pairs: --zero 0 / ddp, --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) / fsdp2 and
-fsdp2-rs. A round runs every engine once, ours and torch's in turn (A, B, A, B...), each as its own torchrun,
-and again with a tiny model (--hidden 8: the interpreter, torch, gloo, the data) for its floor; memory is the
-peak RSS of the steps above the floor's, summed over the D ranks, with glibc's mmap threshold pinned
-(docs/memory.md). The steps' peak: the kernel's high-water mark is reset when set-up ends (reset_peak), in the
-worker and in ours (--ours runs pipeline_dp_joint.py's main with the loop's start_memory_count doing it), since
-a tiny model's peak over the whole process is set-up's, whose transients differ by engine (on the vit the
-worker's DDP set-up peaked 5 MB above ours, while their steps held the same). Step time: the median step of
-rank 0 (step 0 left out),
-zero_grad to the update's end. Printed per pair: the medians over rounds of each side and of the per-round
+fsdp2-rs. A round runs every engine, ours and torch's in turn (A, B, A, B...), each as its own torchruns: one
+timed, one for memory, and again with a tiny model (--hidden 8: the interpreter, torch, gloo, the data) for its
+floor. Memory is the peak RSS of the steps above the floor's, summed over the D ranks, with glibc's mmap
+threshold pinned (docs/memory.md: a freed tensor's pages go back at once, so the resident set follows what is
+held). The steps' peak: the kernel's high-water mark is reset when set-up ends (reset_peak), in the worker and
+in ours (--ours runs pipeline_dp_joint.py's main with the loop's start_memory_count doing it), since a tiny
+model's peak over the whole process is set-up's, whose transients differ by engine (on the vit the worker's
+DDP set-up peaked 5 MB above ours, while their steps held the same). Step time: the median step of rank 0
+(step 0 left out), zero_grad to the update's end, of the timed run, with glibc's allocator as a user has it:
+pinned, every tensor over 128 KB that is freed gives its pages back and the next one faults them in again,
+which is no engine's cost but the measuring's (the vit's steps took half as long again, every engine's).
+Printed per pair: the medians over rounds of each side and of the per-round
 ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference
 over the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug).
 """
@@ -155,15 +158,19 @@ def ours(argv):
 # ----------------------------------------------------------------------------- the driver
 
 
-def launch(name, flags, log):
+def launch(name, flags, log, pinned=True):
     """One run of engine `name` (ours: pipeline_dp_joint.py) on D ranks: {losses, median_step_time_s,
-    peak_memory_mb, held_mb, sent_mb}."""
+    peak_memory_mb, held_mb, sent_mb}. pinned: glibc's mmap threshold pinned (the memory runs), else glibc's
+    own (the timed run)."""
     script = [os.path.abspath(__file__)] + (["--ours"] + OURS[name] if name in OURS else ["--worker", name])
     d = flags[flags.index("--dp") + 1]
     # $PYTHON as the launchers read it (the tests point it at their zygote's stand-in, tests/python)
     cmd = [os.environ.get("PYTHON", sys.executable), "-m", "mp.tools.torchrun", "--standalone",
            f"--nproc-per-node={d}", "--"] + script
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if pinned:
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     proc = subprocess.run(cmd + flags + ["--log-file", log], env=env, capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
     if proc.returncode:
@@ -192,10 +199,15 @@ def one_round(args, tmp):
               "--data", "synthetic", "--optimizer", "adamw", "--seed", "0"]
     out = {}
     for name in [n for n in ORDER if n in args.only]:
-        big = launch(name, common + ["--hidden", str(args.hidden)], os.path.join(tmp, "big.jsonl"))
-        # --no-floor: the peak itself (a quick check of the harness; not a memory figure to compare)
-        tiny = {"peak_memory_mb": {r: 0 for r in big["peak_memory_mb"]}} if args.no_floor else \
-            launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
+        flags = common + ["--hidden", str(args.hidden)]
+        timed = launch(name, flags, os.path.join(tmp, "timed.jsonl"), pinned=False)
+        if args.no_floor:     # the timed run's peak itself (a quick check of the harness; not a memory figure)
+            big, tiny = timed, {"peak_memory_mb": {r: 0 for r in timed["peak_memory_mb"]}}
+        else:                 # memory: the same run and the tiny model's, the mmap threshold pinned
+            big = launch(name, flags, os.path.join(tmp, "big.jsonl"))
+            tiny = launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
+            big["pinned_step_time_s"] = big["median_step_time_s"]
+            big["median_step_time_s"] = timed["median_step_time_s"]
         big["above_floor_mb"] = sum(big["peak_memory_mb"][r] - tiny["peak_memory_mb"][r] for r in big["peak_memory_mb"])
         out[name] = big
         print(f"{name}: {big['median_step_time_s'] * 1e3:.1f} ms, {big['above_floor_mb']:.0f} MB", file=sys.stderr,
@@ -223,7 +235,9 @@ def table(rounds, args):
                      f"{rounds[0][a]['sent_mb']:.1f} / {torch_sent(b, n, args.dp):.1f} | {diff:.1e} |")
     return "\n".join(lines) + (f"\n\n{args.model} {args.layers} x {args.hidden}, N = {n:.2f} MB of weights, D = "
                                f"{args.dp}, batch {args.batch_size}, one microbatch, AdamW, {args.steps} steps; "
-                               f"medians over {len(rounds)} paired rounds (ratios: the median of each round's).")
+                               f"medians over {len(rounds)} paired rounds (ratios: the median of each round's); "
+                               f"step times with glibc's own allocator" +
+                               ("." if getattr(args, "no_floor", False) else ", memory with its mmap threshold pinned."))
 
 
 def bad_input(args):

@@ -64,6 +64,23 @@ BUCKET_MB = 4   # small enough that a few-MB stage gets several buckets to overl
 IN_FLIGHT = 2   # reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
 
 
+def kept_groups(params, nbytes):
+    """The buckets kept through the step (--zero 0, 1): the parameters (in backward order) cut into
+    consecutive groups, a group closed once it holds nbytes (DDP's rule), so a layer's bias rides with the
+    weight after it. Cut at most nbytes (mp.dist.buckets, --zero 2's: there a layer's weight larger than
+    that is a bucket alone, autograd's own gradient uncopied), a 4 MB weight beside a 4 KB bias made every
+    bias a bucket of its own, a collective with its own start and wait for 4 KB (the mlp's 1024-wide
+    layers: 14 buckets, not 8; 56 broadcasts a step under --zero 1, not 32)."""
+    groups, held = [], nbytes
+    for p in params:
+        if held >= nbytes:
+            groups.append([])
+            held = 0
+        groups[-1].append(p)
+        held += p.numel() * p.element_size()
+    return groups
+
+
 class Bucket:
     """Consecutive parameters' gradients in one flat tensor (padded to a multiple of `parts` when sharded).
     every_microbatch (--zero 2, 3): reduced in every microbatch's backward into acc, my slice's sum."""
@@ -166,7 +183,7 @@ class GradBuckets:
         self.free = free and shard          # --zero 2, 3: reduced in every microbatch, the whole buckets let go
         device = params[0].device if params else torch.device("cpu")
         if groups is None:
-            groups = buckets(params, bucket_mb * 2**20)
+            groups = (buckets if self.free else kept_groups)(params, bucket_mb * 2**20)
         else:                                         # given (--zero 3: a block each), the last block's first
             groups = [g for g in ([p for p in ps if p.requires_grad][::-1] for ps in groups[::-1]) if g]
         direct = {id(p) for p in direct}

@@ -110,7 +110,8 @@ def test_zb_keeps_its_in_place_weight_gradients_under_data_parallelism(tmp_path)
 
 
 def _in_flight_case(rank, world, group):
-    """How many reduce-scatters are on their way at once, per backend and --zero, on four one-tensor buckets."""
+    """How many reduce-scatters are on their way at once, per backend and --zero, on four one-tensor buckets
+    (--zero 2's cut at most 64 bytes; --zero 1's closed once they hold a byte)."""
     import mp.buckets as buckets
     import mp.dp_collectives as collectives
     real, backend, got = buckets.reduce_scatter, collectives.reduce_scatter_copies, {}
@@ -136,7 +137,7 @@ def _in_flight_case(rank, world, group):
             for free in (False, True):       # --zero 1, --zero 2
                 model, most[0] = model_of(), 0
                 grads = GradBuckets(list(model.parameters()), None, ("the test's reduce-scatter", 30), shard=True,
-                                    free=free, bucket_mb=64 / 2**20)
+                                    free=free, bucket_mb=(64 if free else 1) / 2**20)
                 assert len(grads.buckets) == 4
                 grads.zero_grad()
                 backwards(model, rank, 0, 1)
@@ -247,3 +248,18 @@ def test_on_a_gpu_the_timeline_clocks_a_collective_with_cuda_events(monkeypatch)
     assert end - start == pytest.approx(5e-3), (start, end)
     spans.begin(FakeWork(), "all-reduce 1", torch.device("cpu"))   # the CPU: the future's callback ends it
     assert [e[1] for e in recorder.events] == ["reduce-scatter 0", "all-reduce 1"]
+
+
+def test_a_kept_bucket_takes_a_layers_bias_with_its_weight():
+    """Issue 66: --zero 0 and 1's buckets close once they hold the set size (DDP's rule). Cut at most that size
+    (--zero 2's, where a layer above it is a bucket alone), the mlp's 1024-wide layers (4 MB weights) made
+    every 4 KB bias a bucket of its own: 14 collectives a step where 7 do."""
+    from mp.buckets import kept_groups
+    from mp.dist import buckets as at_most
+    model = nn.Sequential(nn.Linear(3072, 1024), *[nn.Linear(1024, 1024) for _ in range(6)], nn.Linear(1024, 10))
+    backward_order = list(model.parameters())[::-1]
+    kept, cut = kept_groups(backward_order, 4 * 2**20), at_most(backward_order, 4 * 2**20)
+    assert (len(kept), len(cut)) == (7, 14)
+    assert [len(g) for g in kept] == [4, 2, 2, 2, 2, 2, 2]          # [b8 W8 b7 W7] then a layer each
+    assert [p for g in kept for p in g] == backward_order
+    assert kept_groups([], 4) == []

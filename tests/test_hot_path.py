@@ -76,10 +76,11 @@ def test_the_timeline_shows_the_bucket_all_reduces_overlapping_the_last_backward
     """Item 4's overlap, seen where a student would look: the joint program's --timeline (replica 0, the
     last step, after the first has counted the accumulations). A chunk's buckets start once its last B
     and that B's Ws have run (mp.buckets: said final, never inferred), in the exchange that sends the
-    B's gradient on. Interleaved, 2 stages of an mlp of 1024-wide layers, a bucket per weight (cut at
-    4 MB): stage 0's later chunk (layer 3) ends its backward first, so its two buckets' all-reduces
-    start while stage 0 still waits for and runs its first chunk's last backward (layer 1, the step's
-    last). No bucket starts before the step's first W: a chunk is final only once its Ws have run."""
+    B's gradient on. Interleaved, 2 stages of an mlp of 1024-wide layers, a bucket per layer (closed
+    once it holds 4 MB): stage 0's later chunk (layer 3) ends its backward first, so its bucket's
+    all-reduce starts while stage 0 still waits for and runs its first chunk's last backward (layer 1,
+    the step's last). No bucket starts before the step's first W: a chunk is final only once its Ws
+    have run."""
     trace = tmp_path / "t.json"
     run = launch("pipeline_dp_joint.py", FAST + ["--dp", "2", "--model", "mlp", "--layers", "4", "--hidden", "1024",
                                                   "--steps", "3", "--batch-size", "16", "--microbatches", "2",
@@ -90,8 +91,8 @@ def test_the_timeline_shows_the_bucket_all_reduces_overlapping_the_last_backward
     for stage in (0, 1):
         mine = [e for e in events if e.get("pid") == stage]
         buckets = sorted((e for e in mine if e["cat"] == "collective"), key=lambda e: e["ts"])
-        # at most 4 MB a bucket, last layer first: stage 0 [b3] [W3] [b1] [W1], stage 1 [b4 W4 b2] [W2]
-        assert len(buckets) == {0: 4, 1: 2}[stage], buckets
+        # closed once it holds 4 MB, last layer first: stage 0 [b3 W3] [b1 W1], stage 1 [b4 W4 b2 W2]
+        assert len(buckets) == {0: 2, 1: 1}[stage], buckets
         assert all(e["tid"] == 1 and e["name"].startswith("all-reduce") for e in buckets), buckets
         first_w = min(e["ts"] for e in mine if e["cat"] == "weight")
         assert buckets[0]["ts"] > first_w, (stage, buckets, first_w)
@@ -99,12 +100,12 @@ def test_the_timeline_shows_the_bucket_all_reduces_overlapping_the_last_backward
     last_backward = max((e for e in stage0 if e["cat"] == "backward"), key=lambda e: e["ts"])
     assert last_backward["args"]["chunk"] == 0, last_backward          # layer 1's, the step's last
     started = [e["ts"] for e in stage0 if e["cat"] == "collective"]
-    assert sum(ts < last_backward["ts"] for ts in started) == 2, (started, last_backward)   # [b3] and [W3]
+    assert sum(ts < last_backward["ts"] for ts in started) == 1, (started, last_backward)   # [b3 W3]
 
 
 def test_a_run_with_many_buckets_gives_the_baselines_losses(tmp_path, baseline):
     """The buckets' losses where there are several per stage (an mlp of 1024-wide layers: a bucket a
-    weight), started while the backward runs, against the baseline step by step."""
+    layer), started while the backward runs, against the baseline step by step."""
     args = FAST + ["--model", "mlp", "--layers", "4", "--hidden", "1024", "--steps", "4", "--batch-size", "16"]
     run = launch("pipeline_dp_joint.py", args + ["--dp", "2", "--microbatches", "2", "--schedule", "1f1b"],
                  tmp_path, nproc=4)
