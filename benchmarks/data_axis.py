@@ -53,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)   # the repository root
 
+from mp.cli import baseline_args  # noqa: E402
 from mp.data import dp_slice, load_data  # noqa: E402
 from mp.models import build_model  # noqa: E402
 from mp.optim import make_optimizer  # noqa: E402
@@ -215,8 +216,23 @@ def one_round(args, tmp):
     return out
 
 
+def weights_mb(args):
+    """N, the model's weights in MB, built here as every engine builds it (a run of the sharding engines alone
+    reports 1/D of them)."""
+    flags = ["--model", args.model, "--layers", str(args.layers), "--hidden", str(args.hidden)]
+    return sum(p.numel() * p.element_size() for p in build_model(baseline_args(flags, __doc__)).parameters()) / 2**20
+
+
+def timed_how(rounds, args):
+    """How the table's runs were made (a --table file from before the timed runs: every run pinned)."""
+    if any("pinned_step_time_s" in r for r in rounds[0].values()):
+        return "step times with glibc's own allocator, memory with its mmap threshold pinned"
+    return "step times with glibc's own allocator" if getattr(args, "no_floor", False) else \
+        "step times and memory with glibc's mmap threshold pinned"
+
+
 def table(rounds, args):
-    n = next(r["held_mb"][0] for name, r in rounds[0].items() if name in ("0", "1", "2", "ddp", "zero1"))
+    n = weights_mb(args)
     med = lambda f: statistics.median(f(r) for r in rounds)   # noqa: E731
     peak = "peak" if getattr(args, "no_floor", False) else "peak above floor"
     lines = [f"| ours | torch | {peak}, MB ({args.dp} ranks) ours / torch | ratio | step ms ours / torch | ratio "
@@ -236,8 +252,7 @@ def table(rounds, args):
     return "\n".join(lines) + (f"\n\n{args.model} {args.layers} x {args.hidden}, N = {n:.2f} MB of weights, D = "
                                f"{args.dp}, batch {args.batch_size}, one microbatch, AdamW, {args.steps} steps; "
                                f"medians over {len(rounds)} paired rounds (ratios: the median of each round's); "
-                               f"step times with glibc's own allocator" +
-                               ("." if getattr(args, "no_floor", False) else ", memory with its mmap threshold pinned."))
+                               f"{timed_how(rounds, args)}.")
 
 
 def bad_input(args):

@@ -122,6 +122,8 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     data_axis.main()
     printed = capsys.readouterr().out
     assert "| ours | torch | peak, MB (2 ranks) ours / torch |" in printed, printed
+    weights = ((3072 + 1) * 32 + (32 + 1) * 32 + (32 + 1) * 10) * 4 / 2**20    # N, whatever engines ran
+    assert f"N = {weights:.2f} MB of weights" in printed and "with glibc's own allocator." in printed, printed
     rows = [line for line in printed.splitlines() if line.startswith("| --zero")]
     assert [r.split(" | ")[:2] for r in rows] == [["| --zero 0", "ddp"], ["| --zero 3 microbatch", "fsdp2-rs"]], rows
     (round_,) = json.loads(out.read_text())["rounds"]
