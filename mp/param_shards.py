@@ -10,7 +10,7 @@ names and autograd identity, but hold nothing); an all-gather of every replica's
 
     forward of block k:   all-gather block k (prefetched)  |  compute k   |  free k (--zero3-gather microbatch)
                           ...while block k+1's all-gather is already on its way (prefetch)
-    backward of block k:  all-gather block k again (microbatch), prefetch block k-1  |  compute  |  free k
+    backward of block k:  all-gather block k again (microbatch)  |  compute  |  free k, prefetch block k-1
     gradients of block k: reduce-scattered in every microbatch's backward as soon as it has them (mp.buckets),
                           added into my slice's accumulator, the whole bucket let go
     update:               each replica steps its `mine` only; no all-gather after it (the next forward's does it)
@@ -23,14 +23,16 @@ often its weights are gathered:
                 at the end of the forward
     microbatch  (the default with one, as FSDP2's reshard_after_forward) before every forward and every
                 backward, freed right after each: 2M times the bytes, and only the blocks that are running
-                (and the next one, prefetched) are whole at any moment
+                (and the next one, prefetched; in the backward, once the running one is freed) are whole at
+                any moment
 
 The hooks are torch's module hooks, so the executor (pipeline_microbatch.StageRunner) is unchanged: a
 forward pre-hook gathers the block (and starts the next block's all-gather), a forward hook frees it
 (microbatch) and puts a hook on the block's output, which fires when the output's gradient arrives,
-that is, just before the block's backward: it gathers the block again (and starts the previous
-block's). The block's backward is over once every weight of it has its gradient: mp.buckets says so
-(when_filled) before it makes the block's bucket from them, and the whole weights go first. Should a
+that is, just before the block's backward: it gathers the block again. The block's backward is over
+once every weight of it has its gradient: mp.buckets says so (when_filled) before it makes the block's
+bucket from them, and the whole weights go first; then the previous block's all-gather starts (so one
+block is whole at a time in the backward, which starts with every activation held). Should a
 weight get no gradient, the block before it receiving its output's gradient frees it, or, for the
 first block of a chunk, the backward call returning (a callback queued on autograd's engine, as FSDP
 does). Every replica of a stage runs the same schedule, so the all-gathers start in the same order on
@@ -158,8 +160,6 @@ class ParamShards:
         # way that would not fit beside them are waited for now (mp.buckets: make_room), not after
         self.grads.make_room(b)
         self.wait(b)
-        if b.prev is not None:
-            self.gather(b.prev)                       # prefetch for the backward that comes after b's
 
     def filled(self, b):
         """Every weight of block b has its gradient of this backward (mp.buckets calls it before making the
@@ -172,6 +172,11 @@ class ParamShards:
             return
         if self.gather_every == "microbatch" or len(b.expected) == len(b.params):
             self.free(b)
+        if self.gather_every == "microbatch" and b.prev is not None:
+            # prefetch for the backward that comes next, now that b's weights are gone: started with b's
+            # backward (FSDP2's), it held two blocks whole beside the activations at their peak, the
+            # backward's start (the vit's: 2 MB a rank more than FSDP2's, whose units are single Linears)
+            self.gather(b.prev)
 
     # --------------------------------------------------------------- the step, and whole weights
 
