@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 
 from mp.dist import awaiting, buckets
-from mp.dp_collectives import CollectiveSpans, reduce_scatter
+from mp import dp_collectives
+from mp.dp_collectives import CollectiveSpans, Works, reduce_scatter
 from mp.errors import CommError
 
 BUCKET_MB = 4   # small enough that a few-MB stage gets several buckets to overlap; DDP's first is 1 MB
@@ -103,6 +104,11 @@ class Bucket:
         self.copy_in = self.alone or (every_microbatch and by_block and not direct)
         self.started, self.expected, self.final, self.filled = False, set(), set(), set()
         self.lazy = False                 # GradBuckets: --zero 0, 1 let its memory go through the forward
+        self.apart = None                 # copy_in on gloo: autograd's own tensors, all-reduced where they are
+
+    def holds(self):
+        """Does the bucket hold this microbatch's gradients (flat, or apart)?"""
+        return self.grad is not None or self.apart is not None
 
     def make_grad(self):
         """The flat gradient, zeroed, and each parameter's .grad a view into it."""
@@ -323,6 +329,11 @@ class GradBuckets:
         then the flat bucket from them."""
         self.say_filled(b)
         self.make_room(b)
+        if dp_collectives.reduce_scatter_copies(self.group) and not b.alone:
+            # gloo, where our reduce-scatter is an all-reduce in place: each gradient all-reduced where autograd
+            # made it, not copied into a flat bucket first (the mlp's 12 MB layer: 12 MB less at the peak)
+            b.apart = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+            return
         apart = sum(p.grad.numel() * p.grad.element_size() for p in b.params if p.grad is not None)
         if b.assemble():                  # both at once while it copies, then autograd's tensors go
             self.note(b.nbytes)
@@ -352,9 +363,9 @@ class GradBuckets:
 
     def _final(self, b, p):
         b.final.add(id(p))
-        if len(b.final) == len(b.params) and not b.started and b.copy_in and b.grad is None and b.filled:
+        if len(b.final) == len(b.params) and not b.started and b.copy_in and not b.holds() and b.filled:
             self.fill(b)                  # a copy_in bucket some of whose parameters had no gradient
-        if len(b.final) == len(b.params) and not b.started and b.grad is not None:
+        if len(b.final) == len(b.params) and not b.started and b.holds():
             self.start(b)
 
     def start(self, b):
@@ -364,12 +375,14 @@ class GradBuckets:
         if b.lazy:
             self.make(b.grad)
         if self.size > 1:
-            if self.sharded:              # in place: my slice of the bucket receives the sum of my slice
+            if b.apart is not None:       # each gradient in place (on the wire, as gloo's reduce-scatter)
+                b.work = Works([dist.all_reduce(g, group=self.group, async_op=True) for g in b.apart])
+            elif self.sharded:            # in place: my slice of the bucket receives the sum of my slice
                 b.work = reduce_scatter(b.grad, self.rank, self.group)
             else:
                 b.work = dist.all_reduce(b.grad, group=self.group, async_op=True)
-            self.count(b.grad, 1 if self.sharded else 2)
-            self.spans.begin(b.work, f"{self.collective()} {self.buckets.index(b)}", b.grad.device)
+            self.count(b.param if b.apart is not None else b.grad, 1 if self.sharded else 2)
+            self.spans.begin(b.work, f"{self.collective()} {self.buckets.index(b)}", b.params[0].device)
         if self.bounded_by_in_flight(b):
             self.in_flight.append(b)
             while len(self.in_flight) > IN_FLIGHT:
@@ -403,9 +416,16 @@ class GradBuckets:
         self.in_flight.remove(b)
         if b.every_microbatch:
             self.make(b.acc)
-            b.acc += b.shard(b.grad, self.rank)
+            if b.apart is not None:       # my slice's pieces, parameter by parameter
+                summed = dict(zip(map(id, b.params), b.apart))
+                for p, start, first, n in b.segments(self.rank):
+                    b.acc[start:start + n] += summed[id(p)].reshape(-1)[first:first + n]
+                self.note(-sum(g.numel() * g.element_size() for g in b.apart))
+                b.apart = None
+            else:
+                b.acc += b.shard(b.grad, self.rank)
+                self.note(-b.nbytes)
             b.drop_grad()
-            self.note(-b.nbytes)
             b.started, b.filled = False, set()
 
     def let_go(self, t):
