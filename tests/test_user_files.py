@@ -222,14 +222,17 @@ def test_a_ctrl_c_that_lands_as_a_step_ends_well_still_stops_the_launcher(tmp_pa
     """The race CI once hit: SIGINT reaches the job while a step is ending with status 0, and bash,
     seeing a child that exited normally, would take the signal as handled and run on. Here the step
     ignores SIGINT and ends well; the launchers' INT trap (mp/tools/launch_checks.sh) still stops the
-    script, silently, with 130."""
-    script = tmp_path / "launcher.sh"
+    script, silently, with 130. The signal goes once the step says it ignores SIGINT (a file it makes),
+    not after a guessed delay (0.8 s, which twice gave "ran on" and 0 under the whole suite's load)."""
+    script, ready = tmp_path / "launcher.sh", tmp_path / "ignoring"
     script.write_text(f'set -euo pipefail\ncd {ROOT}\nsource ./mp/tools/launch_checks.sh\n'
                       f'{sys.executable} -c "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); '
-                      f'time.sleep(1.5)"\necho ran on\n')
+                      f'open(\'{ready}\', \'w\').close(); time.sleep(1.5)"\necho ran on\n')
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    time.sleep(0.8)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert (proc.returncode, out, err) == (130, "", ""), (proc.returncode, out, err)
@@ -250,15 +253,24 @@ def first_step_logged(folder):
     return any('"train"' in p.read_text() for p in folder.glob("tp.partial-*.jsonl"))
 
 
+def bash_started(pid):
+    """Has process pid become bash (exec'd)? Signalled earlier, the forked python about to exec it takes
+    SIGINT with python's own handler, and bash never sees it. Without /proc (macOS): at once."""
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("bash")
+    except OSError:
+        return not os.path.isdir("/proc")
+
+
 def interrupted_at(cmd, moment, folder, env):
     """Start cmd in a session of its own, as a terminal starts a job; at `moment` send SIGINT to the
     whole session, as a terminal's Ctrl-C does; return (exit status, stdout, stderr). moment "bash":
-    as soon as the launcher's bash has started; "first step": once the run's log (FOLDER/tp.jsonl) has
+    as soon as the launcher's bash has started (exec'd: bash_started); "first step": once the run's log (FOLDER/tp.jsonl) has
     its first step; "WHO@WHERE": once tests/moment_site holds that python there (its docstring), which
     it releases only once the signal has reached it."""
     env = dict(env, MOMENTS=str(folder), MOMENT=moment,
                PYTHONPATH=os.pathsep.join(filter(None, [MOMENT_SITE, os.environ.get("PYTHONPATH")])))
-    reached = {"bash": lambda: True, "first step": lambda: first_step_logged(folder)}.get(
+    reached = {"bash": lambda: bash_started(proc.pid), "first step": lambda: first_step_logged(folder)}.get(
         moment, lambda: (folder / "reached").exists())
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
