@@ -41,8 +41,9 @@ before autograd accumulates into it; zero-bubble's W says arriving()):
 
 So a replica holds its accumulators (1/D of the gradients) and the buckets in flight: the ones being
 filled and at most IN_FLIGHT being reduce-scattered (waiting for the oldest is what frees it). No
-collective copies its bucket (mp.dp_collectives: on gloo the bucket is all-reduced in place), and a
-bucket of one parameter is autograd's own gradient tensor, uncopied (Bucket.alone). The price: M
+collective copies its bucket (mp.dp_collectives: on gloo the bucket is all-reduced in place), a
+bucket of one parameter is autograd's own gradient tensor, uncopied (Bucket.alone), and on gloo a
+copy_in bucket's gradients are all-reduced where autograd made them (Bucket.apart), never copied. The price: M
 reduce-scatters a step, (M + 1)(D-1)/D N sent with the all-gather where --zero 1 sends 2(D-1)/D N
 (docs/optimizers.md). `late` gradients (parallel_3d.py's tensor-parallel sums, complete only after the
 backward) are reduced once, after those sums. groups (--zero 3, mp.param_shards): one bucket per block,
@@ -100,7 +101,8 @@ class Bucket:
         # (an empty .grad takes the new gradient tensor as it is); not a weight our own code writes (direct)
         self.alone = every_microbatch and len(params) == 1 and self.padded == n and not direct
         # copy_in (--zero 3's blocks): made only once every gradient of the microbatch is in, from autograd's
-        # own tensors, so that the block's whole weights can go first (GradBuckets.when_filled)
+        # own tensors, so that the block's whole weights can go first (GradBuckets.when_filled); on gloo not
+        # made at all (apart)
         self.copy_in = self.alone or (every_microbatch and by_block and not direct)
         self.started, self.expected, self.final, self.filled = False, set(), set(), set()
         self.lazy = False                 # GradBuckets: --zero 0, 1 let its memory go through the forward
@@ -326,7 +328,7 @@ class GradBuckets:
 
     def fill(self, b):
         """A copy_in bucket's gradients are all in, as autograd's own tensors: say so (say_filled), make room,
-        then the flat bucket from them."""
+        then the flat bucket from them (nccl, whose reduce-scatter reads one flat tensor), or nothing (gloo)."""
         self.say_filled(b)
         self.make_room(b)
         if dp_collectives.reduce_scatter_copies(self.group) and not b.alone:
