@@ -17,8 +17,8 @@ mp.optim.make_optimizer with the same settings, the replica's slice of every bat
     fsdp2-rs   the same with reshard_after_forward=True (ZeRO-3: weights gathered again for the backward)
 
 The pairs: --zero 0 / ddp, --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) / fsdp2 and
-fsdp2-rs. A round runs every engine, ours and torch's in turn (A, B, A, B...), each as its own torchruns: one
-timed, one for memory, and again with a tiny model (--hidden 8: the interpreter, torch, gloo, the data) for its
+fsdp2-rs. A round runs every engine, ours and torch's in turn (A, B, A, B...), three torchruns each: one
+timed, one for memory, and one with a tiny model (--hidden 8: the interpreter, torch, gloo, the data) for its
 floor. Memory is the peak RSS of the steps above the floor's, summed over the D ranks, with glibc's mmap
 threshold pinned (docs/memory.md: a freed tensor's pages go back at once, so the resident set follows what is
 held). The steps' peak: the kernel's high-water mark is reset when set-up ends (reset_peak), in the worker and
@@ -28,9 +28,9 @@ DDP set-up peaked 5 MB above ours, while their steps held the same). Step time: 
 (step 0 left out), zero_grad to the update's end, of the timed run, with glibc's allocator as a user has it:
 pinned, every tensor over 128 KB that is freed gives its pages back and the next one faults them in again,
 which is no engine's cost but the measuring's (the vit's steps took half as long again, every engine's).
-Printed per pair: the medians over rounds of each side and of the per-round
-ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference
-over the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug).
+Printed per pair: the medians over rounds of each side and of the per-round ratios ours/torch, what a replica
+holds between steps and sends per step, and the largest loss difference over the steps (the engines sum the
+replicas' gradients in other orders: float32 rounding, not a bug).
 """
 import argparse
 import json

@@ -207,6 +207,7 @@ class GradBuckets:
         # median bucket's where that is larger (--zero 3's blocks: a 4 MB weight and its bias)
         sizes = sorted(b.nbytes for b in self.buckets) or [0]
         self.room = (IN_FLIGHT + 1) * max(bucket_mb * 2**20, sizes[len(sizes) // 2])
+        self.set_bytes = bucket_mb * 2**20
         self.where = {id(p): b for b in self.buckets for p in b.params}
         self.names = {}                               # id -> a name for error lines (name_params)
         self.too_late = None                          # the first gradient that arrived after its bucket started
@@ -331,9 +332,11 @@ class GradBuckets:
         then the flat bucket from them (nccl, whose reduce-scatter reads one flat tensor), or nothing (gloo)."""
         self.say_filled(b)
         self.make_room(b)
-        if dp_collectives.reduce_scatter_copies(self.group) and not b.alone:
-            # gloo, where our reduce-scatter is an all-reduce in place: each gradient all-reduced where autograd
-            # made it, not copied into a flat bucket first (the mlp's 12 MB layer: 12 MB less at the peak)
+        largest = max((p.grad.numel() * p.grad.element_size() for p in b.params if p.grad is not None), default=0)
+        if dp_collectives.reduce_scatter_copies(self.group) and not b.alone and largest > self.set_bytes:
+            # gloo, where our reduce-scatter is an all-reduce in place, and a gradient larger than a bucket: each
+            # all-reduced where autograd made it, not copied into a flat bucket first (the mlp's 12 MB layer: 12 MB
+            # less at the peak). Not a block of small ones: a collective each cost the vit's steps 30%
             b.apart = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
             return
         apart = sum(p.grad.numel() * p.grad.element_size() for p in b.params if p.grad is not None)

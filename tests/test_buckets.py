@@ -265,3 +265,30 @@ def test_a_kept_bucket_takes_a_layers_bias_with_its_weight():
     assert [len(g) for g in kept] == [4, 2, 2, 2, 2, 2, 2]          # [b8 W8 b7 W7] then a layer each
     assert [p for g in kept for p in g] == backward_order
     assert kept_groups([], 4) == []
+
+
+def _apart_case(rank, world, group):
+    """--zero 3's blocks on gloo, each gradient larger than the set size: all-reduced where autograd made it
+    (Bucket.apart), my slices summed over two microbatches into the accumulators: the plain all-reduce's."""
+    model, plain = model_of(), model_of()
+    blocks = [list(model[0].parameters()), list(model[2].parameters())]
+    grads = GradBuckets(list(model.parameters()), None, ("the test's all-reduce", 30), shard=True, free=True,
+                        bucket_mb=16 / 2**20, groups=blocks)
+    went_apart, fill = [], grads.fill
+    grads.fill = lambda b: (fill(b), went_apart.append(b.apart is not None and b.grad is None))
+    grads.zero_grad()
+    backwards(model, rank, 0, 2)
+    grads.final(list(model.parameters()))
+    grads.wait()
+    backwards(plain, rank, 0, 2)
+    assert went_apart and all(went_apart), went_apart
+    for b, mine in zip(grads.buckets, grads.shard_grads):
+        by_id = {id(p): q for p, q in zip(model.parameters(), plain.parameters())}
+        flat = torch.cat([by_id[id(p)].grad.reshape(-1) for p in b.params])
+        dist.all_reduce(flat)
+        flat = torch.cat([flat / world, flat.new_zeros(b.padded - b.numel)])
+        torch.testing.assert_close(mine, b.shard(flat, rank))    # (the microbatches summed in another order)
+
+
+def test_a_block_whose_gradients_go_apart_on_gloo_gives_the_plain_all_reduce(tmp_path):
+    run_ranks(_apart_case, 2, tmp_path)
