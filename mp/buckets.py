@@ -43,7 +43,8 @@ So a replica holds its accumulators (1/D of the gradients) and the buckets in fl
 filled and at most IN_FLIGHT being reduce-scattered (waiting for the oldest is what frees it). No
 collective copies its bucket (mp.dp_collectives: on gloo the bucket is all-reduced in place), a
 bucket of one parameter is autograd's own gradient tensor, uncopied (Bucket.alone), and on gloo a
-copy_in bucket's gradients are all-reduced where autograd made them (Bucket.apart), never copied. The price: M
+copy_in bucket with a gradient larger than the set size has each gradient all-reduced where autograd
+made it (Bucket.apart), uncopied. The price: M
 reduce-scatters a step, (M + 1)(D-1)/D N sent with the all-gather where --zero 1 sends 2(D-1)/D N
 (docs/optimizers.md). `late` gradients (parallel_3d.py's tensor-parallel sums, complete only after the
 backward) are reduced once, after those sums. groups (--zero 3, mp.param_shards): one bucket per block,
@@ -72,7 +73,7 @@ def kept_groups(params, nbytes):
     weight after it. Cut at most nbytes (mp.dist.buckets, --zero 2's: there a layer's weight larger than
     that is a bucket alone, autograd's own gradient uncopied), a 4 MB weight beside a 4 KB bias made every
     bias a bucket of its own, a collective with its own start and wait for 4 KB (the mlp's 1024-wide
-    layers: 14 buckets, not 8; 56 broadcasts a step under --zero 1, not 32)."""
+    layers: 14 buckets, not 7; 56 broadcasts a step under --zero 1, not 28)."""
     groups, held = [], nbytes
     for p in params:
         if held >= nbytes:
@@ -101,8 +102,8 @@ class Bucket:
         # (an empty .grad takes the new gradient tensor as it is); not a weight our own code writes (direct)
         self.alone = every_microbatch and len(params) == 1 and self.padded == n and not direct
         # copy_in (--zero 3's blocks): made only once every gradient of the microbatch is in, from autograd's
-        # own tensors, so that the block's whole weights can go first (GradBuckets.when_filled); on gloo not
-        # made at all (apart)
+        # own tensors, so that the block's whole weights can go first (GradBuckets.when_filled); on gloo, with
+        # a gradient larger than the set size, not made at all (apart)
         self.copy_in = self.alone or (every_microbatch and by_block and not direct)
         self.started, self.expected, self.final, self.filled = False, set(), set(), set()
         self.lazy = False                 # GradBuckets: --zero 0, 1 let its memory go through the forward
@@ -329,7 +330,8 @@ class GradBuckets:
 
     def fill(self, b):
         """A copy_in bucket's gradients are all in, as autograd's own tensors: say so (say_filled), make room,
-        then the flat bucket from them (nccl, whose reduce-scatter reads one flat tensor), or nothing (gloo)."""
+        then the flat bucket from them (nccl's reduce-scatter reads one flat tensor), or none (apart: gloo,
+        a gradient larger than the set size)."""
         self.say_filled(b)
         self.make_room(b)
         largest = max((p.grad.numel() * p.grad.element_size() for p in b.params if p.grad is not None), default=0)
