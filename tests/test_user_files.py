@@ -217,19 +217,28 @@ def test_a_launchers_help_is_its_own_usage_at_once(script, flag, tmp_path):
     assert not (tmp_path / "logs").exists() and not os.listdir(tmp_path)
 
 
+def as_a_terminal_starts_it():
+    """In the job's first process, before bash: SIGINT at its default and unblocked, as a terminal starts a
+    job. Both are inherited from the test runner's process, and a bash that starts with SIGINT ignored can
+    never trap it: it runs on after the Ctrl-C, exit 0, as both tests did three times under the whole suite
+    with -n 2 (and do in a runner that ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
 @pytest.mark.slow
 def test_a_ctrl_c_that_lands_as_a_step_ends_well_still_stops_the_launcher(tmp_path):
     """The race CI once hit: SIGINT reaches the job while a step is ending with status 0, and bash,
     seeing a child that exited normally, would take the signal as handled and run on. Here the step
     ignores SIGINT and ends well; the launchers' INT trap (mp/tools/launch_checks.sh) still stops the
     script, silently, with 130. The signal goes once the step says it ignores SIGINT (a file it makes),
-    not after a guessed delay (0.8 s, which twice gave "ran on" and 0 under the whole suite's load)."""
+    not after a guessed delay."""
     script, ready = tmp_path / "launcher.sh", tmp_path / "ignoring"
     script.write_text(f'set -euo pipefail\ncd {ROOT}\nsource ./mp/tools/launch_checks.sh\n'
                       f'{sys.executable} -c "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); '
                       f'open(\'{ready}\', \'w\').close(); time.sleep(1.5)"\necho ran on\n')
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_a_terminal_starts_it)
     deadline = time.monotonic() + 60
     while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -273,7 +282,7 @@ def interrupted_at(cmd, moment, folder, env):
     reached = {"bash": lambda: bash_started(proc.pid), "first step": lambda: first_step_logged(folder)}.get(
         moment, lambda: (folder / "reached").exists())
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_a_terminal_starts_it)
     deadline = time.monotonic() + 120
     while not reached():
         if proc.poll() is not None or time.monotonic() > deadline:
