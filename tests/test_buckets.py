@@ -131,8 +131,6 @@ def _in_flight_case(rank, world, group):
         most[0] = max(most[0], len(on_way))
         return work
     buckets.reduce_scatter = lambda *args, **kwargs: on_its_way(real(*args, **kwargs))
-    real_works = buckets.Works                # gloo's copy_in buckets: each gradient all-reduced where it is
-    buckets.Works = lambda works: on_its_way(real_works(works))
     try:
         for copies in (True, False):         # gloo (its reduce-scatter copies: ours all-reduces in place), nccl's faked
             collectives.reduce_scatter_copies = lambda group, copies=copies: copies
@@ -147,7 +145,7 @@ def _in_flight_case(rank, world, group):
                 grads.wait()
                 got[copies, free] = most[0], [g.clone() for g in grads.shard_grads]
     finally:
-        buckets.reduce_scatter, collectives.reduce_scatter_copies, buckets.Works = real, backend, real_works
+        buckets.reduce_scatter, collectives.reduce_scatter_copies = real, backend
     # issue 66: no collective copies its bucket now, so on either backend --zero 1 keeps all four on their
     # way; --zero 2 waits for the oldest (waiting frees the bucket): past IN_FLIGHT, and here sooner, since
     # the last bucket (the first layer's weight, 120 bytes) is larger than the set size of 64: before its
