@@ -3,6 +3,7 @@ python and torchrun instead, so that it is never the only witness (issue 43): ea
 programs once, its per-step losses against the baseline's (itself run by the real python)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,6 +89,30 @@ def test_the_launchers_torchrun_forks_ranks_that_look_like_new_pythons(tmp_path)
     run, took = wrapper([str(probe), "--fail"], tmp_path)
     assert run.returncode == 2 and run.stderr.splitlines() == ["error: rank 1 refuses --fail"], run.stderr
     assert took < 20, f"{took:.1f} s: the finished rank 0 held the agent"
+
+
+CROSSING = """import os, signal, time
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+os.kill(os.getppid(), signal.SIGTERM)          # the agent stops this rank's keeper ...
+deadline = time.monotonic() + 10
+while signal.SIGTERM not in signal.sigpending() and time.monotonic() < deadline:
+    time.sleep(0.01)
+os._exit(0)                                    # ... just as the program ends well, the keeper's SIGTERM unseen
+"""
+
+
+def test_a_keeper_whose_program_ends_well_as_the_agent_stops_it_ends_by_the_signal(tmp_path):
+    """The agent stops the ranks still running when one fails (SIGTERM, then SIGKILL 30 s later). A
+    keeper whose program ended well as the SIGTERM came passed it on to a program already ending: had
+    it then returned, it would have waited for the agent's word that never comes, and the agent its 30 s
+    (CI: 41.9 s for a run of 2 s). It ends by the signal it was sent."""
+    script = tmp_path / "crossing.py"
+    script.write_text(CROSSING)
+    keeper = ("import sys; from mp.tools.forked_rank import keep; keep(sys.argv[1], []); "
+              "print('the keeper returned')")
+    run = subprocess.run([sys.executable, "-c", keeper, str(script)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == -signal.SIGTERM and "returned" not in run.stdout, (run.returncode, run.stdout, run.stderr)
 
 
 @pytest.mark.slow

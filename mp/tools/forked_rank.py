@@ -40,12 +40,20 @@ def keep(script, args):
     pid = os.fork()
     if pid == 0:
         run_program(script, args, keeper)
+    passed_on = []
+
+    def on_signal(signum, frame):
+        passed_on.append(signum)
+        pass_on(pid, signum)
+
     for sig in FORWARDED:
-        signal.signal(sig, lambda signum, frame: pass_on(pid, signum))
+        signal.signal(sig, on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     for sig in FORWARDED:   # the program is gone: a signal now ends the keeper, as it would have ended a finished
         signal.signal(sig, signal.SIG_DFL)   # rank (which torchrun's agent stops while it waits for the others)
+    if status == 0 and passed_on:   # the agent's stop crossed the program's own end: a keeper that returned now
+        os.kill(os.getpid(), passed_on[-1])   # would wait for the agent's word, and the agent 30 s for it to end
     if status == 0:
         return            # torchrun's agent takes a return as this rank's success
     sys.stdout.flush()
