@@ -32,12 +32,13 @@ its slice, and no buffer of its own holds it.
 free=True (--zero 2 and 3) partitions the gradients through the step: a bucket is reduce-scattered
 in every microbatch's backward, as soon as each of its parameters has that microbatch's gradient,
 its slice added into this replica's accumulator (`acc`, 1/D of the bucket, the optimizer's gradient)
-and the whole bucket let go; its memory is made again when the next gradient arrives (a hook just
-before autograd accumulates into it; zero-bubble's W says arriving()):
+and the whole bucket let go. The bucket is made from autograd's own gradient tensors once they are all
+in (`copy_in`, fill); one holding a weight that zero-bubble's W writes itself is made when its first
+gradient arrives instead (W says arriving()), and W adds into it:
 
     microbatch k's backward:  [ layer 8 | layer 7 | ... | layer 1 ]
-    bucket 0:                 made, filled | reduce-scatter --> acc += my slice, freed
-    bucket 1:                                     made, filled | reduce-scatter --> acc += my slice, freed
+    bucket 0:                 filled, made | reduce-scatter --> acc += my slice, freed
+    bucket 1:                                     filled, made | reduce-scatter --> acc += my slice, freed
 
 So a replica holds its accumulators (1/D of the gradients) and the buckets in flight: the ones being
 filled and at most IN_FLIGHT being reduce-scattered (waiting for the oldest is what frees it). No
@@ -88,7 +89,7 @@ class Bucket:
     """Consecutive parameters' gradients in one flat tensor (padded to a multiple of `parts` when sharded).
     every_microbatch (--zero 2, 3): reduced in every microbatch's backward into acc, my slice's sum."""
 
-    def __init__(self, params, parts, device, every_microbatch=False, direct=False, by_block=False):
+    def __init__(self, params, parts, device, every_microbatch=False, direct=False):
         self.params, self.offsets = params, []
         n = 0
         for p in params:
@@ -101,10 +102,12 @@ class Bucket:
         # alone: one parameter, no padding, made for every microbatch: autograd's gradient is the bucket
         # (an empty .grad takes the new gradient tensor as it is); not a weight our own code writes (direct)
         self.alone = every_microbatch and len(params) == 1 and self.padded == n and not direct
-        # copy_in (--zero 3's blocks): made only once every gradient of the microbatch is in, from autograd's
-        # own tensors, so that the block's whole weights can go first (GradBuckets.when_filled); on gloo, with
-        # a gradient larger than the set size, not made at all (apart)
-        self.copy_in = self.alone or (every_microbatch and by_block and not direct)
+        # copy_in (--zero 2, 3): made only once every gradient of the microbatch is in, from autograd's own
+        # tensors, so that the weights can go first (GradBuckets.when_filled: --zero 3's whole block, --zero 2's
+        # all but my slice); on gloo, with a gradient larger than the set size, not made at all (apart). Made
+        # at the first gradient and added into instead, --zero 2's vit peaked higher: 381 MB against 367
+        # (benchmarks/data_axis.py, 4 ranks; the mlp's the same, 261 against 262)
+        self.copy_in = self.alone or (every_microbatch and not direct)
         self.started, self.expected, self.final, self.filled = False, set(), set(), set()
         self.lazy = False                 # GradBuckets: --zero 0, 1 let its memory go through the forward
         self.apart = None                 # copy_in on gloo: autograd's own tensors, all-reduced where they are
@@ -196,10 +199,9 @@ class GradBuckets:
         else:                                         # given (--zero 3: a block each), the last block's first
             groups = [g for g in ([p for p in ps if p.requires_grad][::-1] for ps in groups[::-1]) if g]
         direct = {id(p) for p in direct}
-        by_block = groups is not None
         self.buckets = [Bucket(ps, self.size if shard else 1, device,
                                self.free and not any(id(p) in self.late_ids for p in ps),
-                               any(id(p) in direct for p in ps), by_block) for ps in groups]
+                               any(id(p) in direct for p in ps)) for ps in groups]
         for b in self.buckets:                        # made when first needed in a step (let_go, make)
             b.lazy = not b.every_microbatch and not any(id(p) in self.late_ids for p in b.params)
         self.when_filled = []                         # f(bucket) once a bucket's gradients are all in (say_filled)
