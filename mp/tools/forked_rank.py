@@ -9,9 +9,11 @@ Why two processes a rank: torchrun counts a forked rank as finished only when it
 and our programs end with os._exit (mp.dist.exit_now), which returns nothing: the agent would wait
 for ever. So the program runs in a process of its own, and the keeper, the one torchrun watches,
 waits for it and ends as it ended (returns on 0, else the same status or the same signal), passing
-on every signal the agent sends. The program's process is made to look like a new interpreter's:
-default signal handlers, `python -u`'s unbuffered output, its own random state, sys.argv and
-sys.path[0] as `python script.py` sets them, an uncaught exception printed with exit status 1.
+on every signal the agent sends (one it passed on to a program that then ended well ends it too: the
+agent was stopping the rank, and would not take a return). The program's process is made to look like
+a new interpreter's: default signal handlers, `python -u`'s unbuffered output, its own random state,
+sys.argv and sys.path[0] as `python script.py` sets them, an uncaught exception printed with exit
+status 1.
 What cannot be made new: the string hash seed is the agent's, the same on every rank, so a set of
 strings iterates in the same order on every rank here where new pythons' orders differ (code must not
 order collectives that way; with a GPU the ranks are new pythons, and tests/test_real_torchrun.py runs
