@@ -2,7 +2,7 @@
 
     python benchmarks/data_axis.py                        # mlp 8 x 1024, D = 4, batch 64, AdamW, 3 paired rounds
     python benchmarks/data_axis.py --hidden 64 --steps 4 --rounds 1   # a quick look
-    python benchmarks/data_axis.py --model vit --layers 6 --hidden 256 --steps 5 --rounds 2   # the vit rows
+    python benchmarks/data_axis.py --model vit --layers 6 --hidden 256 --steps 10 --rounds 3   # the vit rows
     python benchmarks/data_axis.py --no-floor --only 0,ddp ...   # no floor runs: the harness, not memory figures
 
 $PYTHON, where set, is the python its torchruns start (as the launchers read it; the tests set their zygote's).
@@ -17,20 +17,20 @@ mp.optim.make_optimizer with the same settings, the replica's slice of every bat
     fsdp2-rs   the same with reshard_after_forward=True (ZeRO-3: weights gathered again for the backward)
 
 The pairs: --zero 0 / ddp, --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) / fsdp2 and
-fsdp2-rs. A round runs every engine, ours and torch's in turn (A, B, A, B...), three torchruns each: one
-timed, one for memory, and one with a tiny model (--hidden 8: the interpreter, torch, gloo, the data) for its
-floor. Memory is the peak RSS of the steps above the floor's, summed over the D ranks, with glibc's mmap
-threshold pinned (docs/memory.md: a freed tensor's pages go back at once, so the resident set follows what is
-held). The steps' peak: the kernel's high-water mark is reset when set-up ends (reset_peak), in the worker and
-in ours (--ours runs pipeline_dp_joint.py's main with the loop's start_memory_count doing it), since a tiny
-model's peak over the whole process is set-up's, whose transients differ by engine (on the vit the worker's
-DDP set-up peaked 5 MB above ours, while their steps held the same). Step time: the median step of rank 0
-(step 0 left out), zero_grad to the update's end, of the timed run, with glibc's allocator as a user has it:
-pinned, every tensor over 128 KB that is freed gives its pages back and the next one faults them in again,
-which is no engine's cost but the measuring's (the vit's steps took half as long again, every engine's).
-Printed per pair: the medians over rounds of each side and of the per-round ratios ours/torch, what a replica
-holds between steps and sends per step, and the largest loss difference over the steps (the engines sum the
-replicas' gradients in other orders: float32 rounding, not a bug).
+fsdp2-rs. A round runs every engine, ours and torch's in turn (A, B, A, B...; every other round the other way,
+B, A, B, A...), three torchruns each: one timed, one for memory, and one with a tiny model (--hidden 8: the
+interpreter, torch, gloo, the data) for its floor. Memory is the peak RSS of the steps above the floor's,
+summed over the D ranks, with glibc's mmap threshold pinned (docs/memory.md: a freed tensor's pages go back at
+once, so the resident set follows what is held). The steps' peak: the kernel's high-water mark is reset when
+set-up ends (reset_peak), in the worker and in ours (--ours runs pipeline_dp_joint.py's main with the loop's
+start_memory_count doing it), since a tiny model's peak over the whole process is set-up's, whose transients
+differ by engine (on the vit the worker's DDP set-up peaked 5 MB above ours, while their steps held the same).
+Step time: the median step of rank 0 (step 0 left out), zero_grad to the update's end, of the timed run, with
+glibc's allocator as a user has it: pinned, every tensor over 128 KB that is freed gives its pages back and
+the next one faults them in again, which is no engine's cost but the measuring's (the vit's steps took half as
+long again, every engine's). Printed per pair: the medians over rounds of each side and of the per-round
+ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference over
+the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug).
 """
 import argparse
 import json
@@ -63,7 +63,7 @@ OURS = {"0": ["--zero", "0"], "1": ["--zero", "1"], "2": ["--zero", "2"],
         "3-step": ["--zero", "3", "--zero3-gather", "step"], "3-microbatch": ["--zero", "3", "--zero3-gather", "microbatch"]}
 TORCH = ("ddp", "zero1", "fsdp2", "fsdp2-rs")
 PAIRS = [("0", "ddp"), ("1", "zero1"), ("2", "fsdp2"), ("3-step", "fsdp2"), ("3-microbatch", "fsdp2-rs")]
-ORDER = ["0", "ddp", "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp2-rs"]   # A, B, A, B...
+ORDER = ["0", "ddp", "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp2-rs"]   # A, B, A, B... (odd rounds: B, A)
 
 
 # ----------------------------------------------------------------------------- torch's engines (the worker)
@@ -194,12 +194,14 @@ def torch_sent(name, n, d):
     return {"ddp": 2 * ring, "zero1": 3 * ring, "fsdp2": 2 * ring, "fsdp2-rs": 3 * ring}[name]
 
 
-def one_round(args, tmp):
+def one_round(args, tmp, backwards=False):
+    """Every engine of --only once (three torchruns each), in ORDER, or in its reverse when backwards: the
+    rounds alternate, so that neither side of a pair always runs first (before, --zero 0 always did)."""
     common = ["--model", args.model, "--layers", str(args.layers), "--dp", str(args.dp), "--batch-size",
               str(args.batch_size), "--microbatches", "1", "--steps", str(args.steps), "--eval-every", "0",
               "--data", "synthetic", "--optimizer", "adamw", "--seed", "0"]
     out = {}
-    for name in [n for n in ORDER if n in args.only]:
+    for name in [n for n in (ORDER[::-1] if backwards else ORDER) if n in args.only]:
         flags = common + ["--hidden", str(args.hidden)]
         timed = launch(name, flags, os.path.join(tmp, "timed.jsonl"), pinned=False)
         if args.no_floor:     # the timed run's peak itself (a quick check of the harness; not a memory figure)
@@ -273,14 +275,19 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--ours":
         return ours(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["mlp", "vit"], default="mlp")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--dp", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench", "data_axis.json"))
+    p.add_argument("--model", choices=["mlp", "vit"], default="mlp",
+                   help="the model every engine trains (default: mlp)")
+    p.add_argument("--layers", type=int, default=8, help="its hidden layers or blocks (default: 8)")
+    p.add_argument("--hidden", type=int, default=1024, help="its width (default: 1024)")
+    p.add_argument("--dp", type=int, default=4, help="replicas, one rank each (default: 4)")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="the global batch, split over the replicas (default: 64)")
+    p.add_argument("--steps", type=int, default=8,
+                   help="steps a run; its time is the median after step 0 (default: 8)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="paired rounds, every other one in the reverse order; the table gives medians (default: 3)")
+    p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench", "data_axis.json"),
+                   help="the JSON of every round, written as each ends (default: logs/bench/data_axis.json)")
     p.add_argument("--only", type=lambda s: s.split(","), default=ORDER,
                    help=f"the engines to run, comma-separated (default: all, {','.join(ORDER)})")
     p.add_argument("--no-floor", action="store_true",
@@ -300,7 +307,7 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     for i in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
-            rounds.append(one_round(args, tmp))
+            rounds.append(one_round(args, tmp, backwards=i % 2 == 1))
         print(f"round {i + 1} of {args.rounds} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
         with open(args.out + ".tmp", "w") as f:      # every round kept as it ends (--table reads it)
             json.dump({"args": vars(args), "rounds": rounds}, f)

@@ -151,3 +151,27 @@ def test_data_axis_bad_input_is_one_error_line(argv, message, monkeypatch, capsy
         data_axis.main()
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith(message), err
+
+
+def test_data_axis_rounds_alternate_which_side_runs_first(monkeypatch):
+    """benchmarks/data_axis.py's rounds run the engines in ORDER, then in reverse, so that neither side of a
+    pair always runs first (the launches are recorded here, nothing is started)."""
+    import argparse
+    import os
+    from helpers import ROOT
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import data_axis
+    ran = []
+
+    def launch(name, flags, log, pinned=True):
+        ran.append(name)
+        return {"median_step_time_s": 1.0, "peak_memory_mb": {"0": 2.0}}
+
+    monkeypatch.setattr(data_axis, "launch", launch)
+    args = argparse.Namespace(model="mlp", layers=2, dp=2, batch_size=8, steps=2, hidden=8, no_floor=True,
+                              only=["ddp", "0", "fsdp2-rs", "3-microbatch"])
+    for backwards in (False, True):
+        ran.clear()
+        data_axis.one_round(args, "unused", backwards=backwards)
+        forwards = ["0", "ddp", "3-microbatch", "fsdp2-rs"]
+        assert ran == (forwards[::-1] if backwards else forwards), (backwards, ran)

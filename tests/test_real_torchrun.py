@@ -57,7 +57,8 @@ if "--fail" in sys.argv and rank == "1":
 """
 
 
-def wrapper(args, tmp_path, **env):
+def wrapper(args, **env):
+    """The launchers' torchrun (python -m mp.tools.torchrun) on 2 ranks, run to its end."""
     cmd = [sys.executable, "-m", "mp.tools.torchrun", "--standalone", "--nproc-per-node", "2", "--"] + args
     return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", **env), capture_output=True,
                           text=True, timeout=120)
@@ -74,7 +75,7 @@ def test_the_launchers_torchrun_forks_ranks_that_look_like_new_pythons(tmp_path)
     probe.write_text(PROBE)
     seen = {}
     for fork in ("1", "0"):
-        run = wrapper([str(probe), "--x", "1"], tmp_path, MP_TORCHRUN_FORK=fork)
+        run = wrapper([str(probe), "--x", "1"], MP_TORCHRUN_FORK=fork)
         assert run.returncode == 0 and not run.stderr, run.stderr[-2000:]
         seen[fork] = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda s: s["rank"])
     forked, fresh = seen["1"], seen["0"]
@@ -86,7 +87,7 @@ def test_the_launchers_torchrun_forks_ranks_that_look_like_new_pythons(tmp_path)
     assert forked[1] == dict(rank="1", local_rank="1", world="2", master=True, restart="0", name="__main__",
                              argv=["--x", "1"], path0=str(tmp_path), own_session=True, sigint=True, sigterm=True,
                              unbuffered="FileIO")
-    run = wrapper([str(probe), "--fail"], tmp_path)
+    run = wrapper([str(probe), "--fail"])
     # from rank 1's end to the agent's (the whole run took 22.7 s once, under the suite's load: start-up)
     held = time.time() - float((tmp_path / "failed_at").read_text())
     assert run.returncode == 2 and run.stderr.splitlines() == ["error: rank 1 refuses --fail"], run.stderr
@@ -123,7 +124,7 @@ def test_programs_in_forked_ranks_give_the_baselines_losses(program, nproc, flag
     """The same programs in ranks forked by the launchers' torchrun (tensor_parallel.py ends with
     os._exit, which a forked rank must turn into torchrun's success)."""
     log = str(tmp_path / "forked.jsonl")
-    run = wrapper([program] + ARGS + flags + ["--log-file", log], tmp_path)
+    run = wrapper([program] + ARGS + flags + ["--log-file", log])
     assert run.returncode == 0, run.stderr[-3000:]
     got = [r["loss"] for r in read_log(log) if r["event"] == "train"]
     assert got and max(abs(a - b) for a, b in zip(got, real_baseline.losses())) <= 1e-4
