@@ -34,9 +34,10 @@ alone" is what composition breaks. They are cheap on gloo (measured on 2 shared 
 29 groups for pipeline_dp_joint.py's 6 ranks took 48 ms (26 ms for the 11 of its axes larger than one),
 36 for parallel_3d.py's 8 ranks (dp 2 pp 2 tp 2) 33 ms (24 ms), 56 for 16 ranks (dp 2 pp 2 cp 2 tp 2
 ep 4) 154 ms (111 ms): a tenth of a second against the seconds a rank takes to import torch and start.
-While the run lasts each gloo group a rank is in keeps a thread of gloo's own that wakes every 10 ms (its
-event loop's epoll timeout): pipeline_dp_joint.py --dp 4 has 8 a rank, DDP 1; 7 more beside DDP's took its
-vit step to 1.005 of before (4 ranks on the 2 cores, 3 rounds: within the noise).
+While the run lasts, each gloo group a rank is in keeps a thread of gloo's own that wakes every 10 ms (its
+event loop's epoll timeout): pipeline_dp_joint.py --dp 4 has 8 groups a rank (the world's and one for each
+of GROUPS), DDP 1; 7 more groups beside DDP's took its vit step to 1.005 of before (4 ranks on the 2
+cores, 3 rounds: within the noise).
 Groups with the same members (dp and dp x cp when cp is 1) stay two groups, so that collectives on two
 axes never queue behind each other in one group's order. On nccl with a bound device (mp.dist), torch
 makes each new_group an ncclCommSplit of the world (non-members take part too) and connects the new
