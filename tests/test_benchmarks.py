@@ -170,8 +170,8 @@ def test_data_axis_rounds_alternate_which_side_runs_first(monkeypatch):
     monkeypatch.setattr(data_axis, "launch", launch)
     args = argparse.Namespace(model="mlp", layers=2, dp=2, batch_size=8, steps=2, hidden=8, no_floor=True,
                               only=["ddp", "0", "fsdp2-rs", "3-microbatch"])
+    in_order = ["0", "ddp", "3-microbatch", "fsdp2-rs"]         # ORDER's, whatever order --only gave
     for backwards in (False, True):
         ran.clear()
         data_axis.one_round(args, "unused", backwards=backwards)
-        forwards = ["0", "ddp", "3-microbatch", "fsdp2-rs"]
-        assert ran == (forwards[::-1] if backwards else forwards), (backwards, ran)
+        assert ran == (in_order[::-1] if backwards else in_order), (backwards, ran)
