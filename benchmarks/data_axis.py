@@ -30,11 +30,14 @@ glibc's allocator as a user has it: pinned, every tensor over 128 KB that is fre
 the next one faults them in again, which is no engine's cost but the measuring's (the vit's steps took half as
 long again, every engine's). Printed per pair: the medians over rounds of each side and of the per-round
 ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference over
-the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug).
+the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug); then, from
+the timed runs, each side's CPU time and minor page faults a step (every thread of every rank: steps_usage),
+which say whether a step-time ratio is work done or cores left idle.
 """
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -90,9 +93,24 @@ def wrap(engine, model, args, world):
 
 def reset_peak():
     """The kernel's high-water mark of this process's resident set, reset to what it holds now (Linux:
-    /proc/self/clear_refs, 5), so that the peak read afterwards is the steps', not set-up's."""
+    /proc/self/clear_refs, 5), so that the peak read afterwards is the steps', not set-up's. Also the
+    start of the steps' CPU time and page faults (steps_usage)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+    SETUP_OVER[:] = [resource.getrusage(resource.RUSAGE_SELF)]
+
+
+SETUP_OVER = []   # this process's rusage when set-up ended (reset_peak)
+
+
+def steps_usage(log_file):
+    """Write, beside the log, what this rank's process used since set-up ended: CPU seconds (every thread:
+    gloo's and autograd's too, user and system) and minor page faults (a page of memory touched for the
+    first time since the kernel handed it out). launch() sums the ranks' files."""
+    now, then = resource.getrusage(resource.RUSAGE_SELF), SETUP_OVER[0]
+    with open(f"{log_file}.usage.{os.environ.get('RANK', '0')}", "w") as f:
+        json.dump({"cpu_s": now.ru_utime + now.ru_stime - then.ru_utime - then.ru_stime,
+                   "minor_faults": now.ru_minflt - then.ru_minflt}, f)
 
 
 def peak_mb():
@@ -129,6 +147,7 @@ def worker(engine, argv):
         opt.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.detach())
+    steps_usage(args.log_file)
     params = list(model.parameters())
     inner = getattr(opt, "optim", opt)            # ZeroRedundancyOptimizer's local AdamW
     held = [local_mb(params), local_mb([p.grad for p in params if p.grad is not None]),
@@ -148,11 +167,17 @@ def worker(engine, argv):
 def ours(argv):
     """pipeline_dp_joint.py, its peak measured as the worker's: the loop says when set-up is over
     (mp.loop.start_memory_count, a no-op on the CPU, where the process's peak includes set-up) and the
-    summary's peak_memory_mb is then the steps' (peak_mb); nothing else of the program is touched."""
+    summary's peak_memory_mb, taken right after the last step, is then the steps' (peak_mb), its CPU time
+    and faults read there too (steps_usage); nothing else of the program is touched."""
     import mp.log
     import mp.loop
+    log_file = argv[argv.index("--log-file") + 1]     # launch() always gives one
+
+    def steps_peak_mb(device, kind="allocated"):
+        steps_usage(log_file)
+        return peak_mb()
     mp.loop.start_memory_count = lambda device: reset_peak()
-    mp.log.peak_memory_mb = lambda device, kind="allocated": peak_mb()
+    mp.log.peak_memory_mb = steps_peak_mb
     pipeline_dp_joint.main(argv)
 
 
@@ -161,7 +186,7 @@ def ours(argv):
 
 def launch(name, flags, log, pinned=True):
     """One run of engine `name` (ours: pipeline_dp_joint.py) on D ranks: {losses, median_step_time_s,
-    peak_memory_mb, held_mb, sent_mb}. pinned: glibc's mmap threshold pinned (the memory runs), else glibc's
+    peak_memory_mb, held_mb, sent_mb, cpu_s, minor_faults}. pinned: glibc's mmap threshold pinned (the memory runs), else glibc's
     own (the timed run)."""
     script = [os.path.abspath(__file__)] + (["--ours"] + OURS[name] if name in OURS else ["--worker", name])
     d = flags[flags.index("--dp") + 1]
@@ -176,12 +201,18 @@ def launch(name, flags, log, pinned=True):
                           timeout=900, cwd=ROOT)
     if proc.returncode:
         sys.exit(f"error: {name} ({' '.join(flags)}) failed: {proc.stderr[-2000:]}")
+    used = {"cpu_s": 0, "minor_faults": 0}            # every rank's steps_usage, summed
+    for r in range(int(d)):
+        with open(f"{log}.usage.{r}") as f:
+            rank = json.load(f)
+        os.remove(f"{log}.usage.{r}")                 # the next launch with this log writes its own
+        used = {k: v + rank[k] for k, v in used.items()}
     with open(log) as f:
         if name not in OURS:
-            return json.load(f)
+            return {**json.load(f), **used}
         records = [json.loads(line) for line in f]
     s = next(r for r in records if r["event"] == "summary")
-    return {"losses": [r["loss"] for r in records if r["event"] == "train"],
+    return {**used, "losses": [r["loss"] for r in records if r["event"] == "train"],
             "median_step_time_s": s["median_step_time_s"], "peak_memory_mb": s["peak_memory_mb"],
             "held_mb": [s[k]["0"] for k in ("param_mb", "grad_mb", "optimizer_state_mb")],
             "sent_mb": s.get("dp_sent_mb_per_step", {}).get("0"),
@@ -212,6 +243,7 @@ def one_round(args, tmp, backwards=False):
             tiny = launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
             big["pinned_step_time_s"] = big["median_step_time_s"]
             big["median_step_time_s"] = timed["median_step_time_s"]
+            big.update(cpu_s=timed["cpu_s"], minor_faults=timed["minor_faults"])   # the timed run's too
         big["above_floor_mb"] = sum(big["peak_memory_mb"][r] - tiny["peak_memory_mb"][r] for r in big["peak_memory_mb"])
         out[name] = big
         print(f"{name}: {big['median_step_time_s'] * 1e3:.1f} ms, {big['above_floor_mb']:.0f} MB", file=sys.stderr,
@@ -252,10 +284,30 @@ def table(rounds, args):
                      f"{med(lambda r: r[b]['median_step_time_s']) * 1e3:.0f} | {speed:.2f} | "
                      f"{held(rounds[0][a]['held_mb'])} / {held(rounds[0][b]['held_mb'])} | "
                      f"{rounds[0][a]['sent_mb']:.1f} / {torch_sent(b, n, args.dp):.1f} | {diff:.1e} |")
-    return "\n".join(lines) + (f"\n\n{args.model} {args.layers} x {args.hidden}, N = {n:.2f} MB of weights, D = "
+    return "\n".join(lines + where_time_goes(rounds, args, med)) + (f"\n\n{args.model} {args.layers} x {args.hidden}, N = {n:.2f} MB of weights, D = "
                                f"{args.dp}, batch {args.batch_size}, one microbatch, AdamW, {args.steps} steps; "
                                f"medians over {len(rounds)} paired rounds (ratios: the median of each round's); "
                                f"{timed_how(rounds, args)}.")
+
+
+def where_time_goes(rounds, args, med):
+    """The timed runs' CPU time and page faults a step, each side's (every thread of every rank, from set-up's
+    end to the last step, step 0 included): where a step-time ratio comes from, since on a shared CPU a
+    step is its ranks' CPU time over the cores plus the time the cores sat idle while ranks waited.
+    Nothing for a file from before these were recorded (--table)."""
+    pairs = [(a, b) for a, b in PAIRS if a in rounds[0] and b in rounds[0] and "cpu_s" in rounds[0][a]]
+    if not pairs:
+        return []
+    per_step = lambda r, name, k: r[name][k] / args.steps   # noqa: E731
+    lines = ["", f"| ours | torch | CPU ms a step ({args.dp} ranks) ours / torch | ratio | page faults a step "
+             "ours / torch | ratio |", "| --- | --- | --- | --- | --- | --- |"]
+    for a, b in pairs:
+        cells = []
+        for k, scale in (("cpu_s", 1e3), ("minor_faults", 1)):
+            cells.append(f"{med(lambda r: per_step(r, a, k)) * scale:.0f} / {med(lambda r: per_step(r, b, k)) * scale:.0f}"
+                         f" | {med(lambda r: r[a][k] / r[b][k]):.2f}")
+        lines.append(f"| --zero {a.replace('-', ' ')} | {b} | {' | '.join(cells)} |")
+    return lines
 
 
 def bad_input(args):

@@ -124,14 +124,20 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     assert "| ours | torch | peak, MB (2 ranks) ours / torch |" in printed, printed
     weights = ((3072 + 1) * 32 + (32 + 1) * 32 + (32 + 1) * 10) * 4 / 2**20    # N, whatever engines ran
     assert f"N = {weights:.2f} MB of weights" in printed and "with glibc's own allocator." in printed, printed
-    rows = [line for line in printed.splitlines() if line.startswith("| --zero")]
-    assert [r.split(" | ")[:2] for r in rows] == [["| --zero 0", "ddp"], ["| --zero 3 microbatch", "fsdp2-rs"]], rows
+    memory, usage = printed.split("| ours | torch | CPU ms a step (2 ranks) ours / torch | ratio |")
+    for part in (memory, usage):       # a row per pair in each table: the memory and time, where the time goes
+        rows = [line for line in part.splitlines() if line.startswith("| --zero")]
+        assert [r.split(" | ")[:2] for r in rows] == [["| --zero 0", "ddp"], ["| --zero 3 microbatch", "fsdp2-rs"]], rows
     (round_,) = json.loads(out.read_text())["rounds"]
     for ours, theirs in (("0", "ddp"), ("3-microbatch", "fsdp2-rs")):
         a, b = round_[ours]["losses"], round_[theirs]["losses"]
         assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (ours, a, b)
-        assert round_[ours]["median_step_time_s"] > 0 and round_[theirs]["median_step_time_s"] > 0
-        assert round_[ours]["above_floor_mb"] > 0 and round_[theirs]["above_floor_mb"] > 0
+        for side in (round_[ours], round_[theirs]):
+            assert side["median_step_time_s"] > 0 and side["above_floor_mb"] > 0, side
+            # the steps' CPU time and page faults, summed over both ranks' files (step 0 makes the gradients:
+            # new pages); launch() removes the files it read, so a later launch cannot read these
+            assert side["cpu_s"] > 0 and side["minor_faults"] > 0, side
+    assert not list(tmp_path.glob("**/*.usage.*"))
 
 
 @pytest.mark.parametrize("argv,message", [
