@@ -186,8 +186,8 @@ def ours(argv):
 
 def launch(name, flags, log, pinned=True):
     """One run of engine `name` (ours: pipeline_dp_joint.py) on D ranks: {losses, median_step_time_s,
-    peak_memory_mb, held_mb, sent_mb, cpu_s, minor_faults}. pinned: glibc's mmap threshold pinned (the memory runs), else glibc's
-    own (the timed run)."""
+    peak_memory_mb, held_mb, sent_mb, cpu_s, minor_faults}. pinned: glibc's mmap threshold pinned (the memory
+    runs), else glibc's own (the timed run)."""
     script = [os.path.abspath(__file__)] + (["--ours"] + OURS[name] if name in OURS else ["--worker", name])
     d = flags[flags.index("--dp") + 1]
     # $PYTHON as the launchers read it (the tests point it at their zygote's stand-in, tests/python)
@@ -284,7 +284,8 @@ def table(rounds, args):
                      f"{med(lambda r: r[b]['median_step_time_s']) * 1e3:.0f} | {speed:.2f} | "
                      f"{held(rounds[0][a]['held_mb'])} / {held(rounds[0][b]['held_mb'])} | "
                      f"{rounds[0][a]['sent_mb']:.1f} / {torch_sent(b, n, args.dp):.1f} | {diff:.1e} |")
-    return "\n".join(lines + where_time_goes(rounds, args, med)) + (f"\n\n{args.model} {args.layers} x {args.hidden}, N = {n:.2f} MB of weights, D = "
+    lines += where_time_goes(rounds, args, med)
+    return "\n".join(lines) + (f"\n\n{args.model} {args.layers} x {args.hidden}, N = {n:.2f} MB of weights, D = "
                                f"{args.dp}, batch {args.batch_size}, one microbatch, AdamW, {args.steps} steps; "
                                f"medians over {len(rounds)} paired rounds (ratios: the median of each round's); "
                                f"{timed_how(rounds, args)}.")
@@ -302,10 +303,8 @@ def where_time_goes(rounds, args, med):
     lines = ["", f"| ours | torch | CPU ms a step ({args.dp} ranks) ours / torch | ratio | page faults a step "
              "ours / torch | ratio |", "| --- | --- | --- | --- | --- | --- |"]
     for a, b in pairs:
-        cells = []
-        for k, scale in (("cpu_s", 1e3), ("minor_faults", 1)):
-            cells.append(f"{med(lambda r: per_step(r, a, k)) * scale:.0f} / {med(lambda r: per_step(r, b, k)) * scale:.0f}"
-                         f" | {med(lambda r: r[a][k] / r[b][k]):.2f}")
+        cells = [f"{med(lambda r: per_step(r, a, k)) * scale:.0f} / {med(lambda r: per_step(r, b, k)) * scale:.0f}"
+                 f" | {med(lambda r: r[a][k] / r[b][k]):.2f}" for k, scale in (("cpu_s", 1e3), ("minor_faults", 1))]
         lines.append(f"| --zero {a.replace('-', ' ')} | {b} | {' | '.join(cells)} |")
     return lines
 

@@ -125,9 +125,10 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     weights = ((3072 + 1) * 32 + (32 + 1) * 32 + (32 + 1) * 10) * 4 / 2**20    # N, whatever engines ran
     assert f"N = {weights:.2f} MB of weights" in printed and "with glibc's own allocator." in printed, printed
     memory, usage = printed.split("| ours | torch | CPU ms a step (2 ranks) ours / torch | ratio |")
-    for part in (memory, usage):       # a row per pair in each table: the memory and time, where the time goes
+    pairs = [["| --zero 0", "ddp"], ["| --zero 3 microbatch", "fsdp2-rs"]]
+    for part in (memory, usage):       # a row per pair in each table: memory and time, then where the time goes
         rows = [line for line in part.splitlines() if line.startswith("| --zero")]
-        assert [r.split(" | ")[:2] for r in rows] == [["| --zero 0", "ddp"], ["| --zero 3 microbatch", "fsdp2-rs"]], rows
+        assert [r.split(" | ")[:2] for r in rows] == pairs, rows
     (round_,) = json.loads(out.read_text())["rounds"]
     for ours, theirs in (("0", "ddp"), ("3-microbatch", "fsdp2-rs")):
         a, b = round_[ours]["losses"], round_[theirs]["losses"]
