@@ -167,8 +167,8 @@ def worker(engine, argv):
 def ours(argv):
     """pipeline_dp_joint.py, its peak measured as the worker's: the loop says when set-up is over
     (mp.loop.start_memory_count, a no-op on the CPU, where the process's peak includes set-up) and the
-    summary's peak_memory_mb, taken right after the last step, is then the steps' (peak_mb), its CPU time
-    and faults read there too (steps_usage); nothing else of the program is touched."""
+    summary's peak_memory_mb, taken after the last step (and its log line's sums), is then the steps'
+    (peak_mb), its CPU time and faults read there too (steps_usage); nothing else of the program is touched."""
     import mp.log
     import mp.loop
     log_file = argv[argv.index("--log-file") + 1]     # launch() always gives one

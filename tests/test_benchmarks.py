@@ -135,10 +135,9 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
         assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (ours, a, b)
         for side in (round_[ours], round_[theirs]):
             assert side["median_step_time_s"] > 0 and side["above_floor_mb"] > 0, side
-            # the steps' CPU time and page faults, summed over both ranks' files (step 0 makes the gradients:
-            # new pages); launch() removes the files it read, so a later launch cannot read these
+            # the steps' CPU time and page faults, from both ranks' files (launch() fails without one); step 0
+            # makes the gradients, so new pages are touched
             assert side["cpu_s"] > 0 and side["minor_faults"] > 0, side
-    assert not list(tmp_path.glob("**/*.usage.*"))
 
 
 @pytest.mark.parametrize("argv,message", [
