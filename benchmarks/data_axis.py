@@ -100,7 +100,7 @@ def reset_peak():
     SETUP_OVER[:] = [resource.getrusage(resource.RUSAGE_SELF)]
 
 
-SETUP_OVER = []   # this process's rusage when set-up ended (reset_peak)
+SETUP_OVER = []   # this process's rusage when set-up ended: a global, as in ours the loop calls reset_peak
 
 
 def steps_usage(log_file):
@@ -201,12 +201,12 @@ def launch(name, flags, log, pinned=True):
                           timeout=900, cwd=ROOT)
     if proc.returncode:
         sys.exit(f"error: {name} ({' '.join(flags)}) failed: {proc.stderr[-2000:]}")
-    used = {"cpu_s": 0, "minor_faults": 0}            # every rank's steps_usage, summed
+    ranks_usage = []                                  # each rank's steps_usage file
     for r in range(int(d)):
         with open(f"{log}.usage.{r}") as f:
-            rank = json.load(f)
-        os.remove(f"{log}.usage.{r}")                 # the next launch with this log writes its own
-        used = {k: v + rank[k] for k, v in used.items()}
+            ranks_usage.append(json.load(f))
+        os.remove(f"{log}.usage.{r}")                 # a later launch with the same log must not read it
+    used = {k: sum(u[k] for u in ranks_usage) for k in ("cpu_s", "minor_faults")}
     with open(log) as f:
         if name not in OURS:
             return {**json.load(f), **used}
