@@ -32,7 +32,8 @@ long again, every engine's). Printed per pair: the medians over rounds of each s
 ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference over
 the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug); then, from
 the timed runs, each side's CPU time and minor page faults a step (every thread of every rank: steps_usage),
-which say whether a step-time ratio is work done or cores left idle.
+which say whether a step-time ratio is work done or cores left idle. The last line names the cores and whether
+the kernel's autogroup was on (Linux), under which our ranks' step times swing.
 """
 import argparse
 import json
@@ -258,6 +259,26 @@ def weights_mb(args):
     return sum(p.numel() * p.element_size() for p in build_model(baseline_args(flags, __doc__)).parameters()) / 2**20
 
 
+def autogroup():
+    """Is the kernel's autogroup on (Linux; None where there is none to read)? torchrun starts each rank in a
+    session of its own, so each rank is then a scheduling group of its own, sharing the cores as one task:
+    our ranks' step times swing under it where DDP's do not (docs/benchmarks.md)."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return None
+
+
+def machine(args):
+    """The cores the runs shared and the kernel's autogroup, as the table's last line says them (nothing for a
+    file from before they were recorded: --table)."""
+    if getattr(args, "cores", None) is None:
+        return ""
+    group = "" if args.autogroup is None else f", the kernel's autogroup {'on' if args.autogroup else 'off'}"
+    return f"; {args.cores} cores{group}"
+
+
 def timed_how(rounds, args):
     """How the table's runs were made (a --table file from before the timed runs: every run pinned)."""
     if any("pinned_step_time_s" in r for r in rounds[0].values()):
@@ -288,7 +309,7 @@ def table(rounds, args):
     return "\n".join(lines) + (f"\n\n{args.model} {args.layers} x {args.hidden}, N = {n:.2f} MB of weights, D = "
                                f"{args.dp}, batch {args.batch_size}, one microbatch, AdamW, {args.steps} steps; "
                                f"medians over {len(rounds)} paired rounds (ratios: the median of each round's); "
-                               f"{timed_how(rounds, args)}.")
+                               f"{timed_how(rounds, args)}{machine(args)}.")
 
 
 def where_time_goes(rounds, args, med):
@@ -355,6 +376,7 @@ def main():
             saved = json.load(f)
         rounds = [{name.replace(" ", "-"): r for name, r in round_.items()} for round_ in saved["rounds"]]
         return print(table(rounds, argparse.Namespace(**{**saved["args"], "dp": saved["args"]["dp"]})))
+    args.cores, args.autogroup = os.cpu_count(), autogroup()   # kept in --out with the flags
     rounds = []
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     for i in range(args.rounds):

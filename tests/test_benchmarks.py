@@ -123,13 +123,19 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "| ours | torch | peak, MB (2 ranks) ours / torch |" in printed, printed
     weights = ((3072 + 1) * 32 + (32 + 1) * 32 + (32 + 1) * 10) * 4 / 2**20    # N, whatever engines ran
-    assert f"N = {weights:.2f} MB of weights" in printed and "with glibc's own allocator." in printed, printed
+    assert f"N = {weights:.2f} MB of weights" in printed and "with glibc's own allocator; " in printed, printed
+    # the machine the step times depend on, in the table's last line and in --out for --table
+    group = data_axis.autogroup()
+    said = "" if group is None else f", the kernel's autogroup {'on' if group else 'off'}"
+    assert f"; {os.cpu_count()} cores{said}." in printed, printed
     memory, usage = printed.split("| ours | torch | CPU ms a step (2 ranks) ours / torch | ratio |")
     pairs = [["| --zero 0", "ddp"], ["| --zero 3 microbatch", "fsdp2-rs"]]
     for part in (memory, usage):       # a row per pair in each table: memory and time, then where the time goes
         rows = [line for line in part.splitlines() if line.startswith("| --zero")]
         assert [r.split(" | ")[:2] for r in rows] == pairs, rows
-    (round_,) = json.loads(out.read_text())["rounds"]
+    saved = json.loads(out.read_text())
+    assert saved["args"]["cores"] == os.cpu_count() and saved["args"]["autogroup"] == group, saved["args"]
+    (round_,) = saved["rounds"]
     for ours, theirs in (("0", "ddp"), ("3-microbatch", "fsdp2-rs")):
         a, b = round_[ours]["losses"], round_[theirs]["losses"]
         assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (ours, a, b)
