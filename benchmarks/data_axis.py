@@ -31,9 +31,10 @@ the next one faults them in again, which is no engine's cost but the measuring's
 long again, every engine's). Printed per pair: the medians over rounds of each side and of the per-round
 ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference over
 the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug); then, from
-the timed runs, each side's CPU time and minor page faults a step (every thread of every rank: steps_usage),
-which say whether a step-time ratio is work done or cores left idle. The last line names the cores and whether
-the kernel's autogroup was on (Linux), under which our ranks' step times swing.
+the timed runs, each side's CPU time and minor page faults a step (every thread of every rank: steps_usage) and
+the share of the cores' time over the steps that no rank used, which say whether a step-time ratio is work done
+or cores left idle. The last line names the cores and whether the kernel's autogroup was on (Linux), under which
+our ranks' step times swing.
 """
 import argparse
 import json
@@ -98,20 +99,21 @@ def reset_peak():
     start of the steps' CPU time and page faults (steps_usage)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    SETUP_OVER[:] = [resource.getrusage(resource.RUSAGE_SELF)]
+    SETUP_OVER[:] = [resource.getrusage(resource.RUSAGE_SELF), time.monotonic()]
 
 
-SETUP_OVER = []   # this process's rusage when set-up ended: a global, as in ours the loop calls reset_peak
+SETUP_OVER = []   # this process's rusage and clock when set-up ended: a global, as in ours the loop calls reset_peak
 
 
 def steps_usage(log_file):
     """Write, beside the log, what this rank's process used since set-up ended: CPU seconds (every thread:
-    gloo's and autograd's too, user and system) and minor page faults (a page of memory touched for the
-    first time since the kernel handed it out). launch() sums the ranks' files."""
-    now, then = resource.getrusage(resource.RUSAGE_SELF), SETUP_OVER[0]
+    gloo's and autograd's too, user and system), minor page faults (a page of memory touched for the
+    first time since the kernel handed it out), and when that began and ended (the machine's monotonic clock,
+    one for every process). launch() sums the ranks' files."""
+    now, (then, start) = resource.getrusage(resource.RUSAGE_SELF), SETUP_OVER
     with open(f"{log_file}.usage.{os.environ.get('RANK', '0')}", "w") as f:
         json.dump({"cpu_s": now.ru_utime + now.ru_stime - then.ru_utime - then.ru_stime,
-                   "minor_faults": now.ru_minflt - then.ru_minflt}, f)
+                   "minor_faults": now.ru_minflt - then.ru_minflt, "start": start, "end": time.monotonic()}, f)
 
 
 def peak_mb():
@@ -187,7 +189,7 @@ def ours(argv):
 
 def launch(name, flags, log, pinned=True):
     """One run of engine `name` (ours: pipeline_dp_joint.py) on D ranks: {losses, median_step_time_s,
-    peak_memory_mb, held_mb, sent_mb, cpu_s, minor_faults}. pinned: glibc's mmap threshold pinned (the memory
+    peak_memory_mb, held_mb, sent_mb, cpu_s, minor_faults, wall_s}. pinned: glibc's mmap threshold pinned (the memory
     runs), else glibc's own (the timed run)."""
     script = [os.path.abspath(__file__)] + (["--ours"] + OURS[name] if name in OURS else ["--worker", name])
     d = flags[flags.index("--dp") + 1]
@@ -208,6 +210,8 @@ def launch(name, flags, log, pinned=True):
             ranks_usage.append(json.load(f))
         os.remove(f"{log}.usage.{r}")                 # a later launch with the same log must not read it
     used = {k: sum(u[k] for u in ranks_usage) for k in ("cpu_s", "minor_faults")}
+    # the steps' span, from the first rank's set-up end to the last rank's last step: every rank's CPU time falls in it
+    used["wall_s"] = max(u["end"] for u in ranks_usage) - min(u["start"] for u in ranks_usage)
     with open(log) as f:
         if name not in OURS:
             return {**json.load(f), **used}
@@ -244,7 +248,7 @@ def one_round(args, tmp, backwards=False):
             tiny = launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
             big["pinned_step_time_s"] = big["median_step_time_s"]
             big["median_step_time_s"] = timed["median_step_time_s"]
-            big.update(cpu_s=timed["cpu_s"], minor_faults=timed["minor_faults"])   # the timed run's too
+            big.update({k: timed[k] for k in ("cpu_s", "minor_faults", "wall_s")})   # the timed run's too
         big["above_floor_mb"] = sum(big["peak_memory_mb"][r] - tiny["peak_memory_mb"][r] for r in big["peak_memory_mb"])
         out[name] = big
         print(f"{name}: {big['median_step_time_s'] * 1e3:.1f} ms, {big['above_floor_mb']:.0f} MB", file=sys.stderr,
@@ -268,6 +272,11 @@ def autogroup():
             return f.read().strip() == "1"
     except OSError:
         return None
+
+
+def usable_cores():
+    """The cores this process, and so every rank it starts, may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def machine(args):
@@ -314,18 +323,26 @@ def table(rounds, args):
 
 def where_time_goes(rounds, args, med):
     """The timed runs' CPU time and page faults a step, each side's (every thread of every rank, from set-up's
-    end to the last step, step 0 included): where a step-time ratio comes from, since on a shared CPU a
-    step is its ranks' CPU time over the cores plus the time the cores sat idle while ranks waited.
-    Nothing for a file from before these were recorded (--table)."""
+    end to the last step, step 0 included), and the share of the cores' time over that span that the ranks
+    left idle: where a step-time ratio comes from, since on a shared CPU a step is its ranks' CPU time over
+    the cores plus the time the cores sat idle while ranks waited. Nothing for a file from before these were
+    recorded (--table); no idle column for one from before the span and the cores were."""
     pairs = [(a, b) for a, b in PAIRS if a in rounds[0] and b in rounds[0] and "cpu_s" in rounds[0][a]]
     if not pairs:
         return []
     per_step = lambda r, name, k: r[name][k] / args.steps   # noqa: E731
+    # the share of the cores' time from set-up's end to the last step that no rank used (ranks waiting for each
+    # other, or not scheduled): 1 - CPU / (span x cores); from files with the span and the cores only
+    idle = "wall_s" in rounds[0][pairs[0][0]] and getattr(args, "cores", None)
+    idle_of = lambda r, name: 1 - r[name]["cpu_s"] / (r[name]["wall_s"] * args.cores)   # noqa: E731
     lines = ["", f"| ours | torch | CPU ms a step ({args.dp} ranks) ours / torch | ratio | page faults a step "
-             "ours / torch | ratio |", "| --- | --- | --- | --- | --- | --- |"]
+             "ours / torch | ratio |" + (f" cores idle ({args.cores}) ours / torch |" if idle else ""),
+             "| --- | --- | --- | --- | --- | --- |" + (" --- |" if idle else "")]
     for a, b in pairs:
         cells = [f"{med(lambda r: per_step(r, a, k)) * scale:.0f} / {med(lambda r: per_step(r, b, k)) * scale:.0f}"
                  f" | {med(lambda r: r[a][k] / r[b][k]):.2f}" for k, scale in (("cpu_s", 1e3), ("minor_faults", 1))]
+        if idle:
+            cells.append(f"{med(lambda r: idle_of(r, a)):.1%} / {med(lambda r: idle_of(r, b)):.1%}")
         lines.append(f"| --zero {a.replace('-', ' ')} | {b} | {' | '.join(cells)} |")
     return lines
 
@@ -376,7 +393,7 @@ def main():
             saved = json.load(f)
         rounds = [{name.replace(" ", "-"): r for name, r in round_.items()} for round_ in saved["rounds"]]
         return print(table(rounds, argparse.Namespace(**{**saved["args"], "dp": saved["args"]["dp"]})))
-    args.cores, args.autogroup = os.cpu_count(), autogroup()   # kept in --out with the flags
+    args.cores, args.autogroup = usable_cores(), autogroup()   # kept in --out with the flags
     rounds = []
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     for i in range(args.rounds):

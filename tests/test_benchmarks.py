@@ -2,6 +2,7 @@
 (torch.distributed.pipelining, torch.distributed.tensor.parallel) step by step, which makes
 PyTorch's engines an independent oracle for ours."""
 import json
+import re
 
 import pytest
 
@@ -127,14 +128,18 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     # the machine the step times depend on, in the table's last line and in --out for --table
     group = data_axis.autogroup()
     said = "" if group is None else f", the kernel's autogroup {'on' if group else 'off'}"
-    assert f"; {os.cpu_count()} cores{said}." in printed, printed
+    assert f"; {data_axis.usable_cores()} cores{said}." in printed, printed
     memory, usage = printed.split("| ours | torch | CPU ms a step (2 ranks) ours / torch | ratio |")
     pairs = [["| --zero 0", "ddp"], ["| --zero 3 microbatch", "fsdp2-rs"]]
     for part in (memory, usage):       # a row per pair in each table: memory and time, then where the time goes
         rows = [line for line in part.splitlines() if line.startswith("| --zero")]
         assert [r.split(" | ")[:2] for r in rows] == pairs, rows
+    cores = data_axis.usable_cores()      # and the share of their time the ranks left idle, each side's
+    assert f"ratio | cores idle ({cores}) ours / torch |" in usage, usage
+    for row in [line for line in usage.splitlines() if line.startswith("| --zero")]:
+        assert re.fullmatch(r"\d+\.\d% / \d+\.\d%", row.split(" | ")[-1].rstrip(" |")), row
     saved = json.loads(out.read_text())
-    assert saved["args"]["cores"] == os.cpu_count() and saved["args"]["autogroup"] == group, saved["args"]
+    assert saved["args"]["cores"] == cores and saved["args"]["autogroup"] == group, saved["args"]
     (round_,) = saved["rounds"]
     for ours, theirs in (("0", "ddp"), ("3-microbatch", "fsdp2-rs")):
         a, b = round_[ours]["losses"], round_[theirs]["losses"]
@@ -144,6 +149,8 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
             # the steps' CPU time and page faults, from both ranks' files (launch() fails without one); step 0
             # makes the gradients, so new pages are touched
             assert side["cpu_s"] > 0 and side["minor_faults"] > 0, side
+            # the ranks' CPU time fits in their span on these cores: the idle share printed is 0 to 100%
+            assert 0 < side["cpu_s"] <= side["wall_s"] * cores, side
 
 
 @pytest.mark.parametrize("argv,message", [
