@@ -96,7 +96,7 @@ def wrap(engine, model, args, world):
 def reset_peak():
     """The kernel's high-water mark of this process's resident set, reset to what it holds now (Linux:
     /proc/self/clear_refs, 5), so that the peak read afterwards is the steps', not set-up's. Also the
-    start of the steps' CPU time and page faults (steps_usage)."""
+    start of the steps' CPU time, page faults and span (steps_usage)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     SETUP_OVER[:] = [resource.getrusage(resource.RUSAGE_SELF), time.monotonic()]
@@ -171,7 +171,7 @@ def ours(argv):
     """pipeline_dp_joint.py, its peak measured as the worker's: the loop says when set-up is over
     (mp.loop.start_memory_count, a no-op on the CPU, where the process's peak includes set-up) and the
     summary's peak_memory_mb, taken after the last step (and its log line's sums), is then the steps'
-    (peak_mb), its CPU time and faults read there too (steps_usage); nothing else of the program is touched."""
+    (peak_mb), its CPU time, faults and span read there too (steps_usage); nothing else of the program is touched."""
     import mp.log
     import mp.loop
     log_file = argv[argv.index("--log-file") + 1]     # launch() always gives one
