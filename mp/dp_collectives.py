@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from mp.mesh import SHARED_GLOO
+
 # torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn); either works
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -27,7 +29,7 @@ def reduce_scatter_copies(group):
     """Does this group's reduce-scatter work on a copy of its bucket, held until it is done? gloo's does:
     torch's ProcessGroupGloo reduce-scatters by cloning the whole input, all-reducing the clone and copying
     my chunk out of it; nccl's reads and writes the bucket itself."""
-    return dist.get_backend(group) == "gloo"
+    return dist.get_backend(group) in ("gloo", SHARED_GLOO)
 
 
 def all_gather(flat, mine, rank, group):

@@ -34,10 +34,15 @@ alone" is what composition breaks. They are cheap on gloo (measured on 2 shared 
 29 groups for pipeline_dp_joint.py's 6 ranks took 48 ms (26 ms for the 11 of its axes larger than one),
 36 for parallel_3d.py's 8 ranks (dp 2 pp 2 tp 2) 33 ms (24 ms), 56 for 16 ranks (dp 2 pp 2 cp 2 tp 2
 ep 4) 154 ms (111 ms): a tenth of a second against the seconds a rank takes to import torch and start.
-While the run lasts, each gloo group a rank is in keeps a thread of gloo's own that wakes every 10 ms (its
-event loop's epoll timeout): pipeline_dp_joint.py --dp 4 has 8 groups a rank (the world's and one for each
-of GROUPS), DDP 1; 7 more groups beside DDP's took its vit step to 1.005 of before (4 ranks on the 2
-cores, 3 rounds: within the noise).
+On gloo, torch gives every group a transport of its own (a "device": a listening socket and an event-loop
+thread that wakes every 10 ms, idle or not), so pipeline_dp_joint.py --dp 4 (8 groups a rank: the world's
+and one for each of GROUPS) woke 800 times a second a rank where DDP (1 group) wakes 100. Our groups share
+the world group's device instead (new_group): each is still a group of its own, with its own connections,
+order of collectives and two worker threads; only the socket and the loop thread are shared, as all of
+DDP's traffic shares them. Measured on the vit's --zero 0 pair (benchmarks/data_axis.py, 4 ranks on 2
+cores, 2026-11-28): 25 threads a rank became 18; over 30 steps the 4 ranks' loop threads switched 75-82
+thousand times, now 22 (DDP's 16); over 10 paired rounds each, the cores' idle share 5.1% became 3.5%
+(DDP's 2.8-3.2%), while the step time's ratio to DDP's stayed where it was, within the noise (1.048, 1.047).
 Groups with the same members (dp and dp x cp when cp is 1) stay two groups, so that collectives on two
 axes never queue behind each other in one group's order. On nccl with a bound device (mp.dist), torch
 makes each new_group an ncclCommSplit of the world (non-members take part too) and connects the new
@@ -81,6 +86,33 @@ def along(ranks, axis):
     return ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
 
 
+SHARED_GLOO = "gloo_world_device"   # what dist.get_backend(group) says for a gloo group made by new_group
+
+
+def new_group(line, timeout):
+    """dist.new_group(line), on gloo one that shares the world group's device (the module's docstring says
+    why). torch names no public option for it: where this torch lacks the private ones used here, a plain
+    group (the same numbers, a loop thread of its own). Every rank runs the same torch, so all choose alike."""
+    if dist.get_backend() != "gloo" or not hasattr(dist.ProcessGroupGloo, "_Options"):
+        return dist.new_group(line, timeout=timeout)
+    if SHARED_GLOO not in dist.Backend.backend_list:   # once a process: new_group's backend= then knows it
+        dist.Backend.register_backend(SHARED_GLOO, gloo_on_world_device, extended_api=True, devices=["cpu"])
+    return dist.new_group(line, timeout=timeout, backend=SHARED_GLOO)
+
+
+def gloo_on_world_device(opts, backend_options=None):
+    """register_backend's maker of a group (torch calls it inside new_group, on the group's members only):
+    torch's own ProcessGroupGloo, with its timeout and two worker threads, on the world group's device."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = dist.group.WORLD._get_backend(torch.device("cpu")).options._devices
+    options._timeout = opts.timeout
+    options._threads = 2                      # as torch makes a gloo group: two worker threads
+    group = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, options)
+    group.options.global_ranks_in_group = opts.global_ranks_in_group
+    group.options.group_name = opts.group_id
+    return group
+
+
 @dataclass
 class Mesh:
     """Who am I on the mesh: my coordinate and my process group along each axis. Groups are handed to
@@ -99,7 +131,7 @@ class Mesh:
         members = lines(layout(world, dp, cp, tp), ep)
         groups = {}
         for name in GROUPS:                    # every group of every name, in the same order on every rank
-            made = [dist.new_group(line, timeout=timeout) for line in members[name]]
+            made = [new_group(line, timeout) for line in members[name]]
             groups[name] = next(g for g, line in zip(made, members[name]) if rank in line)
         return cls(rank, layout(world, dp, cp, tp), members, groups, timeout)
 

@@ -1,11 +1,17 @@
 """mp/mesh.py without processes: the layout, every group's members and my coordinates, checked against
 literal tables; every rank makes every group in one order (new_group recorded, not run); sizes that do
-not fit are refused before any group is made."""
+not fit are refused before any group is made. With processes (4 gloo ranks): the groups, each its own,
+share the world group's one event-loop thread."""
+import os
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 
+from helpers import run_ranks
 from mp import mesh as mesh_module
-from mp.mesh import GROUPS, Mesh, layout, lines
+from mp.mesh import GROUPS, SHARED_GLOO, Mesh, layout, lines
 import pipeline_dp_joint
 
 # 16 ranks, dp 2 pp 2 cp 2 tp 2: rank = dp * 8 + pp * 4 + cp * 2 + tp (the module docstring's picture)
@@ -60,10 +66,10 @@ def recorded_meshes(monkeypatch, world, sizes, ep):
     def build(rank):
         calls[rank] = []
 
-        def new_group(ranks, timeout=None):
+        def new_group(ranks, timeout):
             calls[rank].append((list(ranks), timeout))
             return ("group", tuple(ranks))          # stands for the process group of these ranks
-        monkeypatch.setattr(mesh_module.dist, "new_group", new_group)
+        monkeypatch.setattr(mesh_module, "new_group", new_group)
         return Mesh.build(rank, world, ep=ep, timeout="T", **sizes)
     return {rank: build(rank) for rank in range(world)}, calls
 
@@ -113,7 +119,32 @@ def test_the_pipeline_of_a_rank_is_its_pp_line(monkeypatch):
 ])
 def test_sizes_that_do_not_fit_are_refused_before_any_group(monkeypatch, world, sizes, ep, message):
     made = []
-    monkeypatch.setattr(mesh_module.dist, "new_group", lambda *a, **kw: made.append(a))
+    monkeypatch.setattr(mesh_module, "new_group", lambda *a, **kw: made.append(a))
     with pytest.raises(ValueError, match=message):
         Mesh.build(0, world, ep=ep, **sizes)
     assert made == []
+
+
+def _one_loop_case(rank, world, group):
+    """dp 2 x tp 2 on gloo: every group sums over its own members, on one loop thread a rank (torch's own
+    gloo groups bring one each: 8 here), and keeps the timeout it was made with."""
+    mesh = Mesh.build(rank, world, dp=2, tp=2, timeout=timedelta(seconds=77))
+    threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    assert threads.count("gloo_tcp_loop") == 1, threads
+    for name in GROUPS:
+        mine = mesh.groups[name]
+        assert dist.get_backend(mine) == SHARED_GLOO
+        assert mine._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=77)
+    # dp and dp x cp have the same members (cp is 1) and stay two groups: both in flight at once
+    sums = {name: torch.tensor([rank + 1.0]) for name in ("dp", "dp_cp", "tp", "pp")}
+    works = [dist.all_reduce(t, group=mesh.groups[name], async_op=True) for name, t in sums.items()]
+    for work in works:
+        work.wait()
+    assert mesh.dp_group is not mesh.dp_cp_group
+    for name, t in sums.items():
+        assert t.item() == sum(r + 1 for r in mesh.peers(name)), (name, t)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are counted in /proc (Linux)")
+def test_the_groups_share_one_event_loop(tmp_path):
+    run_ranks(_one_loop_case, 4, tmp_path)
