@@ -57,7 +57,7 @@ from mp.ep.evaluate import Traffic
 from mp.ep.routing import WithAuxLoss, aux_loss_total
 from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
 from mp.errors import note_one_rank
-from mp.loop import Job, Replicas, Sums, train
+from mp.loop import Job, Replicas, Sums, splits_evenly, train
 from mp.mesh import Mesh
 from mp.models import PatchEmbed, num_blocks
 from mp.moe import (MixtureOfExperts, ahead_of, capacity_of, combine, kept_counts, route, rows_per_expert,
@@ -379,10 +379,14 @@ def check_step(runner, actions, data, args, mesh, grads, expert_grads, tp_sums):
 
 
 def evaluate_all(runner, mesh, data, env, optimizer):
-    """Every replica runs the test batches (the experts' counts are gathered over dp x cp, so every rank
-    must take part; --zero 3: the weights gathered whole first); the owner's figures are logged."""
+    """Every replica runs its slice of each test batch, as a step runs its slice of the batch: the experts'
+    counts, gathered over dp x cp, are then the test batch's, and the capacity drops what the baseline's
+    evaluation drops; the replicas' sums are added. Where D does not cut a test batch evenly, each replica
+    runs it whole (exact without --capacity-factor; mp.cli refuses it with). --zero 3: the weights
+    gathered whole first. The owner's figures are logged."""
+    replica = (mesh.dp_rank, mesh.dp_size, mesh.dp_group) if splits_evenly(data, mesh.dp_size) else None
     with whole_params(optimizer):
-        result = evaluate_pipeline(runner, runner.pos, data, env.device)
+        result = evaluate_pipeline(runner, runner.pos, data, env.device, replica)
     return result if mesh.dp_rank == 0 else None
 
 

@@ -19,13 +19,14 @@ import torch.nn.functional as F
 from mp import checkpoint
 from mp.check import report_replicas
 from mp.clipping import finish_norms
-from mp.data import test_batches
+from mp.data import dp_slice, test_batches
 from mp.ep.routing import complete_routing
 from mp.dist import awaiting, settle
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
 from mp.models import param_mb
 from mp.moe import expert_load, read_load
 from mp.optim import grad_mb, optimizer_state_mb, whole_params
+from mp.sizes import EVAL_BATCH
 
 
 @dataclass
@@ -242,12 +243,19 @@ def data_parallel_fields(env, job, steps):
 
 
 @torch.no_grad()
-def evaluate(data, device, run, batch=500):
+def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     """Mean test loss and accuracy over the whole test split. run(batches, score) sends a list of
     equal-size (inputs, labels) batches through the model and calls score(i, logits) with batch i's
     logits where they are whole (a pipeline: on its last stage). The full batches go in one call, a
-    smaller last batch in a second: a pipeline's messages have one shape per call."""
+    smaller last batch in a second: a pipeline's messages have one shape per call.
+    replica=(d, D, group): I am replica d of D and run my contiguous slice of every batch (dp_slice, as a
+    step slices its batch; D divides every batch: splits_evenly), and the replicas' sums are added over
+    group; every member calls it, the sums of a rank that scores nothing are zeros."""
     batches, totals = test_batches(data, batch), [0.0, 0]
+    n = sum(len(y) for _, y in batches)
+    if replica is not None:
+        d, parts, group = replica
+        batches = [(dp_slice(x, d, parts), dp_slice(y, d, parts)) for x, y in batches]
     full = [b for b in batches if len(b[1]) == len(batches[0][1])]
     for part in (full, batches[len(full):]):
         if not part:
@@ -259,8 +267,16 @@ def evaluate(data, device, run, batch=500):
             totals[1] += (logits.argmax(1) == labels).sum().item()
 
         run(part, score)
-    n = sum(len(y) for _, y in batches)
+    if replica is not None:                   # the whole split's sums: every replica's slices added
+        sums = torch.tensor(totals, dtype=torch.float64, device=device)
+        dist.all_reduce(sums, group=group)
+        totals = sums.tolist()
     return totals[0] / n, totals[1] / n
+
+
+def splits_evenly(data, parts, batch=EVAL_BATCH):
+    """Does every test batch cut into `parts` equal slices (evaluate's replica=)?"""
+    return all(len(y) % parts == 0 for _, y in test_batches(data, batch))
 
 
 def whole_model_run(model, device):

@@ -13,6 +13,8 @@ def vit_tokens(patch=VIT_PATCH):
 
 
 VIT_TOKENS = vit_tokens()             # at the default patch: 64 tokens
+EVAL_BATCH = 500                      # the test split goes through the model in chunks of this many samples
+                                      # (mp.loop.evaluate; CIFAR-10's 10,000 and the synthetic 2,000 split evenly)
 
 
 def tokens_of(args):
