@@ -70,7 +70,7 @@ from mp.pp.schedules import placement_of, schedule_actions
 from mp.pp.timeline import Timeline
 from mp.replicas import average_replicated_grads, counted_once
 from mp.sizes import tokens_of
-from mp.split import MicrobatchMajorKeys, my_microbatches
+from mp.split import MicrobatchMajorKeys, my_microbatches, my_sample_indices
 from mp.tp.mappings import gather_from_sequence_parallel_region
 from mp.tp.sequence import partial_gradients, sum_sequence_parallel_grads
 from mp.zero import ZeroOptimizer
@@ -361,8 +361,8 @@ def clip(runner, optimizer, args):
 
 
 def check_step(runner, actions, data, args, mesh, grads, expert_grads, tp_sums):
-    """--check's step (mp.check): step 0 as train_step runs it, up to the gradients synchronised; my microbatches
-    in order are the slice mp.check compares me on at --microbatches 1 or one replica (mp.cli refuses the rest)."""
+    """--check's step (mp.check): step 0 as train_step runs it, up to the gradients synchronised; mp.check
+    compares my microbatches' outputs, in order, with the full model's at my samples (my_sample_indices)."""
     def step(x, y):
         x, y, outputs = *my_microbatches(data, 0, args, mesh, runner.pos, runner.messenger.device), {}
         grads.zero_grad()
@@ -411,7 +411,8 @@ def main(argv=None):
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             exit_now(check_and_exit(env, args, f"5-D {args.schedule}", model, check_step(
                 runner, actions, data, args, mesh, grads, expert_grads, tp_sums), x, y,
-                replica=(mesh.dp_rank, mesh.dp_size), norm=(runner.norm_groups, runner.counted)))
+                samples=my_sample_indices(args.batch_size, args.microbatches, mesh.dp_rank, mesh.dp_size),
+                norm=(runner.norm_groups, runner.counted)))
         optimizer = make_5d_optimizer(runner, grads, expert_grads, shards, args)
         owner = pos.is_last_stage and mesh.dp_cp_rank == 0 and mesh.tp_rank == 0   # logs the loss
         timeline = Timeline(args, runner, pos, owner)

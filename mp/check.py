@@ -42,12 +42,14 @@ def whole_model_step(model):
     return step
 
 
-def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), reference=None):
+def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), reference=None, samples=None):
     """step(x, y) -> (logits, loss), or (None, None) where this rank has neither: the program's forward
     and backward of one batch on this rank's part of the model, with step 0's dropout masks and every
     gradient synchronised as its training step does (None: whole_model_step). replica = (dp_rank, dp):
-    with data parallelism this rank runs, and is compared on, its slice of the batch. norm: the
-    gradient norm's groups and counted() (mp.clipping). reference: the full model (None: built here).
+    with data parallelism this rank runs, and is compared on, its slice of the batch; samples (a tensor
+    of the batch's indices, in the order my step runs them) where my samples are not one slice
+    (parallel_5d.py: a part of every microbatch). norm: the gradient norm's groups and counted()
+    (mp.clipping). reference: the full model (None: built here).
     Returns [(what, largest difference, error or None)], one per tensor."""
     reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
     with reference.dropout_keys.training(0):
@@ -55,7 +57,8 @@ def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), ref
     plus_aux_loss(reference, F.cross_entropy(ref_logits, y)).backward()   # --experts: + the load-balancing loss
     torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
     make_optimizer(reference.parameters(), args).step()
-    x, y, ref_logits = (dp_slice(t, *replica) for t in (x, y, ref_logits.detach()))
+    mine = (lambda t: dp_slice(t, *replica)) if samples is None else (lambda t: t[samples.to(t.device)])
+    x, y, ref_logits = (mine(t) for t in (x, y, ref_logits.detach()))
     results = []
     logits, loss = (step or whole_model_step(model))(x, y)
     if logits is not None:

@@ -23,6 +23,14 @@ def my_microbatches(data, step, args, mesh, pos, device):
     return x, y
 
 
+def my_sample_indices(batch, microbatches, dp_rank, dp):
+    """The baseline batch's indices of my samples, in the order my microbatches run them (my_microbatches):
+    what --check compares my outputs with (mp.check)."""
+    b, stride = batch // (microbatches * dp), batch // microbatches
+    firsts = [k * stride + dp_rank * b for k in range(microbatches)]
+    return torch.cat([torch.arange(first, first + b) for first in firsts])
+
+
 class MicrobatchMajorKeys(DropoutKeys):
     """The dropout keys (mp/dropout.py) with the baseline's sample indices. The pipeline's runner numbers
     my samples as one run (microbatch mb's first is mb * b); in the baseline it is mb * B/M + dp_rank * b."""
