@@ -12,9 +12,8 @@ def my_microbatches(data, step, args, mesh, pos, device):
     """My part of every microbatch of the baseline: replica d's b = B/(M*D) samples of microbatch m
     (m*B/M + d*b ...), as a list for the first stage (each cp rank embeds the whole images and keeps
     its tokens), and their labels, microbatch after microbatch, for the last stage."""
-    batch, m = args.batch_size, args.microbatches
-    b = batch // (m * mesh.dp_size)
-    firsts = [k * (batch // m) + mesh.dp_rank * b for k in range(m)]
+    batch, b = args.batch_size, args.batch_size // (args.microbatches * mesh.dp_size)
+    firsts = my_firsts(batch, args.microbatches, mesh.dp_rank, mesh.dp_size)
     x = [to_device(data.images(step, batch, f, b), device) for f in firsts] if pos.is_first_stage else None
     y = None
     if pos.is_last_stage:
@@ -23,12 +22,17 @@ def my_microbatches(data, step, args, mesh, pos, device):
     return x, y
 
 
+def my_firsts(batch, microbatches, dp_rank, dp):
+    """The baseline batch's index of my first sample in each microbatch: m*B/M + d*b."""
+    b = batch // (microbatches * dp)
+    return [k * (batch // microbatches) + dp_rank * b for k in range(microbatches)]
+
+
 def my_sample_indices(batch, microbatches, dp_rank, dp):
     """The baseline batch's indices of my samples, in the order my microbatches run them (my_microbatches):
     what --check compares my outputs with (mp.check)."""
-    b, stride = batch // (microbatches * dp), batch // microbatches
-    firsts = [k * stride + dp_rank * b for k in range(microbatches)]
-    return torch.cat([torch.arange(first, first + b) for first in firsts])
+    b = batch // (microbatches * dp)
+    return torch.cat([torch.arange(f, f + b) for f in my_firsts(batch, microbatches, dp_rank, dp)])
 
 
 class MicrobatchMajorKeys(DropoutKeys):
