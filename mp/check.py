@@ -57,8 +57,9 @@ def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), ref
     plus_aux_loss(reference, F.cross_entropy(ref_logits, y)).backward()   # --experts: + the load-balancing loss
     torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
     make_optimizer(reference.parameters(), args).step()
-    mine = (lambda t: dp_slice(t, *replica)) if samples is None else (lambda t: t[samples.to(t.device)])
-    x, y, ref_logits = (mine(t) for t in (x, y, ref_logits.detach()))
+    if samples is None:                   # a replica's samples are one slice of the batch
+        samples = dp_slice(torch.arange(len(y)), *replica)
+    x, y, ref_logits = (t[samples.to(t.device)] for t in (x, y, ref_logits.detach()))
     results = []
     logits, loss = (step or whole_model_step(model))(x, y)
     if logits is not None:
