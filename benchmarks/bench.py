@@ -233,8 +233,10 @@ def no_link_to_self(stage):
     receive to both neighbours, the V's tip included, whose neighbour is on its own rank: gloo has no
     pair to itself, and the race failed ("Pair is not connected ... <--> [none]"). The dummies carry
     nothing, so leave out those addressed to this rank. (torch 2.14 opens the links by a vote that
-    skips same-rank neighbours and never calls this.)"""
-    ops = stage._get_init_p2p_neighbors_ops
+    skips same-rank neighbours and never calls this; torch 2.15 has no such method, nothing to mend.)"""
+    ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if ops is None:
+        return
 
     def to_others():
         return [op for op in ops() if getattr(op, "group_peer", op.peer) != stage.group_rank]
