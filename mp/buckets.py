@@ -63,6 +63,7 @@ from mp.dist import awaiting, buckets
 from mp import dp_collectives
 from mp.dp_collectives import CollectiveSpans, Works, reduce_scatter
 from mp.errors import CommError
+from mp.heap import keep_in_heap
 
 BUCKET_MB = 4   # small enough that a few-MB stage gets several buckets to overlap; DDP's first is 1 MB
 IN_FLIGHT = 2   # reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
@@ -223,6 +224,10 @@ class GradBuckets:
                 self.note(b.nbytes)
             if shard:
                 b.hold_params()
+        # the bytes let go and made again every step (lazy buckets, accumulators, buckets on their way): kept
+        # by glibc between steps, not given back to the kernel and faulted in again (mp.heap)
+        churn = sum(b.nbytes for b in self.buckets if b.lazy) + (self.room if self.free else 0)
+        keep_in_heap(churn + sum(b.acc.numel() * b.acc.element_size() for b in self.buckets if b.acc is not None), device)
         for p in params:
             if id(p) not in direct:
                 p.register_post_accumulate_grad_hook(self.arrived)
