@@ -9,9 +9,10 @@ again when the next step asks for it, a page (4 KB) at a time, each zeroed by th
 Our data-parallel buckets let their memory go at every zero_grad, as torch's set_to_none lets .grad go
 (mp.buckets: the forward, the vit's peak, runs without them), and make it again in the backward. With the
 threshold at one bucket's size, glibc gave that memory back in most steps, together with the activations
-freed beside it at the heap's top. The vit at D = 4 then took about 2,900 page faults a step on every rank;
-DistributedDataParallel took none. DDP's set-up happens to free a block of the whole model's size (its
-broadcast of the weights), which lifts the threshold above what its steps let go.
+freed beside it at the heap's top. A rank of the vit at D = 4, alone on a core, then took about 2,900
+page faults a step (brk shrank and grew the heap 5 times a step); DistributedDataParallel took none. DDP's
+set-up happens to free a block of the whole model's size (its broadcast of the weights), which lifts the
+threshold above what its steps let go.
 
 keep_in_heap does the same on purpose, at set-up: one mapped block, freed at once and never written (no
 page is touched, so it costs nothing but the mapping). Its size is twice the bytes a step lets go: once

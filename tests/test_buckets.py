@@ -334,7 +334,7 @@ def _heap_case(rank, world, group):
 
 def test_the_buckets_memory_stays_in_the_heap_between_steps(tmp_path):
     """mp.heap: the bytes the lazy buckets let go at every zero_grad are kept by glibc, not given back to the
-    kernel and faulted in again in the next step (the vit at D = 4: 2,900 page faults a step a rank before).
+    kernel and faulted in again in the next step (a vit rank of D = 4 alone: 2,900 page faults a step before).
     Without the buckets, in the same fresh process, a block of that size is a mapping of its own."""
     for case in (_heap_plain_case, _heap_case):
         (tmp_path / case.__name__).mkdir()
