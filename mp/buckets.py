@@ -227,7 +227,8 @@ class GradBuckets:
         # the bytes let go and made again every step (lazy buckets, accumulators, buckets on their way): kept
         # by glibc between steps, not given back to the kernel and faulted in again (mp.heap)
         churn = sum(b.nbytes for b in self.buckets if b.lazy) + (self.room if self.free else 0)
-        keep_in_heap(churn + sum(b.acc.numel() * b.acc.element_size() for b in self.buckets if b.acc is not None), device)
+        churn += sum(b.acc.numel() * b.acc.element_size() for b in self.buckets if b.acc is not None)
+        keep_in_heap(churn, device)
         for p in params:
             if id(p) not in direct:
                 p.register_post_accumulate_grad_hook(self.arrived)
