@@ -10,7 +10,7 @@ Our data-parallel buckets let their memory go at every zero_grad, as torch's set
 (mp.buckets: the forward, the vit's peak, runs without them), and make it again in the backward. With the
 threshold at one bucket's size, glibc gave that memory back in most steps, together with the activations
 freed beside it at the heap's top. A rank of the vit at D = 4, alone on a core, then took about 2,900
-page faults a step (brk shrank and grew the heap 5 times a step); DistributedDataParallel took none. DDP's
+page faults a step (brk shrank and grew the heap 5 times a step); DistributedDataParallel almost none. DDP's
 set-up happens to free a block of the whole model's size (its broadcast of the weights), which lifts the
 threshold above what its steps let go.
 
