@@ -324,18 +324,19 @@ def heap_probe(buckets):
 
 
 def _heap_plain_case(rank, world, group):
-    assert mapped_blocks() is None or heap_probe(buckets=False), "glibc's threshold was already that high"
+    assert heap_probe(buckets=False), "glibc's threshold was already that high: the test could not fail"
 
 
 def _heap_case(rank, world, group):
-    if mapped_blocks() is not None:
-        assert not heap_probe(buckets=True)   # from the heap: kept there when a step lets it go
+    assert not heap_probe(buckets=True)   # from the heap: kept there when a step lets it go
 
 
 def test_the_buckets_memory_stays_in_the_heap_between_steps(tmp_path):
     """mp.heap: the bytes the lazy buckets let go at every zero_grad are kept by glibc, not given back to the
     kernel and faulted in again in the next step (a vit rank of D = 4 alone: 2,900 page faults a step before).
     Without the buckets, in the same fresh process, a block of that size is a mapping of its own."""
+    if mapped_blocks() is None:
+        pytest.skip("glibc's mallinfo2 (glibc 2.33 and later) counts the mapped blocks; this C library has none")
     for case in (_heap_plain_case, _heap_case):
         (tmp_path / case.__name__).mkdir()
         run_ranks(case, 1, tmp_path / case.__name__)
