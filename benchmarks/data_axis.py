@@ -99,20 +99,23 @@ def reset_peak():
     start of the steps' CPU time, page faults and span (steps_usage)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    SETUP_OVER[:] = [resource.getrusage(resource.RUSAGE_SELF), time.monotonic()]
+    SETUP_OVER[:] = [resource.getrusage(resource.RUSAGE_SELF), time.monotonic(), time.thread_time()]
 
 
-SETUP_OVER = []   # this process's rusage and clock when set-up ended: a global, as in ours the loop calls reset_peak
+SETUP_OVER = []   # this process's rusage, clock and main thread's CPU clock when set-up ended: a global, as in
+                  # ours the loop calls reset_peak (in the main thread, as steps_usage)
 
 
 def steps_usage(log_file):
     """Write, beside the log, what this rank's process used since set-up ended: CPU seconds (every thread:
-    gloo's and autograd's too, user and system), minor page faults (a page of memory touched for the
-    first time since the kernel handed it out), and when that began and ended (the machine's monotonic clock,
-    one for every process). launch() sums the ranks' files."""
-    now, (then, start) = resource.getrusage(resource.RUSAGE_SELF), SETUP_OVER
+    gloo's and autograd's too, user and system), those of the main thread alone (the model's forward, backward
+    and update, and the Python around them; the rest is the collectives' threads), minor page faults (a page
+    of memory touched for the first time since the kernel handed it out), and when that began and ended (the
+    machine's monotonic clock, one for every process). launch() sums the ranks' files."""
+    now, (then, start, main_then) = resource.getrusage(resource.RUSAGE_SELF), SETUP_OVER
     with open(f"{log_file}.usage.{os.environ.get('RANK', '0')}", "w") as f:
         json.dump({"cpu_s": now.ru_utime + now.ru_stime - then.ru_utime - then.ru_stime,
+                   "main_cpu_s": time.thread_time() - main_then,
                    "minor_faults": now.ru_minflt - then.ru_minflt, "start": start, "end": time.monotonic()}, f)
 
 
@@ -189,8 +192,8 @@ def ours(argv):
 
 def launch(name, flags, log, pinned=True):
     """One run of engine `name` (ours: pipeline_dp_joint.py) on D ranks: {losses, median_step_time_s,
-    peak_memory_mb, held_mb, sent_mb, cpu_s, minor_faults, wall_s}. pinned: glibc's mmap threshold pinned (the memory
-    runs), else glibc's own (the timed run)."""
+    peak_memory_mb, held_mb, sent_mb, cpu_s, main_cpu_s, minor_faults, wall_s}. pinned: glibc's mmap threshold
+    pinned (the memory runs), else glibc's own (the timed run)."""
     script = [os.path.abspath(__file__)] + (["--ours"] + OURS[name] if name in OURS else ["--worker", name])
     d = flags[flags.index("--dp") + 1]
     # $PYTHON as the launchers read it (the tests point it at their zygote's stand-in, tests/python)
@@ -209,7 +212,7 @@ def launch(name, flags, log, pinned=True):
         with open(f"{log}.usage.{r}") as f:
             ranks_usage.append(json.load(f))
         os.remove(f"{log}.usage.{r}")                 # a later launch with the same log must not read it
-    used = {k: sum(u[k] for u in ranks_usage) for k in ("cpu_s", "minor_faults")}
+    used = {k: sum(u[k] for u in ranks_usage) for k in ("cpu_s", "main_cpu_s", "minor_faults")}
     # the steps' span, from the first rank's set-up end to the last rank's last step: every rank's CPU time falls in it
     used["wall_s"] = max(u["end"] for u in ranks_usage) - min(u["start"] for u in ranks_usage)
     with open(log) as f:
@@ -248,7 +251,7 @@ def one_round(args, tmp, backwards=False):
             tiny = launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
             big["pinned_step_time_s"] = big["median_step_time_s"]
             big["median_step_time_s"] = timed["median_step_time_s"]
-            big.update({k: timed[k] for k in ("cpu_s", "minor_faults", "wall_s")})   # the timed run's too
+            big.update({k: timed[k] for k in ("cpu_s", "main_cpu_s", "minor_faults", "wall_s")})   # the timed run's
         big["above_floor_mb"] = sum(big["peak_memory_mb"][r] - tiny["peak_memory_mb"][r] for r in big["peak_memory_mb"])
         out[name] = big
         print(f"{name}: {big['median_step_time_s'] * 1e3:.1f} ms, {big['above_floor_mb']:.0f} MB", file=sys.stderr,
@@ -323,10 +326,11 @@ def table(rounds, args):
 
 def where_time_goes(rounds, args, med):
     """The timed runs' CPU time and page faults a step, each side's (every thread of every rank, from set-up's
-    end to the last step, step 0 included), and the share of the cores' time over that span that the ranks
-    left idle: where a step-time ratio comes from, since on a shared CPU a step is its ranks' CPU time over
-    the cores plus the time the cores sat idle while ranks waited. Nothing for a file from before these were
-    recorded (--table); no idle column for one from before the span and the cores were."""
+    end to the last step, step 0 included), the main threads' part of that CPU time, and the share of the
+    cores' time over that span that the ranks left idle: where a step-time ratio comes from, since on a shared
+    CPU a step is its ranks' CPU time over the cores plus the time the cores sat idle while ranks waited, and
+    whether the CPU went to the model's thread or to the collectives'. Nothing for a file from before these
+    were recorded (--table); no main-thread or idle column for one from before those were."""
     pairs = [(a, b) for a, b in PAIRS if a in rounds[0] and b in rounds[0] and "cpu_s" in rounds[0][a]]
     if not pairs:
         return []
@@ -335,12 +339,15 @@ def where_time_goes(rounds, args, med):
     # other, or not scheduled): 1 - CPU / (span x cores); from files with the span and the cores only
     idle = "wall_s" in rounds[0][pairs[0][0]] and getattr(args, "cores", None)
     idle_of = lambda r, name: 1 - r[name]["cpu_s"] / (r[name]["wall_s"] * args.cores)   # noqa: E731
-    lines = ["", f"| ours | torch | CPU ms a step ({args.dp} ranks) ours / torch | ratio | page faults a step "
+    main = "main_cpu_s" in rounds[0][pairs[0][0]]
+    kinds = [("cpu_s", 1e3)] + [("main_cpu_s", 1e3)] * main + [("minor_faults", 1)]
+    lines = ["", f"| ours | torch | CPU ms a step ({args.dp} ranks) ours / torch | ratio |"
+             + (" of which main threads ours / torch | ratio |" if main else "") + " page faults a step "
              "ours / torch | ratio |" + (f" cores idle ({args.cores}) ours / torch |" if idle else ""),
-             "| --- | --- | --- | --- | --- | --- |" + (" --- |" if idle else "")]
+             "| --- | --- |" + " --- | --- |" * len(kinds) + (" --- |" if idle else "")]
     for a, b in pairs:
         cells = [f"{med(lambda r: per_step(r, a, k)) * scale:.0f} / {med(lambda r: per_step(r, b, k)) * scale:.0f}"
-                 f" | {med(lambda r: r[a][k] / r[b][k]):.2f}" for k, scale in (("cpu_s", 1e3), ("minor_faults", 1))]
+                 f" | {med(lambda r: r[a][k] / r[b][k]):.2f}" for k, scale in kinds]
         if idle:
             cells.append(f"{med(lambda r: idle_of(r, a)):.1%} / {med(lambda r: idle_of(r, b)):.1%}")
         lines.append(f"| --zero {a.replace('-', ' ')} | {b} | {' | '.join(cells)} |")

@@ -134,7 +134,8 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     for part in (memory, usage):       # a row per pair in each table: memory and time, then where the time goes
         rows = [line for line in part.splitlines() if line.startswith("| --zero")]
         assert [r.split(" | ")[:2] for r in rows] == pairs, rows
-    cores = data_axis.usable_cores()      # and the share of their time the ranks left idle, each side's
+    cores = data_axis.usable_cores()      # the main threads' part of it, and the share of their time the ranks
+    assert usage.startswith(" of which main threads ours / torch | ratio | page faults"), usage   # left idle
     assert f"ratio | cores idle ({cores}) ours / torch |" in usage, usage
     for row in [line for line in usage.splitlines() if line.startswith("| --zero")]:
         assert re.fullmatch(r"\d+\.\d% / \d+\.\d%", row.split(" | ")[-1].rstrip(" |")), row
@@ -149,6 +150,7 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
             # the steps' CPU time and page faults, from both ranks' files (launch() fails without one); step 0
             # makes the gradients, so new pages are touched
             assert side["cpu_s"] > 0 and side["minor_faults"] > 0, side
+            assert 0 < side["main_cpu_s"] <= side["cpu_s"], side    # one thread's share of every thread's
             # the ranks' CPU time fits in their span on these cores: the idle share printed is 0 to 100%
             assert 0 < side["cpu_s"] <= side["wall_s"] * cores, side
 
