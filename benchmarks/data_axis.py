@@ -31,10 +31,11 @@ the next one faults them in again, which is no engine's cost but the measuring's
 long again, every engine's). Printed per pair: the medians over rounds of each side and of the per-round
 ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference over
 the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug); then, from
-the timed runs, each side's CPU time and minor page faults a step (every thread of every rank: steps_usage) and
-the share of the cores' time over the steps that no rank used, which say whether a step-time ratio is work done
-or cores left idle. The last line names the cores and whether the kernel's autogroup was on (Linux), under which
-our ranks' step times swing.
+the timed runs, each side's CPU time (every thread of every rank: steps_usage), the main threads' part of it (the
+model's; the rest is the collectives' threads), minor page faults a step and the share of the cores' time over the
+steps that no rank used, which say whether a step-time ratio is work done, and whose, or cores left idle. The
+last line names the cores and whether the kernel's autogroup was on (Linux), under which our ranks' step times
+swing.
 """
 import argparse
 import json
