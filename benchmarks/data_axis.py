@@ -113,10 +113,12 @@ def steps_usage(log_file):
     and update, and the Python around them; the rest is the collectives' threads), minor page faults (a page
     of memory touched for the first time since the kernel handed it out), and when that began and ended (the
     machine's monotonic clock, one for every process). launch() sums the ranks' files."""
+    # the main thread's span inside the process's (read after it at set-up's end, before it here): never more
+    main_now = time.thread_time()
     now, (then, start, main_then) = resource.getrusage(resource.RUSAGE_SELF), SETUP_OVER
     with open(f"{log_file}.usage.{os.environ.get('RANK', '0')}", "w") as f:
         json.dump({"cpu_s": now.ru_utime + now.ru_stime - then.ru_utime - then.ru_stime,
-                   "main_cpu_s": time.thread_time() - main_then,
+                   "main_cpu_s": main_now - main_then,
                    "minor_faults": now.ru_minflt - then.ru_minflt, "start": start, "end": time.monotonic()}, f)
 
 
