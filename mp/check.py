@@ -17,7 +17,7 @@ from mp.clipping import clip_global
 from mp.data import dp_slice
 from mp.dist import awaiting, replicas_identical
 from mp.models import build_model, full_slice
-from mp.moe import plus_aux_loss
+from mp.moe import moe_layers, plus_aux_loss
 from mp.optim import make_optimizer
 
 
@@ -52,6 +52,8 @@ def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), ref
     (mp.clipping). reference: the full model (None: built here).
     Returns [(what, largest difference, error or None)], one per tensor."""
     reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
+    for layer in moe_layers(reference):   # --experts: each microbatch routed on its own, as single_baseline.py
+        layer.microbatches = getattr(args, "microbatches", 1)   # --microbatches M and the pipeline route it
     with reference.dropout_keys.training(0):
         ref_logits = reference(x)
     plus_aux_loss(reference, F.cross_entropy(ref_logits, y)).backward()   # --experts: + the load-balancing loss
