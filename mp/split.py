@@ -12,7 +12,7 @@ def my_microbatches(data, step, args, mesh, pos, device):
     """My part of every microbatch of the baseline: replica d's b = B/(M*D) samples of microbatch m
     (m*B/M + d*b ...), as a list for the first stage (each cp rank embeds the whole images and keeps
     its tokens), and their labels, microbatch after microbatch, for the last stage."""
-    batch, b = args.batch_size, args.batch_size // (args.microbatches * mesh.dp_size)
+    batch, b = args.batch_size, my_share(args.batch_size, args.microbatches, mesh.dp_size)
     firsts = my_firsts(batch, args.microbatches, mesh.dp_rank, mesh.dp_size)
     x = [to_device(data.images(step, batch, f, b), device) for f in firsts] if pos.is_first_stage else None
     y = None
@@ -22,16 +22,21 @@ def my_microbatches(data, step, args, mesh, pos, device):
     return x, y
 
 
+def my_share(batch, microbatches, dp):
+    """b = B/(M*D): how many samples of each baseline microbatch a replica runs (mp.pp.flags checks that it divides)."""
+    return batch // (microbatches * dp)
+
+
 def my_firsts(batch, microbatches, dp_rank, dp):
     """The baseline batch's index of my first sample in each microbatch: m*B/M + d*b."""
-    b = batch // (microbatches * dp)
+    b = my_share(batch, microbatches, dp)
     return [k * (batch // microbatches) + dp_rank * b for k in range(microbatches)]
 
 
 def my_sample_indices(batch, microbatches, dp_rank, dp):
     """The baseline batch's indices of my samples, in the order my microbatches run them (my_microbatches):
     what --check compares my outputs with (mp.check)."""
-    b = batch // (microbatches * dp)
+    b = my_share(batch, microbatches, dp)
     return torch.cat([torch.arange(f, f + b) for f in my_firsts(batch, microbatches, dp_rank, dp)])
 
 
@@ -40,7 +45,7 @@ class MicrobatchMajorKeys(DropoutKeys):
     my samples as one run (microbatch mb's first is mb * b); in the baseline it is mb * B/M + dp_rank * b."""
 
     def __init__(self, seed, batch, microbatches, dp_rank, dp):
-        self.b, self.stride = batch // (microbatches * dp), batch // microbatches
+        self.b, self.stride = my_share(batch, microbatches, dp), batch // microbatches
         self.offset = dp_rank * self.b
         super().__init__(seed)
 
