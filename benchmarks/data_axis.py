@@ -12,12 +12,15 @@ torchrun, the same model from mp.models.build_model and --seed, the same global 
 mp.optim.make_optimizer with the same settings, the replica's slice of every batch):
 
     ddp        DistributedDataParallel, its defaults (25 MB buckets, the first 1 MB; .grad beside the buckets)
+    ddp-4mb    the same with our buckets' size (mp.buckets.BUCKET_MB) as its cap: the bucket plans alike, so
+               that its pair says what the engine costs, and ddp's what our plan does too. Not run by default:
+               --only 0,ddp,ddp-4mb
     zero1      DDP + ZeroRedundancyOptimizer(AdamW): the state of 1/D of the parameters, a broadcast after
     fsdp2      fully_shard on every Linear and on the root, reshard_after_forward=False (ZeRO-2's memory)
     fsdp2-rs   the same with reshard_after_forward=True (ZeRO-3: weights gathered again for the backward)
 
-The pairs: --zero 0 / ddp, --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) / fsdp2 and
-fsdp2-rs. A round runs every engine, ours and torch's in turn (A, B, A, B...; every other round the other way,
+The pairs: --zero 0 / ddp (and ddp-4mb), --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) /
+fsdp2 and fsdp2-rs. A round runs every engine, ours and torch's in turn (A, B, A, B...; every other round the other way,
 B, A, B, A...), three torchruns each: one timed, one for memory, and one with a tiny model (--hidden 8: the
 interpreter, torch, gloo, the data) for its floor. Memory is the peak RSS of the steps above the floor's,
 summed over the D ranks, with glibc's mmap threshold pinned (docs/memory.md: a freed tensor's pages go back at
@@ -61,15 +64,19 @@ sys.path.insert(0, ROOT)   # the repository root
 
 from mp.cli import baseline_args  # noqa: E402
 from mp.data import dp_slice, load_data  # noqa: E402
+from mp.buckets import BUCKET_MB  # noqa: E402
 from mp.models import build_model  # noqa: E402
 from mp.optim import make_optimizer  # noqa: E402
 import pipeline_dp_joint  # noqa: E402
 from pipeline_dp_joint import parse_args  # noqa: E402
 OURS = {"0": ["--zero", "0"], "1": ["--zero", "1"], "2": ["--zero", "2"],
         "3-step": ["--zero", "3", "--zero3-gather", "step"], "3-microbatch": ["--zero", "3", "--zero3-gather", "microbatch"]}
-TORCH = ("ddp", "zero1", "fsdp2", "fsdp2-rs")
-PAIRS = [("0", "ddp"), ("1", "zero1"), ("2", "fsdp2"), ("3-step", "fsdp2"), ("3-microbatch", "fsdp2-rs")]
-ORDER = ["0", "ddp", "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp2-rs"]   # A, B, A, B...
+LIKE = f"ddp-{BUCKET_MB}mb"   # DDP with our buckets' cap
+TORCH = ("ddp", LIKE, "zero1", "fsdp2", "fsdp2-rs")
+PAIRS = [("0", "ddp"), ("0", LIKE), ("1", "zero1"), ("2", "fsdp2"), ("3-step", "fsdp2"),
+         ("3-microbatch", "fsdp2-rs")]
+ORDER = ["0", "ddp", LIKE, "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp2-rs"]   # A, B, A, B...
+DEFAULT = [name for name in ORDER if name != LIKE]   # the pairs the issue names; LIKE on request
 
 
 # ----------------------------------------------------------------------------- torch's engines (the worker)
@@ -77,6 +84,8 @@ ORDER = ["0", "ddp", "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp
 
 def wrap(engine, model, args, world):
     """(the model as the engine trains it, its optimizer)."""
+    if engine == LIKE:               # the cap only: its first bucket stays 1 MB, as DDP makes it
+        return DDP(model, bucket_cap_mb=BUCKET_MB), make_optimizer(model.parameters(), args)
     if engine in ("ddp", "zero1"):
         model = DDP(model)
         if engine == "zero1":
@@ -233,7 +242,7 @@ def launch(name, flags, log, pinned=True):
 def torch_sent(name, n, d):
     """MB a replica of torch's engine sends per step, counted as a ring sends it (by construction)."""
     ring = (d - 1) / d * n
-    return {"ddp": 2 * ring, "zero1": 3 * ring, "fsdp2": 2 * ring, "fsdp2-rs": 3 * ring}[name]
+    return {"ddp": 2 * ring, LIKE: 2 * ring, "zero1": 3 * ring, "fsdp2": 2 * ring, "fsdp2-rs": 3 * ring}[name]
 
 
 def one_round(args, tmp, backwards=False):
@@ -388,8 +397,9 @@ def main():
                    help="paired rounds, every other one in the reverse order; the table gives medians (default: 3)")
     p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench", "data_axis.json"),
                    help="the JSON of every round, written as each ends (default: logs/bench/data_axis.json)")
-    p.add_argument("--only", type=lambda s: s.split(","), default=ORDER,
-                   help=f"the engines to run, comma-separated (default: all, {','.join(ORDER)})")
+    p.add_argument("--only", type=lambda s: s.split(","), default=DEFAULT,
+                   help=f"the engines to run, comma-separated, among {','.join(ORDER)} (default: all but "
+                        f"{LIKE}, DDP with our buckets' {BUCKET_MB} MB cap)")
     p.add_argument("--no-floor", action="store_true",
                    help="skip each engine's run with the tiny model: memory is then the whole peak, not above its floor")
     p.add_argument("--table", default=None, help="print the table of an earlier run's --out file, run nothing")

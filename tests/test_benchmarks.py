@@ -119,7 +119,7 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     out = tmp_path / "axis.json"
     monkeypatch.setattr(sys, "argv", ["data_axis.py", "--dp", "2", "--layers", "3", "--hidden", "32", "--batch-size",
                                       "16", "--steps", "3", "--rounds", "1", "--out", str(out), "--no-floor",
-                                      "--only", "0,ddp,3-microbatch,fsdp2-rs"])
+                                      "--only", f"0,ddp,{data_axis.LIKE},3-microbatch,fsdp2-rs"])
     data_axis.main()
     printed = capsys.readouterr().out
     assert "| ours | torch | peak, MB (2 ranks) ours / torch |" in printed, printed
@@ -130,7 +130,7 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     said = "" if group is None else f", the kernel's autogroup {'on' if group else 'off'}"
     assert f"; {data_axis.usable_cores()} cores{said}." in printed, printed
     memory, usage = printed.split("| ours | torch | CPU ms a step (2 ranks) ours / torch | ratio |")
-    pairs = [["| --zero 0", "ddp"], ["| --zero 3 microbatch", "fsdp2-rs"]]
+    pairs = [["| --zero 0", "ddp"], ["| --zero 0", data_axis.LIKE], ["| --zero 3 microbatch", "fsdp2-rs"]]
     for part in (memory, usage):       # a row per pair in each table: memory and time, then where the time goes
         rows = [line for line in part.splitlines() if line.startswith("| --zero")]
         assert [r.split(" | ")[:2] for r in rows] == pairs, rows
@@ -142,7 +142,7 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     saved = json.loads(out.read_text())
     assert saved["args"]["cores"] == cores and saved["args"]["autogroup"] == group, saved["args"]
     (round_,) = saved["rounds"]
-    for ours, theirs in (("0", "ddp"), ("3-microbatch", "fsdp2-rs")):
+    for ours, theirs in (("0", "ddp"), ("0", data_axis.LIKE), ("3-microbatch", "fsdp2-rs")):
         a, b = round_[ours]["losses"], round_[theirs]["losses"]
         assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (ours, a, b)
         for side in (round_[ours], round_[theirs]):
@@ -155,8 +155,29 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
             assert 0 < side["cpu_s"] <= side["wall_s"] * cores, side
 
 
+def test_data_axis_like_for_like_ddp_has_our_buckets_cap(tmp_path, monkeypatch):
+    """benchmarks/data_axis.py's ddp-4mb is DDP with the cap of our buckets (mp.buckets.BUCKET_MB), the one
+    setting that differs from ddp's (25 MB), which is the default's: made in a one-rank gloo group here."""
+    import os
+    import torch.distributed as dist
+    import torch.nn as nn
+    from helpers import ROOT
+    from mp.buckets import BUCKET_MB
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import data_axis
+    assert data_axis.LIKE == f"ddp-{BUCKET_MB}mb" and data_axis.LIKE not in data_axis.DEFAULT
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        args = data_axis.parse_args(["--dp", "1", "--optimizer", "adamw", "--data", "synthetic"])
+        like, _ = data_axis.wrap(data_axis.LIKE, nn.Linear(4, 4), args, 1)
+        plain, _ = data_axis.wrap("ddp", nn.Linear(4, 4), args, 1)
+    finally:
+        dist.destroy_process_group()
+    assert like.bucket_bytes_cap == BUCKET_MB * 2**20 and plain.bucket_bytes_cap == 25 * 2**20
+
+
 @pytest.mark.parametrize("argv,message", [
-    (["--only", "0,fsdp3"], "error: --only fsdp3: no such engine; choose among 0,ddp,1,zero1"),
+    (["--only", "0,fsdp3"], "error: --only fsdp3: no such engine; choose among 0,ddp,ddp-4mb,1,zero1"),
     (["--rounds", "0"], "error: --rounds 0: at least one round"),
     (["--steps", "1"], "error: --steps 1: at least 2"),
 ], ids=["engine", "rounds", "steps"])
