@@ -19,10 +19,10 @@ mp.optim.make_optimizer with the same settings, the replica's slice of every bat
     fsdp2      fully_shard on every Linear and on the root, reshard_after_forward=False (ZeRO-2's memory)
     fsdp2-rs   the same with reshard_after_forward=True (ZeRO-3: weights gathered again for the backward)
 
-The pairs: --zero 0 / ddp (and ddp-4mb), --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) /
-fsdp2 and fsdp2-rs. A round runs every engine, ours and torch's in turn (A, B, A, B...; every other round the other way,
-B, A, B, A...), three torchruns each: one timed, one for memory, and one with a tiny model (--hidden 8: the
-interpreter, torch, gloo, the data) for its floor. Memory is the peak RSS of the steps above the floor's,
+The pairs: --zero 0 / ddp (and ddp-4mb), --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) / fsdp2
+and fsdp2-rs. A round runs every engine of --only, ours and torch's in turn (A, B, A, B...; every other round the
+other way, B, A, B, A...), three torchruns each: one timed, one for memory, and one with a tiny model (--hidden 8:
+the interpreter, torch, gloo, the data) for its floor. Memory is the peak RSS of the steps above the floor's,
 summed over the D ranks, with glibc's mmap threshold pinned (docs/memory.md: a freed tensor's pages go back at
 once, so the resident set follows what is held). The steps' peak: the kernel's high-water mark is reset when
 set-up ends (reset_peak), in the worker and in ours (--ours runs pipeline_dp_joint.py's main with the loop's
@@ -62,9 +62,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)   # the repository root
 
+from mp.buckets import BUCKET_MB  # noqa: E402
 from mp.cli import baseline_args  # noqa: E402
 from mp.data import dp_slice, load_data  # noqa: E402
-from mp.buckets import BUCKET_MB  # noqa: E402
 from mp.models import build_model  # noqa: E402
 from mp.optim import make_optimizer  # noqa: E402
 import pipeline_dp_joint  # noqa: E402
