@@ -156,8 +156,8 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
 
 
 def test_data_axis_like_for_like_ddp_has_our_buckets_cap(tmp_path, monkeypatch):
-    """benchmarks/data_axis.py's ddp-4mb is DDP with the cap of our buckets (mp.buckets.BUCKET_MB), the one
-    setting that differs from ddp's (25 MB), which is the default's: made in a one-rank gloo group here."""
+    """benchmarks/data_axis.py's ddp-4mb is DDP with our buckets' cap (mp.buckets.BUCKET_MB), where ddp keeps
+    DDP's 25 MB, and is run only when --only names it. Both made here, in a one-rank gloo group."""
     import os
     import torch.distributed as dist
     import torch.nn as nn
