@@ -12,8 +12,8 @@ torchrun, the same model from mp.models.build_model and --seed, the same global 
 mp.optim.make_optimizer with the same settings, the replica's slice of every batch):
 
     ddp        DistributedDataParallel, its defaults (25 MB buckets, the first 1 MB; .grad beside the buckets)
-    ddp-4mb    the same with our buckets' size (mp.buckets.BUCKET_MB) as its cap: the bucket plans alike, so
-               that its pair says what the engine costs, and ddp's what our plan does too. Not run by default:
+    ddp-4mb    the same with our buckets' size (mp.buckets.BUCKET_MB) as its cap: with the bucket plans alike,
+               its pair shows the engines alone; ddp's pair adds what our plan costs. Not run by default:
                --only 0,ddp,ddp-4mb
     zero1      DDP + ZeroRedundancyOptimizer(AdamW): the state of 1/D of the parameters, a broadcast after
     fsdp2      fully_shard on every Linear and on the root, reshard_after_forward=False (ZeRO-2's memory)
@@ -72,7 +72,6 @@ from pipeline_dp_joint import parse_args  # noqa: E402
 OURS = {"0": ["--zero", "0"], "1": ["--zero", "1"], "2": ["--zero", "2"],
         "3-step": ["--zero", "3", "--zero3-gather", "step"], "3-microbatch": ["--zero", "3", "--zero3-gather", "microbatch"]}
 LIKE = f"ddp-{BUCKET_MB}mb"   # DDP with our buckets' cap
-TORCH = ("ddp", LIKE, "zero1", "fsdp2", "fsdp2-rs")
 PAIRS = [("0", "ddp"), ("0", LIKE), ("1", "zero1"), ("2", "fsdp2"), ("3-step", "fsdp2"),
          ("3-microbatch", "fsdp2-rs")]
 ORDER = ["0", "ddp", LIKE, "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp2-rs"]   # A, B, A, B...
