@@ -32,13 +32,14 @@ Step time: the median step of rank 0 (step 0 left out), zero_grad to the update'
 glibc's allocator as a user has it: pinned, every tensor over 128 KB that is freed gives its pages back and
 the next one faults them in again, which is no engine's cost but the measuring's (the vit's steps took half as
 long again, every engine's). Printed per pair: the medians over rounds of each side and of the per-round
-ratios ours/torch, what a replica holds between steps and sends per step, and the largest loss difference over
-the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a bug); then, from
-the timed runs, each side's CPU time (every thread of every rank: steps_usage), the main threads' part of it (the
-model's; the rest is the collectives' threads), minor page faults a step and the share of the cores' time over the
-steps that no rank used, which say whether a step-time ratio is work done, and whose, or cores left idle. The
-last line names the cores and whether the kernel's autogroup was on (Linux), under which our ranks' step times
-swing.
+ratios ours/torch (with several rounds, each ratio's range over them too: the rounds' spread, against which to
+read a median a little over 1), what a replica holds between steps and sends per step, and the largest loss
+difference over the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a
+bug); then, from the timed runs, each side's CPU time (every thread of every rank: steps_usage), the main
+threads' part of it (the model's; the rest is the collectives' threads), minor page faults a step and the share
+of the cores' time over the steps that no rank used, which say whether a step-time ratio is work done, and
+whose, or cores left idle. The last line names the cores and whether the kernel's autogroup was on (Linux),
+under which our ranks' step times swing.
 """
 import argparse
 import json
@@ -310,6 +311,14 @@ def timed_how(rounds, args):
         "step times and memory with glibc's mmap threshold pinned"
 
 
+def ratio(rounds, f):
+    """The median over rounds of a per-round ratio ours/torch, and with several rounds the lowest and highest of
+    them: `1.01 (0.97-1.05)` says whether a median a little over 1 is the engines or the rounds' spread."""
+    values = [f(r) for r in rounds]
+    cell = f"{statistics.median(values):.2f}"
+    return cell if len(values) == 1 else f"{cell} ({min(values):.2f}-{max(values):.2f})"
+
+
 def table(rounds, args):
     n = weights_mb(args)
     med = lambda f: statistics.median(f(r) for r in rounds)   # noqa: E731
@@ -318,20 +327,21 @@ def table(rounds, args):
              "| held MB (weights, grads, AdamW) ours / torch | sent MB/step ours / torch | max loss diff |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for a, b in [(a, b) for a, b in PAIRS if a in rounds[0] and b in rounds[0]]:
-        mem = med(lambda r: r[a]["above_floor_mb"] / r[b]["above_floor_mb"])
-        speed = med(lambda r: r[a]["median_step_time_s"] / r[b]["median_step_time_s"])
+        mem = ratio(rounds, lambda r: r[a]["above_floor_mb"] / r[b]["above_floor_mb"])
+        speed = ratio(rounds, lambda r: r[a]["median_step_time_s"] / r[b]["median_step_time_s"])
         diff = max(max(abs(x - y) for x, y in zip(r[a]["losses"], r[b]["losses"])) for r in rounds)
         held = lambda h: ", ".join(f"{x:.1f}" for x in h)   # noqa: E731
         lines.append(f"| --zero {a.replace('-', ' ')} | {b} | {med(lambda r: r[a]['above_floor_mb']):.0f} / "
-                     f"{med(lambda r: r[b]['above_floor_mb']):.0f} | {mem:.2f} | "
+                     f"{med(lambda r: r[b]['above_floor_mb']):.0f} | {mem} | "
                      f"{med(lambda r: r[a]['median_step_time_s']) * 1e3:.0f} / "
-                     f"{med(lambda r: r[b]['median_step_time_s']) * 1e3:.0f} | {speed:.2f} | "
+                     f"{med(lambda r: r[b]['median_step_time_s']) * 1e3:.0f} | {speed} | "
                      f"{held(rounds[0][a]['held_mb'])} / {held(rounds[0][b]['held_mb'])} | "
                      f"{rounds[0][a]['sent_mb']:.1f} / {torch_sent(b, n, args.dp):.1f} | {diff:.1e} |")
     lines += where_time_goes(rounds, args, med)
     return "\n".join(lines) + (f"\n\n{args.model} {args.layers} x {args.hidden}, N = {n:.2f} MB of weights, D = "
                                f"{args.dp}, batch {args.batch_size}, one microbatch, AdamW, {args.steps} steps; "
-                               f"medians over {len(rounds)} paired rounds (ratios: the median of each round's); "
+                               f"medians over {len(rounds)} paired rounds (ratios: the median of each round's"
+                               f"{', then their range' if len(rounds) > 1 else ''}); "
                                f"{timed_how(rounds, args)}{machine(args)}.")
 
 
@@ -358,7 +368,7 @@ def where_time_goes(rounds, args, med):
              "| --- | --- |" + " --- | --- |" * len(kinds) + (" --- |" if idle else "")]
     for a, b in pairs:
         cells = [f"{med(lambda r: per_step(r, a, k)) * scale:.0f} / {med(lambda r: per_step(r, b, k)) * scale:.0f}"
-                 f" | {med(lambda r: r[a][k] / r[b][k]):.2f}" for k, scale in kinds]
+                 f" | {ratio(rounds, lambda r: r[a][k] / r[b][k])}" for k, scale in kinds]
         if idle:
             cells.append(f"{med(lambda r: idle_of(r, a)):.1%} / {med(lambda r: idle_of(r, b)):.1%}")
         lines.append(f"| --zero {a.replace('-', ' ')} | {b} | {' | '.join(cells)} |")
@@ -393,7 +403,8 @@ def main():
     p.add_argument("--steps", type=int, default=8,
                    help="steps a run; its time is the median after step 0 (default: 8)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="paired rounds, every other one in the reverse order; the table gives medians (default: 3)")
+                   help="paired rounds, every other one in the reverse order; the table gives medians, and each "
+                        "ratio's range over the rounds (default: 3)")
     p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench", "data_axis.json"),
                    help="the JSON of every round, written as each ends (default: logs/bench/data_axis.json)")
     p.add_argument("--only", type=lambda s: s.split(","), default=DEFAULT,

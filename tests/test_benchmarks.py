@@ -155,6 +155,19 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
             assert 0 < side["cpu_s"] <= side["wall_s"] * cores, side
 
 
+def test_data_axis_ratios_give_the_rounds_range(monkeypatch):
+    """A ratio cell of benchmarks/data_axis.py's tables is the median of the rounds' ratios ours/torch and, with
+    several rounds, their lowest and highest: a median of 1.01 over rounds from 0.97 to 1.05 is the spread."""
+    import os
+    from helpers import ROOT
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import data_axis
+    rounds = [{"ours": 1.05, "torch": 1.0}, {"ours": 0.97, "torch": 1.0}, {"ours": 2.02, "torch": 2.0}]
+    speed = lambda r: r["ours"] / r["torch"]   # noqa: E731
+    assert data_axis.ratio(rounds, speed) == "1.01 (0.97-1.05)"
+    assert data_axis.ratio(rounds[:1], speed) == "1.05"        # one round: its ratio alone
+
+
 def test_data_axis_like_for_like_ddp_has_our_buckets_cap(tmp_path, monkeypatch):
     """benchmarks/data_axis.py's ddp-4mb is DDP with our buckets' cap (mp.buckets.BUCKET_MB), where ddp keeps
     DDP's 25 MB, and is run only when --only names it. Both made here, in a one-rank gloo group."""
