@@ -12,14 +12,14 @@ torchrun, the same model from mp.models.build_model and --seed, the same global 
 mp.optim.make_optimizer with the same settings, the replica's slice of every batch):
 
     ddp        DistributedDataParallel, its defaults (25 MB buckets, the first 1 MB; .grad beside the buckets)
-    ddp-4mb    the same with our buckets' size (mp.buckets.BUCKET_MB) as its cap: with the bucket plans alike,
+    ddp-like   the same with our --zero 0 buckets' size (mp.buckets.kept_bytes) as its cap: with the plans alike,
                its pair shows the engines alone; ddp's pair adds what our plan costs. Not run by default:
-               --only 0,ddp,ddp-4mb
+               --only 0,ddp,ddp-like
     zero1      DDP + ZeroRedundancyOptimizer(AdamW): the state of 1/D of the parameters, a broadcast after
     fsdp2      fully_shard on every Linear and on the root, reshard_after_forward=False (ZeRO-2's memory)
     fsdp2-rs   the same with reshard_after_forward=True (ZeRO-3: weights gathered again for the backward)
 
-The pairs: --zero 0 / ddp (and ddp-4mb), --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) / fsdp2
+The pairs: --zero 0 / ddp (and ddp-like), --zero 1 / zero1, --zero 2 / fsdp2, --zero 3 (each --zero3-gather) / fsdp2
 and fsdp2-rs. A round runs every engine of --only, ours and torch's in turn (A, B, A, B...; every other round the
 other way, B, A, B, A...), three torchruns each: one timed, one for memory, and one with a tiny model (--hidden 8:
 the interpreter, torch, gloo, the data) for its floor. Memory is the peak RSS of the steps above the floor's,
@@ -29,17 +29,21 @@ set-up ends (reset_peak), in the worker and in ours (--ours runs pipeline_dp_joi
 start_memory_count doing it), since a tiny model's peak over the whole process is set-up's, whose transients
 differ by engine (on the vit the worker's DDP set-up peaked 5 MB above ours, while their steps held the same).
 Step time: the median step of rank 0 (step 0 left out), zero_grad to the update's end, of the timed run, with
-glibc's allocator as a user has it: pinned, every tensor over 128 KB that is freed gives its pages back and
-the next one faults them in again, which is no engine's cost but the measuring's (the vit's steps took half as
-long again, every engine's). Printed per pair: the medians over rounds of each side and of the per-round
-ratios ours/torch (with several rounds, each ratio's range over them too: the rounds' spread, against which to
-read a median a little over 1), what a replica holds between steps and sends per step, and the largest loss
-difference over the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a
-bug); then, from the timed runs, each side's CPU time (every thread of every rank: steps_usage), the main
-threads' part of it (the model's; the rest is the collectives' threads), minor page faults a step and the share
-of the cores' time over the steps that no rank used, which say whether a step-time ratio is work done, and
-whose, or cores left idle. The last line names the cores and whether the kernel's autogroup was on (Linux),
-under which our ranks' step times swing.
+glibc's allocator as a user has it: pinned, every tensor over 128 KB that is freed gives its pages back and the
+next one faults them in again, which is no engine's cost but the measuring's (the vit's steps took half as long
+again, every engine's). The timed runs of a pair's two engines run at once, in lockstep (benchmarks/lockstep.py):
+before each step a rank waits for its engine's turn, so their steps alternate a second apart and what else the
+machine does meanwhile falls on both alike (--apart: one after the other, as before 2026-11-29; a minute apart, the
+vit's --zero 0 / ddp ratio ranged over 0.94-1.09 in 8 rounds, in lockstep over 1.01-1.03 in 6). The CPU time is
+then that of the engine's turns, and its span theirs. Printed per pair: the medians over rounds of each side and of
+the per-round ratios ours/torch (with several rounds, each ratio's range over them too: the rounds' spread, against
+which to read a median a little over 1), what a replica holds between steps and sends per step, and the largest
+loss difference over the steps (the engines sum the replicas' gradients in other orders: float32 rounding, not a
+bug); then, from the timed runs, each side's CPU time (every thread of every rank: steps_usage), the main threads'
+part of it (the model's; the rest is the collectives' threads), minor page faults a step and the share of the
+cores' time over the steps that no rank used, which say whether a step-time ratio is work done, and whose, or cores
+left idle. The last line names the cores and whether the kernel's autogroup was on (Linux), under which our ranks'
+step times swing.
 """
 import argparse
 import json
@@ -63,7 +67,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)   # the repository root
 
-from mp.buckets import BUCKET_MB  # noqa: E402
+from lockstep import ENV as LOCKSTEP_ENV, Lockstep, Turn, engine_span, wait_all  # noqa: E402  (beside this file)
+from mp.buckets import kept_bytes  # noqa: E402
 from mp.cli import baseline_args  # noqa: E402
 from mp.data import dp_slice, load_data  # noqa: E402
 from mp.models import build_model  # noqa: E402
@@ -72,7 +77,7 @@ import pipeline_dp_joint  # noqa: E402
 from pipeline_dp_joint import parse_args  # noqa: E402
 OURS = {"0": ["--zero", "0"], "1": ["--zero", "1"], "2": ["--zero", "2"],
         "3-step": ["--zero", "3", "--zero3-gather", "step"], "3-microbatch": ["--zero", "3", "--zero3-gather", "microbatch"]}
-LIKE = f"ddp-{BUCKET_MB}mb"   # DDP with our buckets' cap
+LIKE = "ddp-like"   # DDP with our buckets' cap
 PAIRS = [("0", "ddp"), ("0", LIKE), ("1", "zero1"), ("2", "fsdp2"), ("3-step", "fsdp2"),
          ("3-microbatch", "fsdp2-rs")]
 ORDER = ["0", "ddp", LIKE, "1", "zero1", "2", "fsdp2", "3-step", "3-microbatch", "fsdp2-rs"]   # A, B, A, B...
@@ -85,7 +90,8 @@ DEFAULT = [name for name in ORDER if name != LIKE]   # the pairs the issue names
 def wrap(engine, model, args, world):
     """(the model as the engine trains it, its optimizer)."""
     if engine == LIKE:               # the cap only: its first bucket stays 1 MB, as DDP makes it
-        return DDP(model, bucket_cap_mb=BUCKET_MB), make_optimizer(model.parameters(), args)
+        cap_mb = kept_bytes(list(model.parameters())) / 2**20
+        return DDP(model, bucket_cap_mb=cap_mb), make_optimizer(model.parameters(), args)
     if engine in ("ddp", "zero1"):
         model = DDP(model)
         if engine == "zero1":
@@ -112,6 +118,7 @@ def reset_peak():
     SETUP_OVER[:] = [resource.getrusage(resource.RUSAGE_SELF), time.monotonic(), time.thread_time()]
 
 
+TURN = Turn.from_env()   # this rank's turns where the driver runs the engines in lockstep (benchmarks/lockstep.py)
 SETUP_OVER = []   # this process's rusage, clock and main thread's CPU clock when set-up ended: a global, as in
                   # ours the loop calls reset_peak (in the main thread, as steps_usage)
 
@@ -125,10 +132,12 @@ def steps_usage(log_file):
     # the main thread's span inside the process's (read after it at set-up's end, before it here): never more
     main_now = time.thread_time()
     now, (then, start, main_then) = resource.getrusage(resource.RUSAGE_SELF), SETUP_OVER
+    used = {"cpu_s": now.ru_utime + now.ru_stime - then.ru_utime - then.ru_stime, "main_cpu_s": main_now - main_then,
+            "minor_faults": now.ru_minflt - then.ru_minflt, "start": start, "end": time.monotonic()}
+    if TURN:      # in lockstep: the CPU time of its turns alone (the steps and what the loop does between them)
+        used.update(cpu_s=TURN.cpu_s, main_cpu_s=TURN.main_cpu_s, turns=TURN.spans)
     with open(f"{log_file}.usage.{os.environ.get('RANK', '0')}", "w") as f:
-        json.dump({"cpu_s": now.ru_utime + now.ru_stime - then.ru_utime - then.ru_stime,
-                   "main_cpu_s": main_now - main_then,
-                   "minor_faults": now.ru_minflt - then.ru_minflt, "start": start, "end": time.monotonic()}, f)
+        json.dump(used, f)
 
 
 def peak_mb():
@@ -156,6 +165,8 @@ def worker(engine, argv):
     reset_peak()                                  # set-up is over: the peak of the steps from here
     losses, times = [], []
     for step in range(args.steps):
+        if TURN:
+            TURN.next()                           # (in lockstep) this engine's turn
         start = time.perf_counter()
         x, y = data.batch(step, args.batch_size)
         x, y = dp_slice(x, rank, world), dp_slice(y, rank, world)
@@ -165,6 +176,8 @@ def worker(engine, argv):
         opt.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.detach())
+    if TURN:
+        TURN.finish()
     steps_usage(args.log_file)
     params = list(model.parameters())
     inner = getattr(opt, "optim", opt)            # ZeroRedundancyOptimizer's local AdamW
@@ -192,10 +205,19 @@ def ours(argv):
     log_file = argv[argv.index("--log-file") + 1]     # launch() always gives one
 
     def steps_peak_mb(device, kind="allocated"):
+        if TURN:
+            TURN.finish()
         steps_usage(log_file)
         return peak_mb()
     mp.loop.start_memory_count = lambda device: reset_peak()
     mp.log.peak_memory_mb = steps_peak_mb
+    if TURN:                                          # in lockstep: each step's clock starts on its turn
+        start = mp.loop.StepScalars.start
+
+        def start_on_turn(self):
+            TURN.next()
+            return start(self)
+        mp.loop.StepScalars.start = start_on_turn
     pipeline_dp_joint.main(argv)
 
 
@@ -206,6 +228,24 @@ def launch(name, flags, log, pinned=True):
     """One run of engine `name` (ours: pipeline_dp_joint.py) on D ranks: {losses, median_step_time_s,
     peak_memory_mb, held_mb, sent_mb, cpu_s, main_cpu_s, minor_faults, wall_s}. pinned: glibc's mmap threshold
     pinned (the memory runs), else glibc's own (the timed run)."""
+    run = start(name, flags, log, pinned)
+    return finish(run, wait_all([run[-1]]))
+
+
+def together(names, flags, tmp):
+    """The timed runs of engines `names` at once, in lockstep (benchmarks/lockstep.py): {name: what launch gives},
+    their step times taken turn by turn, the CPU time of their turns, and wall_s the span of their turns."""
+    lock = Lockstep()
+    runs = [start(name, flags, os.path.join(tmp, f"timed-{name}.jsonl"), False,
+                  lock.spec(i, len(names), int(flags[flags.index("--dp") + 1]), name)) for i, name in enumerate(names)]
+    failed = wait_all([run[-1] for run in runs])
+    if failed:                                        # its error line (the others were stopped: theirs say less)
+        finish(runs[failed[0]], failed[1])
+    return {name: finish(run, None) for name, run in zip(names, runs)}
+
+
+def start(name, flags, log, pinned, turn=None):
+    """Start engine `name`'s torchrun (turn: its ranks' lockstep, benchmarks.lockstep.ENV); finish() reads it."""
     script = [os.path.abspath(__file__)] + (["--ours"] + OURS[name] if name in OURS else ["--worker", name])
     d = flags[flags.index("--dp") + 1]
     # $PYTHON as the launchers read it (the tests point it at their zygote's stand-in, tests/python)
@@ -215,18 +255,35 @@ def launch(name, flags, log, pinned=True):
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if pinned:
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    proc = subprocess.run(cmd + flags + ["--log-file", log], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
-    if proc.returncode:
-        sys.exit(f"error: {name} ({' '.join(flags)}) failed: {proc.stderr[-2000:]}")
+    env.pop(LOCKSTEP_ENV, None)
+    if turn:
+        env[LOCKSTEP_ENV] = turn
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:   # files: no pipe fills up while we wait
+        proc = subprocess.Popen(cmd + flags + ["--log-file", log], env=env, stdout=out, stderr=err, cwd=ROOT)
+    return name, flags, log, d, proc
+
+
+def finish(run, failed):
+    """What launch() gives, from a run start() began and wait_all waited for; failed: why it did not end well (it
+    or another engine of its lockstep), or None. A failed run: one error line with its torchrun's last words."""
+    name, flags, log, d, proc = run
+    if failed or proc.returncode:
+        with open(f"{log}.err") as f:
+            said = f.read()[-2000:]
+        sys.exit(f"error: {name} ({' '.join(flags)}) failed ({failed or f'exit status {proc.returncode}'}): {said}")
     ranks_usage = []                                  # each rank's steps_usage file
     for r in range(int(d)):
         with open(f"{log}.usage.{r}") as f:
             ranks_usage.append(json.load(f))
         os.remove(f"{log}.usage.{r}")                 # a later launch with the same log must not read it
     used = {k: sum(u[k] for u in ranks_usage) for k in ("cpu_s", "main_cpu_s", "minor_faults")}
-    # the steps' span, from the first rank's set-up end to the last rank's last step: every rank's CPU time falls in it
+    # the steps' span, from the first rank's set-up end to the last rank's last step: every rank's CPU time falls in it;
+    # in lockstep, the span of its turns (each from its first rank's start to its last rank's end), their CPU time in it
     used["wall_s"] = max(u["end"] for u in ranks_usage) - min(u["start"] for u in ranks_usage)
+    if "turns" in ranks_usage[0]:
+        spans = [u["turns"] for u in ranks_usage]
+        used["wall_s"] = engine_span(spans)
+        used["turns"] = [[min(b for b, _ in turn), max(e for _, e in turn)] for turn in zip(*spans)]
     with open(log) as f:
         if name not in OURS:
             return {**json.load(f), **used}
@@ -246,16 +303,21 @@ def torch_sent(name, n, d):
 
 
 def one_round(args, tmp, backwards=False):
-    """Every engine of --only once (three torchruns each), in ORDER, or in its reverse when backwards: the
-    rounds alternate, so that an order effect cannot favour one side of a pair (none showed on the vit's
-    --zero 0: 1.06 of DDP with ours always first, and alternating)."""
+    """Every engine of --only once (three torchruns each: the timed runs first, each pair's together in lockstep
+    unless --apart), in ORDER, or in its reverse when backwards: the rounds alternate, so that an order effect
+    cannot favour one side of a pair (none showed on the vit's --zero 0: 1.06 of DDP with ours always first, and
+    alternating; in lockstep the order is who steps first)."""
     common = ["--model", args.model, "--layers", str(args.layers), "--dp", str(args.dp), "--batch-size",
               str(args.batch_size), "--microbatches", "1", "--steps", str(args.steps), "--eval-every", "0",
               "--data", "synthetic", "--optimizer", "adamw", "--seed", "0"]
-    out = {}
-    for name in [n for n in (ORDER[::-1] if backwards else ORDER) if n in args.only]:
-        flags = common + ["--hidden", str(args.hidden)]
-        timed = launch(name, flags, os.path.join(tmp, "timed.jsonl"), pinned=False)
+    out, flags = {}, common + ["--hidden", str(args.hidden)]
+    names = [n for n in (ORDER[::-1] if backwards else ORDER) if n in args.only]
+    timed_runs = {}
+    if not args.apart:        # the timed runs of each pair (or of engines that share one) together, in lockstep
+        for group in lockstep_groups(names):
+            timed_runs.update(together(group, flags, tmp))
+    for name in names:
+        timed = timed_runs.get(name) or launch(name, flags, os.path.join(tmp, "timed.jsonl"), pinned=False)
         if args.no_floor:     # the timed run's peak itself (a quick check of the harness; not a memory figure)
             big, tiny = timed, {"peak_memory_mb": {r: 0 for r in timed["peak_memory_mb"]}}
         else:                 # memory: the same run and the tiny model's, the mmap threshold pinned
@@ -263,12 +325,23 @@ def one_round(args, tmp, backwards=False):
             tiny = launch(name, common + ["--hidden", "8"], os.path.join(tmp, "tiny.jsonl"))
             big["pinned_step_time_s"] = big["median_step_time_s"]
             big["median_step_time_s"] = timed["median_step_time_s"]
-            big.update({k: timed[k] for k in ("cpu_s", "main_cpu_s", "minor_faults", "wall_s")})   # the timed run's
+            big.update({k: timed[k] for k in ("cpu_s", "main_cpu_s", "minor_faults", "wall_s", "turns") if k in timed})
         big["above_floor_mb"] = sum(big["peak_memory_mb"][r] - tiny["peak_memory_mb"][r] for r in big["peak_memory_mb"])
         out[name] = big
         print(f"{name}: {big['median_step_time_s'] * 1e3:.1f} ms, {big['above_floor_mb']:.0f} MB", file=sys.stderr,
               flush=True)
     return out
+
+
+def lockstep_groups(names):
+    """The engines of names whose timed runs take turns (each pair's; a torch engine that two pairs share, with
+    both of ours: fsdp2 with --zero 2 and 3 step), in names' order: [[name, ...], ...]."""
+    groups = []
+    for name in names:
+        joined = [g for g in groups if any((name, other) in PAIRS or (other, name) in PAIRS for other in g)]
+        merged = [n for g in joined for n in g] + [name]
+        groups = [g for g in groups if g not in joined] + [merged]
+    return [sorted(g, key=names.index) for g in groups]
 
 
 def weights_mb(args):
@@ -304,11 +377,14 @@ def machine(args):
 
 
 def timed_how(rounds, args):
-    """How the table's runs were made (a --table file from before the timed runs: every run pinned)."""
-    if any("pinned_step_time_s" in r for r in rounds[0].values()):
-        return "step times with glibc's own allocator, memory with its mmap threshold pinned"
-    return "step times with glibc's own allocator" if getattr(args, "no_floor", False) else \
-        "step times and memory with glibc's mmap threshold pinned"
+    """How the table's runs were made (a --table file from before the timed runs: every run pinned; from before
+    lockstep: no turns)."""
+    if not any("pinned_step_time_s" in r for r in rounds[0].values()) and not getattr(args, "no_floor", False):
+        return "step times and memory with glibc's mmap threshold pinned"
+    how = "step times with glibc's own allocator"
+    if any("turns" in r for r in rounds[0].values()):
+        how += ", each pair's engines in lockstep"
+    return how + (", memory with its mmap threshold pinned" if not getattr(args, "no_floor", False) else "")
 
 
 def ratio(rounds, f):
@@ -409,7 +485,10 @@ def main():
                    help="the JSON of every round, written as each ends (default: logs/bench/data_axis.json)")
     p.add_argument("--only", type=lambda s: s.split(","), default=DEFAULT,
                    help=f"the engines to run, comma-separated, among {','.join(ORDER)} (default: all but "
-                        f"{LIKE}, DDP with our buckets' {BUCKET_MB} MB cap)")
+                        f"{LIKE}, DDP with our --zero 0 buckets' cap)")
+    p.add_argument("--apart", action="store_true",
+                   help="each engine's timed run alone, one after the other, not a pair's together in lockstep "
+                        "(benchmarks/lockstep.py)")
     p.add_argument("--no-floor", action="store_true",
                    help="skip each engine's run with the tiny model: memory is then the whole peak, not above its floor")
     p.add_argument("--table", default=None, help="print the table of an earlier run's --out file, run nothing")

@@ -65,24 +65,43 @@ from mp.dp_collectives import CollectiveSpans, Works, reduce_scatter
 from mp.errors import CommError
 from mp.heap import keep_in_heap
 
-BUCKET_MB = 4   # small enough that a few-MB stage gets several buckets to overlap; DDP's first is 1 MB
+BUCKET_MB = 4   # --zero 2, 3 (made and let go in every microbatch: few alive at once); the least a kept one holds
+KEPT_MAX_MB = 25   # the most a kept bucket (--zero 0, 1) holds: DDP's cap
 IN_FLIGHT = 2   # reduce-scatters on their way at once; a third waits for the oldest (the memory bound)
+
+
+def kept_bytes(params, least_mb=BUCKET_MB, most_mb=KEPT_MAX_MB):
+    """The size at which --zero 0 and 1 close a bucket over these parameters (a stage's): half their bytes,
+    so that the later half's collective overlaps the earlier half's backward, within [least_mb, most_mb]. Each
+    collective costs the backend's threads a start and a wait of its own; with no idle core to overlap on
+    (4 ranks on 2), the vit's 12 MB in four buckets of at most 4 MB took 1.01-1.03 of DDP's step, in two
+    0.97-1.00 (benchmarks/data_axis.py, in lockstep, 2026-11-29). A stage of 8 MB or less keeps 4 MB buckets."""
+    total = sum(p.numel() * p.element_size() for p in params)
+    return min(max(least_mb * 2**20, total / 2), most_mb * 2**20)
 
 
 def kept_groups(params, nbytes):
     """The buckets kept through the step (--zero 0, 1): the parameters (in backward order) cut into
-    consecutive groups, a group closed once it holds nbytes (DDP's rule), so a layer's bias rides with the
-    weight after it. Cut at most nbytes (mp.dist.buckets, --zero 2's: there a layer's weight larger than
-    that is a bucket alone, autograd's own gradient uncopied), a 4 MB weight beside a 4 KB bias made every
-    bias a bucket of its own, a collective with its own start and wait for 4 KB (the mlp's 1024-wide
-    layers: 14 buckets, not 7; 56 broadcasts a step under --zero 1, not 28)."""
-    groups, held = [], nbytes
+    consecutive groups of at most nbytes (a larger layer alone), a layer's bias riding with its weight: the
+    small parameters just before one that opens a group (under 1/64 of it: its bias, a head's) open it with
+    it. Cut plainly at most nbytes (mp.dist.buckets, --zero 2's), a 4 MB weight beside a 4 KB bias made every
+    bias a bucket of its own, a collective with its own start and wait for 4 KB (the mlp's 1024-wide layers:
+    14 buckets, not 7; 56 broadcasts a step under --zero 1, not 28). A last group under a quarter of nbytes
+    joins the one before (the vit's embeddings, 0.11 MB, were a collective of their own)."""
+    size = lambda p: p.numel() * p.element_size()   # noqa: E731
+    groups, held = [], 0
     for p in params:
-        if held >= nbytes:
-            groups.append([])
-            held = 0
+        if not groups or held + size(p) > nbytes:
+            carried = []
+            while groups and groups[-1] and size(groups[-1][-1]) * 64 < size(p):
+                carried.insert(0, groups[-1].pop())
+            groups = [g for g in groups if g] + [carried]
+            held = sum(map(size, carried))
         groups[-1].append(p)
-        held += p.numel() * p.element_size()
+        held += size(p)
+    if len(groups) > 1 and held < nbytes / 4:
+        tail = groups.pop()
+        groups[-1] += tail
     return groups
 
 
@@ -186,7 +205,7 @@ class GradBuckets:
     parallel sums): final() leaves them alone and final_late() says them final after those sums.
     direct: weights whose gradients our own code writes in place (zero-bubble's W): no hook on them."""
 
-    def __init__(self, params, group, waiting, shard=False, bucket_mb=BUCKET_MB, recorder=None, late=(), direct=(),
+    def __init__(self, params, group, waiting, shard=False, bucket_mb=None, recorder=None, late=(), direct=(),
                  free=False, groups=None):
         params = [p for p in params if p.requires_grad][::-1]   # backward finishes the last layers first
         self.late_ids = {id(p) for p in late}
@@ -195,11 +214,13 @@ class GradBuckets:
         self.waiting, self.sharded, self.spans = waiting, shard, CollectiveSpans(recorder)
         self.free = free and shard          # --zero 2, 3: reduced in every microbatch, the whole buckets let go
         device = params[0].device if params else torch.device("cpu")
-        if groups is None:
-            groups = (buckets if self.free else kept_groups)(params, bucket_mb * 2**20)
+        if groups is None:            # bucket_mb given (the tests): the cap as it is
+            kept = kept_bytes(params) if bucket_mb is None else bucket_mb * 2**20
+            groups = buckets(params, (bucket_mb or BUCKET_MB) * 2**20) if self.free else kept_groups(params, kept)
         else:                                         # given (--zero 3: a block each), the last block's first
             groups = [g for g in ([p for p in ps if p.requires_grad][::-1] for ps in groups[::-1]) if g]
         direct = {id(p) for p in direct}
+        bucket_mb = BUCKET_MB if bucket_mb is None else bucket_mb
         self.buckets = [Bucket(ps, self.size if shard else 1, device,
                                self.free and not any(id(p) in self.late_ids for p in ps),
                                any(id(p) in direct for p in ps)) for ps in groups]

@@ -124,7 +124,7 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "| ours | torch | peak, MB (2 ranks) ours / torch |" in printed, printed
     weights = ((3072 + 1) * 32 + (32 + 1) * 32 + (32 + 1) * 10) * 4 / 2**20    # N, whatever engines ran
-    assert f"N = {weights:.2f} MB of weights" in printed and "with glibc's own allocator; " in printed, printed
+    assert f"N = {weights:.2f} MB of weights" in printed and "with glibc's own allocator, each pair" in printed, printed
     # the machine the step times depend on, in the table's last line and in --out for --table
     group = data_axis.autogroup()
     said = "" if group is None else f", the kernel's autogroup {'on' if group else 'off'}"
@@ -142,6 +142,15 @@ def test_our_data_axis_steps_like_ddp_and_fsdp2(tmp_path, monkeypatch, capsys):
     saved = json.loads(out.read_text())
     assert saved["args"]["cores"] == cores and saved["args"]["autogroup"] == group, saved["args"]
     (round_,) = saved["rounds"]
+    # the timed runs took turns (benchmarks/lockstep.py): a pair's steps, and the ddp-like one with --zero 0's
+    # and ddp's, one engine at a time, each step's turns in order (step 0's after every set-up: --steps 3, then
+    # one empty turn); each engine's span their sum
+    assert "each pair's engines in lockstep" in printed, printed
+    for group in (["0", "ddp", data_axis.LIKE], ["3-microbatch", "fsdp2-rs"]):
+        turns = [t for step in zip(*[round_[name]["turns"] for name in group]) for t in step]
+        assert len(turns) == 4 * len(group) and all(a[1] <= b[0] for a, b in zip(turns, turns[1:])), (group, turns)
+        for name in group:
+            assert round_[name]["wall_s"] == pytest.approx(sum(e - b for b, e in round_[name]["turns"])), name
     for ours, theirs in (("0", "ddp"), ("0", data_axis.LIKE), ("3-microbatch", "fsdp2-rs")):
         a, b = round_[ours]["losses"], round_[theirs]["losses"]
         assert len(a) == len(b) == 3 and max(abs(x - y) for x, y in zip(a, b)) < 1e-6, (ours, a, b)
@@ -169,16 +178,16 @@ def test_data_axis_ratios_give_the_rounds_range(monkeypatch):
 
 
 def test_data_axis_like_for_like_ddp_has_our_buckets_cap(tmp_path, monkeypatch):
-    """benchmarks/data_axis.py's ddp-4mb is DDP with our buckets' cap (mp.buckets.BUCKET_MB), where ddp keeps
-    DDP's 25 MB, and is run only when --only names it. Both made here, in a one-rank gloo group."""
+    """benchmarks/data_axis.py's ddp-like is DDP with our --zero 0 buckets' cap (mp.buckets.kept_bytes), where
+    ddp keeps DDP's 25 MB, and is run only when --only names it. Both made here, in a one-rank gloo group."""
     import os
     import torch.distributed as dist
     import torch.nn as nn
     from helpers import ROOT
-    from mp.buckets import BUCKET_MB
+    from mp.buckets import kept_bytes
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import data_axis
-    assert data_axis.LIKE == f"ddp-{BUCKET_MB}mb" and data_axis.LIKE not in data_axis.DEFAULT
+    assert data_axis.LIKE == "ddp-like" and data_axis.LIKE not in data_axis.DEFAULT
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         args = data_axis.parse_args(["--dp", "1", "--optimizer", "adamw", "--data", "synthetic"])
@@ -186,11 +195,12 @@ def test_data_axis_like_for_like_ddp_has_our_buckets_cap(tmp_path, monkeypatch):
         plain, _ = data_axis.wrap("ddp", nn.Linear(4, 4), args, 1)
     finally:
         dist.destroy_process_group()
-    assert like.bucket_bytes_cap == BUCKET_MB * 2**20 and plain.bucket_bytes_cap == 25 * 2**20
+    cap = kept_bytes(list(nn.Linear(4, 4).parameters()))          # the least, 4 MB, for so small a model
+    assert like.bucket_bytes_cap == int(cap) == 4 * 2**20 and plain.bucket_bytes_cap == 25 * 2**20
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--only", "0,fsdp3"], "error: --only fsdp3: no such engine; choose among 0,ddp,ddp-4mb,1,zero1"),
+    (["--only", "0,fsdp3"], "error: --only fsdp3: no such engine; choose among 0,ddp,ddp-like,1,zero1"),
     (["--rounds", "0"], "error: --rounds 0: at least one round"),
     (["--steps", "1"], "error: --steps 1: at least 2"),
 ], ids=["engine", "rounds", "steps"])
@@ -223,10 +233,22 @@ def test_data_axis_rounds_alternate_which_side_runs_first(monkeypatch):
         return {"median_step_time_s": 1.0, "peak_memory_mb": {"0": 2.0}}
 
     monkeypatch.setattr(data_axis, "launch", launch)
+    def together(names, flags, tmp):
+        ran.append(names)
+        return {name: {"median_step_time_s": 1.0, "peak_memory_mb": {"0": 2.0}} for name in names}
+
+    monkeypatch.setattr(data_axis, "launch", launch)
+    monkeypatch.setattr(data_axis, "together", together)
     args = argparse.Namespace(model="mlp", layers=2, dp=2, batch_size=8, steps=2, hidden=8, no_floor=True,
-                              only=["ddp", "0", "fsdp2-rs", "3-microbatch"])
+                              only=["ddp", "0", "fsdp2-rs", "3-microbatch"], apart=True)
     in_order = ["0", "ddp", "3-microbatch", "fsdp2-rs"]         # ORDER's, whatever order --only gave
     for backwards in (False, True):
         ran.clear()
         data_axis.one_round(args, "unused", backwards=backwards)
         assert ran == (in_order[::-1] if backwards else in_order), (backwards, ran)
+    args.apart = False                # in lockstep: each pair's timed runs together, who steps first alternating
+    for backwards in (False, True):
+        ran.clear()
+        data_axis.one_round(args, "unused", backwards=backwards)
+        pairs = [["0", "ddp"], ["3-microbatch", "fsdp2-rs"]]
+        assert ran == ([p[::-1] for p in pairs[::-1]] if backwards else pairs), (backwards, ran)

@@ -265,6 +265,26 @@ def test_a_kept_bucket_takes_a_layers_bias_with_its_weight():
     assert kept_groups([], 4) == []
 
 
+def test_kept_buckets_are_half_a_stage_a_layer_whole():
+    """--zero 0 and 1's buckets hold half the stage's gradients (mp.buckets.kept_bytes: at least 4 MB, at most
+    DDP's 25), a layer's bias with its weight, a larger layer alone, a small last group joined to the one
+    before: each collective costs gloo's threads its own start and wait on the cores the backward uses."""
+    from mp.buckets import kept_bytes, kept_groups
+    mb = lambda groups: [round(sum(p.numel() * 4 for p in g) / 2**20) for g in groups]   # noqa: E731
+    # an interleaved stage (tests/test_hot_path.py's stage 0): a 4 MB layer finishes first, then a 12 MB one
+    stage = list(nn.Linear(3072, 1024).parameters()) + list(nn.Linear(1024, 1024).parameters())
+    order = stage[::-1]
+    assert kept_bytes(order) == pytest.approx(8 * 2**20, rel=1e-3)
+    groups = kept_groups(order, kept_bytes(order))
+    assert mb(groups) == [4, 12] and [len(g) for g in groups] == [2, 2]         # [b W] [b W]
+    small = list(nn.Linear(512, 512).parameters())[::-1]                        # 1 MB: the 4 MB floor, one bucket
+    assert kept_bytes(small) == 4 * 2**20 and len(kept_groups(small, kept_bytes(small))) == 1
+    big = [p for _ in range(25) for p in nn.Linear(1024, 1024).parameters()][::-1]   # 100 MB: DDP's 25 MB cap
+    assert kept_bytes(big) == 25 * 2**20 and mb(kept_groups(big, kept_bytes(big))) == [24, 24, 24, 28]   # 4 joined
+    tail = [p for n in (64, 1024, 1024) for p in nn.Linear(n, 1024).parameters()][::-1]   # 0.25 MB last: joined
+    assert mb(kept_groups(tail, 4 * 2**20)) == [4, 4]
+
+
 def _apart_case(rank, world, group):
     """--zero 3's blocks on gloo, each gradient larger than the set size: all-reduced where autograd made it
     (Bucket.apart), my slices summed over two microbatches into the accumulators: the plain all-reduce's."""
