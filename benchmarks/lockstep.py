@@ -43,6 +43,7 @@ class Turn:
         host, port, side, sides, ranks, self.name = spec.split(":")
         self.side, self.sides, self.ranks, self.step = int(side), int(sides), int(ranks), 0
         self.timeout_s, self.finished, self.spans, self.cpu_s, self.main_cpu_s = timeout_s, False, [], 0.0, 0.0
+        self.began = None                     # (clock, CPU, main thread's CPU) when my current turn began
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
     @classmethod

@@ -74,8 +74,9 @@ def kept_bytes(params, least_mb=BUCKET_MB, most_mb=KEPT_MAX_MB):
     """The size at which --zero 0 and 1 close a bucket over these parameters (a stage's): half their bytes,
     so that the later half's collective overlaps the earlier half's backward, within [least_mb, most_mb]. Each
     collective costs the backend's threads a start and a wait of its own; with no idle core to overlap on
-    (4 ranks on 2), the vit's 12 MB in four buckets of at most 4 MB took 1.01-1.03 of DDP's step, in two
-    0.97-1.00 (benchmarks/data_axis.py, in lockstep, 2026-11-29). A stage of 8 MB or less keeps 4 MB buckets."""
+    (4 ranks on 2), the vit's 12 MB in four buckets of at most 4 MB took 1.02-1.03 of DDP's step, in two
+    0.99 (benchmarks/data_axis.py in lockstep, 2026-11-29). A stage of 8 MB or less keeps 4 MB buckets, so a
+    pipeline's stages still overlap (tests/test_hot_path.py)."""
     total = sum(p.numel() * p.element_size() for p in params)
     return min(max(least_mb * 2**20, total / 2), most_mb * 2**20)
 
