@@ -212,11 +212,11 @@ def ours(argv):
     mp.loop.start_memory_count = lambda device: reset_peak()
     mp.log.peak_memory_mb = steps_peak_mb
     if TURN:                                          # in lockstep: each step's clock starts on its turn
-        start = mp.loop.StepScalars.start
+        step_start = mp.loop.StepScalars.start
 
         def start_on_turn(self):
             TURN.next()
-            return start(self)
+            return step_start(self)
         mp.loop.StepScalars.start = start_on_turn
     pipeline_dp_joint.main(argv)
 
@@ -229,7 +229,8 @@ def launch(name, flags, log, pinned=True):
     peak_memory_mb, held_mb, sent_mb, cpu_s, main_cpu_s, minor_faults, wall_s}. pinned: glibc's mmap threshold
     pinned (the memory runs), else glibc's own (the timed run)."""
     run = start(name, flags, log, pinned)
-    return finish(run, wait_all([run[-1]]))
+    failed = wait_all([run[-1]])
+    return finish(run, failed and failed[1])
 
 
 def together(names, flags, tmp):
