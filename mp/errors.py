@@ -23,9 +23,14 @@ def tell_torchrun(message):
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    # whole or not at all: written beside it, then renamed over it. Opened in place, the file was empty for a
+    # moment, and torchrun's agent, reading it then (another rank had failed: it stops this one), died on
+    # the empty JSON with a traceback of its own (tests/test_robustness.py's hung joint run, once in CI)
+    part = f"{path}.{os.getpid()}.part"
     try:
-        with open(path, "w") as f:
+        with open(part, "w") as f:
             json.dump({"message": f"error: {message}", "timestamp": int(time.time())}, f)
+        os.replace(part, path)
     except OSError:
         pass   # the console line is already out; torchrun then shows its own text
 
