@@ -71,6 +71,7 @@ from lockstep import ENV as LOCKSTEP_ENV, Lockstep, Turn, engine_span, wait_all 
 from mp.buckets import kept_bytes  # noqa: E402
 from mp.cli import baseline_args  # noqa: E402
 from mp.data import dp_slice, load_data  # noqa: E402
+from mp.flags import Parser  # noqa: E402
 from mp.models import build_model  # noqa: E402
 from mp.optim import make_optimizer  # noqa: E402
 import pipeline_dp_joint  # noqa: E402
@@ -469,7 +470,7 @@ def main():
         return worker(sys.argv[2], sys.argv[3:])
     if len(sys.argv) > 1 and sys.argv[1] == "--ours":
         return ours(sys.argv[2:])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)   # one error: line
     p.add_argument("--model", choices=["mlp", "vit"], default="mlp",
                    help="the model every engine trains (default: mlp)")
     p.add_argument("--layers", type=int, default=8, help="its hidden layers or blocks (default: 8)")

@@ -96,7 +96,9 @@ def kept_groups(params, nbytes):
             carried = []
             while groups and groups[-1] and size(groups[-1][-1]) * 64 < size(p):
                 carried.insert(0, groups[-1].pop())
-            groups = [g for g in groups if g] + [carried]
+            if groups and not groups[-1]:     # all of it carried on
+                groups.pop()
+            groups.append(carried)
             held = sum(map(size, carried))
         groups[-1].append(p)
         held += size(p)
