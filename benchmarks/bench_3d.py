@@ -21,6 +21,7 @@ from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from mp.flags import OneLineParser  # noqa: E402
 FLOAT = 4   # bytes per float32
 
 
@@ -223,7 +224,7 @@ def step_times(out, batch, steps):
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "traffic":
         return traffic_worker(sys.argv[2:])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="logs/bench_3d")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)

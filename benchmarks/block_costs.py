@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mp.pp.balance import best_split, block_flops, stage_max  # noqa: E402
 from mp.sizes import split_sizes  # noqa: E402  (the even split)
+from mp.flags import OneLineParser  # noqa: E402
 from mp.models import build_model  # noqa: E402
 
 
@@ -70,7 +71,7 @@ def report(name, args, model_args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["cnn", "mlp", "vit", "both"], default="both", help="both: cnn and mlp")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)

@@ -17,7 +17,6 @@ backward, counted with torch.autograd.graph.saved_tensors_hooks.
 mix made a fresh int64 temporary, and its mask was a float tensor. tests/test_keyed_dropout.py
 checks that both draw the same masks.
 """
-import argparse
 import math
 import os
 import sys
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mp.dropout import MASK32, DropoutKeys, KeyedDropout  # noqa: E402
+from mp.flags import OneLineParser  # noqa: E402
 
 SHAPES = [(64, 16, 5, 5), (64, 120), (64, 1024), (64, 64, 128)]
 P = 0.1
@@ -109,7 +109,7 @@ def with_backward(fn, x, grad):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -19,6 +19,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from mp.flags import OneLineParser  # noqa: E402
+
 COMMON = ["--data", "synthetic", "--eval-every", "0", "--threads", "1", "--steps", "30"]
 MLP = ["--model", "mlp", "--layers", "6", "--hidden", "1024", "--batch-size", "64"]
 CASES = {   # name: program, ranks, flags
@@ -46,7 +49,7 @@ def step_time(root, program, nproc, flags, folder):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", required=True, help="a checkout of the code to compare with (git worktree add)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")

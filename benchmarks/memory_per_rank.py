@@ -18,6 +18,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from mp.flags import OneLineParser  # noqa: E402
+
 
 LAYOUTS = [   # (name, program, ranks, extra flags)
     ("baseline", "single_baseline.py", 1, []),
@@ -67,7 +70,7 @@ def table(rows):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--steps", type=int, default=3)

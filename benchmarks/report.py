@@ -8,7 +8,6 @@ twelve of pipeline_microbatch.py itself (peak memory of gpipe, gpipe --recompute
 m = 10, 100, 1000: a per-process high-water mark, so each point needs fresh processes) and
 benchmarks/zero_bubble.py (zb against 1f1b, and --recompute's cost, on 2 stages). Raw results go to logs/bench/.
 """
-import argparse
 import json
 import os
 import subprocess
@@ -16,6 +15,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from mp.flags import OneLineParser  # noqa: E402
+
 LOGS = os.path.join(ROOT, "logs", "bench")
 MODEL = ["--layers", "8", "--hidden", "512", "--batch-size", "256"]
 MEMORY_MB = 4   # samples per microbatch in the memory runs: global batch = 4 x m, so GPipe holds O(m)
@@ -181,7 +183,7 @@ def write_doc(pipeline, tp_rows, memory, zero_bubble, command, seconds):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
+    p = OneLineParser(description=__doc__)
     p.add_argument("--repeat", type=int, default=10, help="timed steps per engine and configuration")
     p.add_argument("--no-run", action="store_true", help="only rewrite docs/benchmarks.md and plot from logs/bench")
     p.add_argument("--frontier-only", action="store_true",

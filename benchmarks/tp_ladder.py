@@ -40,6 +40,7 @@ from bench import one_step  # noqa: E402
 from mp.models import build_model
 from mp.optim import make_optimizer
 from mp.data import SyntheticData
+from mp.flags import OneLineParser
 from sequence_parallel import collectives_of_one_step, wire_bytes  # noqa: E402
 
 
@@ -217,7 +218,7 @@ def ladder(args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="tensor-parallel degree (ranks spawned here)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--steps", type=int, default=100)

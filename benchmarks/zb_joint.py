@@ -17,6 +17,7 @@ import statistics
 import tempfile
 
 from hot_path import ROOT, step_time
+from mp.flags import OneLineParser   # hot_path put the repository root on sys.path
 
 FLAGS = ["--model", "mlp", "--layers", "8", "--hidden", "768", "--batch-size", "256", "--dp", "2",
          "--microbatches", "8", "--balance", "2,6"]
@@ -27,7 +28,7 @@ def loadavg():
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", default=None, help="an older checkout to measure beside this one")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None, help="write the rounds and medians here as JSON")

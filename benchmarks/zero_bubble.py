@@ -44,7 +44,7 @@ sys.path.insert(0, ROOT)
 import pipeline_microbatch as pm  # noqa: E402
 from mp.data import SyntheticData  # noqa: E402
 from mp.dist import distributed  # noqa: E402
-from mp.flags import base_parser  # noqa: E402
+from mp.flags import OneLineParser, base_parser  # noqa: E402
 from mp.models import build_model  # noqa: E402
 from mp.pp.flags import add_pipeline_flags  # noqa: E402
 from mp.optim import make_optimizer  # noqa: E402
@@ -425,7 +425,7 @@ def time_layer(mb, hidden, repeat):
 def main():
     if sys.argv[1:2] == ["--paired-worker"]:
         return paired_worker(sys.argv[2:])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench", "zero_bubble.json"))
     p.add_argument("--microbatches", default="4,8,16")
     p.add_argument("--rounds", type=int, default=3)
@@ -464,16 +464,19 @@ def main():
              "--paired-fused": args.paired_fused}
     for flag, n in modes.items():
         if n < 0:
-            p.error(f"{flag} {n}: the rounds to run, 1 or more (0: not this mode)")
+            p.error(f"{flag} {n}: give the rounds to run, 1 or more (0: not this mode)")
     rounds = args.paired or args.paired_zbv or args.paired_ahead or args.paired_fused
     if args.paired_stages != 2 and not rounds:
-        p.error(f"--paired-stages {args.paired_stages} goes with --paired-zbv, --paired-ahead or --paired-fused")
+        p.error(f"--paired-stages {args.paired_stages} goes with --paired-zbv, --paired-ahead or --paired-fused: "
+                "add one of them, or drop --paired-stages")
     if args.even_split and not (rounds and not args.paired):
-        p.error("--even-split goes with --paired-zbv, --paired-ahead or --paired-fused")
+        p.error("--even-split goes with --paired-zbv, --paired-ahead or --paired-fused: add one of them (not "
+                "--paired), or drop --even-split")
     if rounds:
         stages = args.paired_stages
         if stages < 2 or (args.paired and stages != 2):
-            p.error(f"--paired-stages {stages}: 2 or more, and not with --paired")
+            p.error(f"--paired-stages {stages}: give 2 or more, with --paired-zbv, --paired-ahead or --paired-fused "
+                    "(--paired runs 2 stages: drop --paired-stages there)")
         extra = [] if args.paired else ZBV_EXTRA + stages_args(stages, args.even_split)
         engines = ENGINES if args.paired else ZBV_ENGINES if args.paired_zbv else \
             AHEAD_ENGINES if args.paired_ahead else FUSED_ENGINES

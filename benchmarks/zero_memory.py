@@ -30,6 +30,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from mp.flags import OneLineParser  # noqa: E402
+
 CONFIGS = [("0", []), ("1", []), ("2", []), ("3 step", ["--zero3-gather", "step"]),
            ("3 microbatch", ["--zero3-gather", "microbatch"])]
 
@@ -97,7 +100,7 @@ def table(rows, m, args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["vit", "mlp"], default="vit")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)

@@ -32,15 +32,20 @@ MODEL_FLAGS = {"cnn": (), "mlp": ("--layers", "--hidden"),
                        "--capacity-factor")}
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with one `error:` line, no abbreviations (--layer is not --layers, and no flag can
-    pass for one of torchrun's), and the model flags checked against the model."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one `error:` line and exit status 2 (mp.errors.fail), not its usage block, and no
+    abbreviations (--layer is not --layers, and no flag can pass for one of torchrun's): what every
+    script wants, the benchmarks included, whose parsers have no --model for Parser to check."""
 
     def __init__(self, **kwargs):
         super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message):  # argparse's own mistakes get the same one-line form
         fail(f"{message} (see --help)")
+
+
+class Parser(OneLineParser):
+    """OneLineParser with the model flags checked against the model."""
 
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)
