@@ -23,6 +23,7 @@ baseline| over the run.
 
     python benchmarks/sequence_parallel.py --cuts --out logs/bench/cuts.json
 """
+import argparse
 import json
 import os
 import subprocess
@@ -41,7 +42,7 @@ import tensor_parallel as tp  # noqa: E402
 from bench import one_step, race  # noqa: E402
 from tp_hybrid import counted_collectives  # noqa: E402
 from mp.dist import distributed, exit_now
-from mp.flags import base_parser
+from mp.flags import OneLineParser, base_parser
 from mp.models import build_model
 from mp.optim import make_optimizer
 from mp.data import SyntheticData
@@ -232,12 +233,20 @@ def cuts(out, steps=10):
     print("\n".join(rows))
 
 
+def parse_driver(argv):
+    """The driver's own flags (a worker's are base_parser's): a mistake, --help's absence, one error: line."""
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cuts", action="store_true", help="3-D: each way a pipeline cut can travel (parallel_3d.py)")
+    p.add_argument("--out", help="the JSON written (default: logs/bench/sequence_parallel.json; with --cuts, "
+                                 "logs/bench/cuts.json)")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    if "--cuts" in sys.argv:
-        out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "logs/bench/cuts.json"
-        sys.exit(cuts(os.path.abspath(out)))
     if "--worker" in sys.argv:
         sys.argv.remove("--worker")
         exit_now(worker(sys.argv[1:]))
-    out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "logs/bench/sequence_parallel.json"
-    driver(os.path.abspath(out))
+    args = parse_driver(sys.argv[1:])
+    if args.cuts:
+        sys.exit(cuts(os.path.abspath(args.out or "logs/bench/cuts.json")))
+    driver(os.path.abspath(args.out or "logs/bench/sequence_parallel.json"))

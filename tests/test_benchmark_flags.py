@@ -91,3 +91,16 @@ def test_zero_bubbles_own_checks_say_the_fix(argv, said, fix, monkeypatch, capsy
         monkeypatch.setattr(zero_bubble, name, lambda *a, **k: pytest.fail(f"{argv} passed the checks"))
     err = one_error_line("zero_bubble", "main", argv, monkeypatch, capsys)
     assert err.startswith(f"error: {said}") and fix in err and err.endswith(" (see --help)"), err
+
+
+def test_sequence_parallels_driver_refuses_a_mistyped_flag(monkeypatch, capsys):
+    """Its driver read --out and --cuts out of sys.argv by hand: --cut was ignored and the whole
+    benchmark ran (and so did --help)."""
+    sequence_parallel = importlib.import_module("sequence_parallel")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        sequence_parallel.parse_driver(["--cut"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == "error: unrecognized arguments: --cut (see --help)\n", err
+    assert sequence_parallel.parse_driver(["--cuts", "--out", "x.json"]).cuts
