@@ -51,7 +51,7 @@ class Job:
     optimizer: object             # what the step updates with (checkpoints keep its state)
     layout: dict                  # checkpoint.layout_of(program, ...): the program and its layout
     owner: bool = True            # this rank writes the log and the console lines
-    evaluate: Callable = None     # () -> (test loss, test accuracy), or None where this rank does not report
+    evaluate: Callable = None     # () -> [test loss, test accuracy] on the device; None: this rank reports none
     sums: Sums = field(default_factory=Sums)
     versions: list = None         # [(name, current, stale, stepped)]: the weights a checkpoint holds under
                                   # 2BW's rule (2bw, --delay 1; kept up to date by their owner); None: the model's
@@ -150,7 +150,10 @@ def train(args, env, job):
                 progress.update(k, loss, step_time, args.batch_size)
         if evaluating:
             with waiting_for(job, env, args, "the evaluation"):
-                result = job.evaluate()       # the weights after step's update
+                result = job.evaluate()       # the weights after step's update; on the device, read here once
+                if result is not None:
+                    settle(env.device, args.timeout_s, lambda: f"the evaluation after step {step}")
+                    result = result.tolist()
             if job.owner and result:
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
@@ -250,8 +253,11 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     smaller last batch in a second: a pipeline's messages have one shape per call.
     replica=(d, D, group): I am replica d of D and run my contiguous slice of every batch (dp_slice, as a
     step slices its batch; D divides every batch: splits_evenly), and the replicas' sums are added over
-    group; every member calls it, the sums of a rank that scores nothing are zeros."""
-    batches, totals = test_batches(data, batch), [0.0, 0]
+    group; every member calls it, the sums of a rank that scores nothing are zeros.
+    Returns [mean loss, accuracy], float64 on the device, unread: the loop reads it once its work is done
+    (settle), so a peer lost on a GPU ends in one error line, not a read that waits for nccl's watchdog."""
+    batches = test_batches(data, batch)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)   # the loss's sum, the correct answers
     n = sum(len(y) for _, y in batches)
     if replica is not None:
         d, parts, group = replica
@@ -263,15 +269,13 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
 
         def score(i, logits, part=part):
             labels = part[i][1].to(device)
-            totals[0] += F.cross_entropy(logits, labels, reduction="sum").item()
-            totals[1] += (logits.argmax(1) == labels).sum().item()
+            totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()   # (as float(): exact)
+            totals[1] += (logits.argmax(1) == labels).sum()
 
         run(part, score)
     if replica is not None:                   # the whole split's sums: every replica's slices added
-        sums = torch.tensor(totals, dtype=torch.float64, device=device)
-        dist.all_reduce(sums, group=group)
-        totals = sums.tolist()
-    return totals[0] / n, totals[1] / n
+        dist.all_reduce(totals, group=group)
+    return totals / n
 
 
 def splits_evenly(data, parts, batch=EVAL_BATCH):

@@ -162,7 +162,7 @@ def play(schedule, m, rank, world, swap=False):
                                    for k in range(args.steps))]
     held = runner.versions.held() if runner.versions else runner.parameters()   # 2bw: both weight versions
     return dict(steps=steps, grads=[p.grad for p in held], weights=[p.detach() for p in held],
-                evaluation=evaluate_pipeline(runner, pos, data, env.device))
+                evaluation=evaluate_pipeline(runner, pos, data, env.device).tolist())
 
 
 def swapped_sends(*args, **kwargs):
