@@ -5,8 +5,9 @@ from mp.pp.schedules import eval_actions
 
 
 def evaluate_pipeline(runner, pos, data, device, replica=None):
-    """(test loss, accuracy) on the last stage (the other stages' figures mean nothing). Every
-    message has the shape both sides expect: evaluate() sends batches of one size per call.
+    """[test loss, accuracy] on the device, unread (mp.loop.evaluate), on the last stage (the other stages'
+    figures mean nothing). Every message has the shape both sides expect: evaluate() sends batches of one
+    size per call.
     replica=(d, D, group): my replica's slice of each test batch, the sums added (mp.loop.evaluate)."""
     def run(batches, score):
         inputs = [x.to(device) for x, _ in batches] if pos.is_first_stage else None
