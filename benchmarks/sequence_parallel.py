@@ -234,7 +234,7 @@ def cuts(out, steps=10):
 
 
 def parse_driver(argv):
-    """The driver's own flags (a worker's are base_parser's): a mistake, --help's absence, one error: line."""
+    """The driver's flags (a worker's are base_parser's): --help answers, a mistyped flag is one error: line."""
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cuts", action="store_true", help="3-D: each way a pipeline cut can travel (parallel_3d.py)")
     p.add_argument("--out", help="the JSON written (default: logs/bench/sequence_parallel.json; with --cuts, "

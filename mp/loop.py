@@ -269,7 +269,7 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
 
         def score(i, logits, part=part):
             labels = part[i][1].to(device)
-            totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()   # (as float(): exact)
+            totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()   # as .item() gave it
             totals[1] += (logits.argmax(1) == labels).sum()
 
         run(part, score)
