@@ -43,6 +43,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from mp.dist import awaiting
 from mp.errors import fail
 from mp.models import shard_of
 from mp.optim import load_param_state, param_state, whole_params
@@ -194,28 +195,31 @@ def maybe_save(args, step, model, optimizer, layout, rank, versions=None):
 
 
 def save(args, next_step, model, optimizer, layout, rank, versions=None):
-    """Every rank writes its pieces (a collective), then rank 0 commits the directory by renaming it."""
+    """Every rank writes its pieces (a collective), then rank 0 commits the directory by renaming it. A peer
+    lost meanwhile: one error line naming the checkpoint, after --timeout-s (the partial directory stays)."""
     final = os.path.join(args.checkpoint_dir, f"step-{next_step:08d}")
     partial = os.path.join(args.checkpoint_dir, f".step-{next_step:08d}.partial")
     if rank == 0:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)        # a save of this step that was killed
-    dist.barrier()
-    # --zero: each replica writes its slices, nothing gathered (--zero 3's weights included)
-    state = {key(kind, name, spec, flat): t.detach() for kind, name, spec, flat, t in held(model, optimizer, versions)}
-    dcp().save(state, checkpoint_id=partial)
-    del state
-    dist.barrier()                                       # every rank's pieces are written
-    if rank == 0:
-        meta = {"step": next_step, "settings": settings(args), "layout": layout}
-        with open(os.path.join(partial, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):                        # a run that went back to an earlier step
-            shutil.rmtree(final)
-        os.rename(partial, final)                        # the commit: atomic on one file system
-    dist.barrier()
+    with awaiting(f"rank {rank} waited for every rank's part of the checkpoint {final}", args.timeout_s):
+        dist.barrier()
+        # --zero: each replica writes its slices, nothing gathered (--zero 3's weights included)
+        state = {key(kind, name, spec, flat): t.detach()
+                 for kind, name, spec, flat, t in held(model, optimizer, versions)}
+        dcp().save(state, checkpoint_id=partial)
+        del state
+        dist.barrier()                                   # every rank's pieces are written
+        if rank == 0:
+            meta = {"step": next_step, "settings": settings(args), "layout": layout}
+            with open(os.path.join(partial, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(final):                    # a run that went back to an earlier step
+                shutil.rmtree(final)
+            os.rename(partial, final)                    # the commit: atomic on one file system
+        dist.barrier()
 
 
 # ----------------------------------------------------------------------------- load
@@ -243,16 +247,18 @@ def resume(args, model, optimizer, rank, versions=None):
     for kind, name, spec, p in plans:
         for _, k, shape, dtype, _ in pieces_of(saved, kind, name, spec, args.resume_from):
             wanted[k] = torch.empty(shape, dtype=dtype, device=p.device if shape else "cpu")
-    dcp().load(wanted, checkpoint_id=args.resume_from)
     states = {}                                          # the tensor stepped -> {kind: this rank's slice}
-    # --zero 3: loaded into the whole weights, which give each replica its slice on the way out
-    with torch.no_grad(), whole_params(optimizer):
-        for kind, name, spec, p in plans:
-            mine = assemble(pieces_of(saved, kind, name, spec, args.resume_from), wanted, spec, p)
-            if kind in WEIGHTS:
-                p.copy_(mine)
-            else:
-                states.setdefault(p, {})[kind] = mine
+    # collectives: dcp's load, and under --zero 3 the gathering of the whole weights, which are loaded and
+    # give each replica its slice on the way out
+    with awaiting(f"rank {rank} waited for every rank to load {args.resume_from}", args.timeout_s):
+        dcp().load(wanted, checkpoint_id=args.resume_from)
+        with torch.no_grad(), whole_params(optimizer):
+            for kind, name, spec, p in plans:
+                mine = assemble(pieces_of(saved, kind, name, spec, args.resume_from), wanted, spec, p)
+                if kind in WEIGHTS:
+                    p.copy_(mine)
+                else:
+                    states.setdefault(p, {})[kind] = mine
     for p, state in states.items():
         load_param_state(optimizer, p, state)
     if rank == 0:

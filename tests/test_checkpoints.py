@@ -210,3 +210,24 @@ def test_meta_records_the_settings_and_the_layout(tmp_path):
     assert meta["step"] == 2 and meta["layout"] == {"program": "single_baseline", "world_size": 1}
     assert meta["settings"]["hidden"] == 32 and meta["settings"]["dropout"] == 0.1
     shutil.rmtree(ck)
+
+
+def test_a_peer_lost_in_a_save_names_the_checkpoint(tmp_path, monkeypatch):
+    """A save is collectives (barriers, dcp's plan): a peer lost there ends in one line naming the
+    checkpoint (mp.dist.awaiting), not in gloo's bare message; the previous checkpoint stays."""
+    from argparse import Namespace
+    import torch
+    import mp.checkpoint as checkpoint
+    from mp.errors import CommError
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    monkeypatch.setattr(checkpoint.dist, "barrier", lost)
+    (tmp_path / "step-00000001").mkdir()
+    args = Namespace(checkpoint_dir=str(tmp_path), timeout_s=7)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CommError) as e:
+        checkpoint.save(args, 2, model, torch.optim.SGD(model.parameters(), lr=0.1), {}, rank=0)
+    assert str(e.value).startswith(f"rank 0 waited for every rank's part of the checkpoint {tmp_path}/step-00000002, "
+                                   "and gave up (timeout 7 s): [../third_party/gloo/"), str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000001"]

@@ -226,7 +226,7 @@ def _save_keeps_the_slice_case(rank, world, group):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
     args = argparse.Namespace(optimizer="adamw", lr=1e-3, momentum=0.9, weight_decay=0.0, beta1=0.9, beta2=0.999,
-                              adam_eps=1e-8, checkpoint_dir=os.environ["SAVE_DIR"], model="mlp")
+                              adam_eps=1e-8, checkpoint_dir=os.environ["SAVE_DIR"], model="mlp", timeout_s=30)
     grads = GradBuckets(list(model.parameters()), None, ("the test's all-reduce", 30), shard=True)
     optimizer = ZeroOptimizer(grads, args)
     grads.zero_grad()
