@@ -1,6 +1,7 @@
 """pipeline_microbatch.py under torchrun on gloo: the baseline's losses, --check, bad input, memory."""
 import contextlib
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,6 +125,25 @@ def _sends_in_flight_case(rank, world, group):
         assert messenger.sending == [], f"{schedule}: sends left in flight after the step"
         assert last_sends, f"{schedule}: no exchange sent anything"
         assert max(early) > 0 and messenger.early.posted == {}, (schedule, early)   # each taken by its exchange
+
+
+def test_a_peer_lost_while_the_timelines_gather_is_named(monkeypatch):
+    """--timeline's gathering after the run is a collective: a peer lost there is one line naming it."""
+    import mp.pp.timeline as timeline
+    from mp.errors import CommError
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    monkeypatch.setattr(timeline.dist, "all_gather_object", lost)
+    monkeypatch.setattr(timeline.dist, "get_rank", lambda: 1)
+    args = pm.parse_args(MLP + ["--timeout-s", "9"])
+    recorder = timeline.Timeline(args, SimpleNamespace(events=None, origin=0.0),
+                                 SimpleNamespace(pp_rank=1, pp_size=2, group=None), owner=False)
+    recorder.recorded = []                # the recorded steps' events (none): write() gathers them
+    with pytest.raises(CommError) as e:
+        recorder.write()
+    assert str(e.value).startswith("rank 1 waited for its pipeline's timelines (--timeline), and gave up "
+                                   "(timeout 9 s): [../third_party/gloo/"), str(e.value)
 
 
 def test_evaluation_covers_a_test_split_that_batches_do_not_divide(tmp_path):

@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from mp.dist import awaiting
 from mp.pp.schedules import bubble_theory
 
 
@@ -89,5 +90,8 @@ class Timeline:
     def write(self):
         if self.recorded is not None:
             self.runner.events, self.recorded = self.recorded, None
-            write_timeline(gather_timeline(self.runner, self.pos, self.args), self.args.timeline, self.owner)
+            what = f"rank {dist.get_rank()} waited for its pipeline's timelines (--timeline)"
+            with awaiting(what, self.args.timeout_s):
+                trace = gather_timeline(self.runner, self.pos, self.args)
+            write_timeline(trace, self.args.timeline, self.owner)
             self.runner.events = None
