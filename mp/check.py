@@ -85,7 +85,8 @@ def check_and_exit(env, args, what, model, step, x, y, **options):
     errors = [f"{name} differs (largest difference {diff:.3g}): {error}" for name, diff, error in results if error]
     grads = sum(name.startswith("gradient") for name, _, _ in results)
     every = [None] * env.world_size
-    dist.all_gather_object(every, (len(results), max((d for _, d, _ in results), default=0.0), grads, errors[:1]))
+    with awaiting(f"rank {env.rank} waited for every rank's --check results", args.timeout_s):
+        dist.all_gather_object(every, (len(results), max((d for _, d, _ in results), default=0.0), grads, errors[:1]))
     if env.rank == 0:
         for rank, (_, _, _, error) in enumerate(every):
             if error:

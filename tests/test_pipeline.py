@@ -146,6 +146,22 @@ def test_a_peer_lost_while_the_timelines_gather_is_named(monkeypatch):
                                    "(timeout 9 s): [../third_party/gloo/"), str(e.value)
 
 
+def test_a_peer_lost_while_the_check_gathers_is_named(monkeypatch):
+    """--check's verdicts gathered over every rank: a peer lost there is one line naming it."""
+    import mp.check as check
+    from mp.errors import CommError
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    monkeypatch.setattr(check, "check_one_step", lambda *args, **kwargs: [])   # this rank's comparisons: none
+    monkeypatch.setattr(check.dist, "all_gather_object", lost)
+    with pytest.raises(CommError) as e:
+        check.check_and_exit(SimpleNamespace(rank=1, world_size=2), SimpleNamespace(timeout_s=9), "gpipe", None,
+                             None, None, None)
+    assert str(e.value).startswith("rank 1 waited for every rank's --check results, and gave up (timeout 9 s): "
+                                   "[../third_party/gloo/"), str(e.value)
+
+
 def test_evaluation_covers_a_test_split_that_batches_do_not_divide(tmp_path):
     """700 and 300 test images: the batches of 500 leave a smaller last one (or are all smaller), which
     the pipeline evaluates in a pass of its own size; loss and accuracy equal the baseline's."""
