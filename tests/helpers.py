@@ -147,6 +147,15 @@ def assert_one_error_line(parse_args, argv, world, message, monkeypatch, capsys)
     assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
 
 
+GLOO_LOST = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+
+
+def peer_lost(*args, **kwargs):
+    """Stands in for a collective whose peer is gone: gloo's error, as a RuntimeError (mp.dist.awaiting
+    names the wait it came from)."""
+    raise RuntimeError(GLOO_LOST)
+
+
 def run_ranks(case, world, tmp_path, timeout=240):
     """Run case(rank, world, group), a module-level function of a test file, on `world` gloo ranks
     (RANK, WORLD_SIZE and LOCAL_RANK set as torchrun would: parse_args reads them); an assertion on

@@ -14,7 +14,7 @@ from mp.loop import evaluate, whole_model_run
 from mp.dist import Env, torchrun_env
 from mp.models import build_model
 from mp.data import Cifar10Data, SyntheticData, load_data, next_batch
-from helpers import FAST, assert_one_error_line, assert_same_losses, launch, run_ranks, slow
+from helpers import FAST, assert_one_error_line, assert_same_losses, launch, peer_lost, run_ranks, slow
 from mp.check import check_one_step
 from mp.pp.zero_bubble import FUSED_MIN_WEIGHT
 from mp.pp.schedules import SCHEDULES, placement_of, schedule_actions
@@ -132,9 +132,7 @@ def test_a_peer_lost_while_the_timelines_gather_is_named(monkeypatch):
     import mp.pp.timeline as timeline
     from mp.errors import CommError
 
-    def lost(*args, **kwargs):
-        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
-    monkeypatch.setattr(timeline.dist, "all_gather_object", lost)
+    monkeypatch.setattr(timeline.dist, "all_gather_object", peer_lost)
     monkeypatch.setattr(timeline.dist, "get_rank", lambda: 1)
     args = pm.parse_args(MLP + ["--timeout-s", "9"])
     recorder = timeline.Timeline(args, SimpleNamespace(events=None, origin=0.0),
@@ -151,10 +149,8 @@ def test_a_peer_lost_while_the_check_gathers_is_named(monkeypatch):
     import mp.check as check
     from mp.errors import CommError
 
-    def lost(*args, **kwargs):
-        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
     monkeypatch.setattr(check, "check_one_step", lambda *args, **kwargs: [])   # this rank's comparisons: none
-    monkeypatch.setattr(check.dist, "all_gather_object", lost)
+    monkeypatch.setattr(check.dist, "all_gather_object", peer_lost)
     with pytest.raises(CommError) as e:
         check.check_and_exit(SimpleNamespace(rank=1, world_size=2), SimpleNamespace(timeout_s=9), "gpipe", None,
                              None, None, None)
