@@ -121,7 +121,7 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, timeli
     timeline.begin(step)
     samples = args.batch_size // mesh.dp_size     # my replica's contiguous slice of the global batch
     x, y = stage_batch(data, step, args, runner, runner.messenger.device, (mesh.dp_rank, mesh.dp_size))
-    grads.zero_grad()                     # the buckets zeroed, each .grad a view into its bucket again
+    grads.zero_grad(step)                 # the buckets zeroed, each .grad a view into its bucket again
     with runner.keys.training(step):      # tp collectives inside every layer; dp buckets start in the backward
         loss = forward_backward(runner, actions, x, y, args.microbatches, samples, mesh.dp_rank * samples, grads=grads)
     if shards:

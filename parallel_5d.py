@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from mp import checkpoint
-from mp.buckets import GradBuckets
+from mp.buckets import BucketSets, GradBuckets
 from mp.check import check_and_exit
 from mp.cli import parallel_5d_args
 from mp.clipping import clip_global
@@ -265,18 +265,18 @@ class ExpertGrads:
         if params:   # --zero 3: a bucket an expert, gathered over edp before it runs (mp/ep/zero.py)
             units = expert_units(runner.chunks)
             self.buckets = GradBuckets(params, mesh.edp_group, waiting, shard=args.zero >= 1, recorder=runner,
-                                       late=late, direct=direct, free=args.zero >= 2,
+                                       bucket_mb=args.bucket_mb, late=late, direct=direct, free=args.zero >= 2,
                                        groups=weights_by_block(units) if args.zero == 3 else None)
             self.shards = ParamShards(units, self.buckets, args.zero3_gather) if args.zero == 3 else None
 
-    def zero_grad(self):
+    def zero_grad(self, step):
         if self.buckets:
-            self.buckets.zero_grad()
+            self.buckets.zero_grad(step)
 
     def average(self):
-        """After the backward (and the tp sums): every bucket started, waited, / N."""
+        """After the backward (and the tp sums): every bucket started (the runner told them as it told the
+        dense ones: BucketSets), the late ones now, all waited, / N."""
         if self.buckets:
-            self.buckets.final(self.params)   # the runner tells only the dense buckets when theirs are final
             self.buckets.final_late()
             self.buckets.wait()   # my slices (--zero 1-3), or every whole bucket
             for g in self.buckets.shard_grads if self.buckets.sharded else [b.grad for b in self.buckets.buckets]:
@@ -293,18 +293,22 @@ def gradient_syncs(model, runner, mesh, args):
     dense = [p for p in runner.parameters() if id(p) not in expert_ids]
     tp_sums = (sum_sequence_parallel_grads(model, mesh.tp_group),
                average_replicated_grads(model, mesh.tp_group, next(model.parameters()).device))
-    late = tp_sums[0].params if tp_sums[0] else ()
+    # every gradient a tp sum completes after the backward starts its bucket after that sum (late), so that no
+    # two collectives ever read and write one buffer at once (and --zero 2 lets none of them go before it)
+    late = [p for sums in tp_sums if sums for p in sums.params]
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # W writes these in place itself
     waiting = (f"rank {dist.get_rank()} waited for the dp x cp all-reduce, ranks {mesh.peers('dp_cp')}", args.timeout_s)
     # --zero 1: reduce-scattered, my 1/(D*C) stepped, all-gathered; 2: in every microbatch; 3: a bucket a block,
     # whose weights mp.param_shards gathers before it runs (the dp x cp ranks hold the same dense weights)
     grads = GradBuckets(dense, mesh.dp_cp_group, waiting, shard=args.zero >= 1, recorder=runner, late=late,
-                        direct=direct, free=args.zero >= 2,
+                        bucket_mb=args.bucket_mb, direct=direct, free=args.zero >= 2,
                         groups=weights_by_block(dense_units(runner.chunks)) if args.zero == 3 else None)
     grads.name_params(model.named_parameters())
     model.grad_buckets = grads
     shards = ParamShards(dense_units(runner.chunks), grads, args.zero3_gather) if args.zero == 3 else None
     expert_grads = ExpertGrads(experts, mesh, args, runner, late, direct)
+    if expert_grads.buckets:
+        expert_grads.buckets.name_params(model.named_parameters())
     on_tp, first_ep = counted_once(model, mesh.tp_group), mesh.ep_rank == 0
     if not args.zero:   # whole gradients: summed over tp, ep (an expert each ep rank), pp
         runner.counted = lambda p: on_tp(p) and (first_ep or id(p) in expert_ids)
@@ -321,11 +325,12 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert
     """One optimizer step on the 5-D mesh, in the order it runs."""
     timeline.begin(step)
     x, y = my_microbatches(data, step, args, mesh, runner.pos, runner.messenger.device)   # 1. my tokens' batch
-    grads.zero_grad()                     # 2. the dense buckets zeroed, each .grad a view into its bucket;
-    expert_grads.zero_grad()              #    the experts' gradients gone
+    grads.zero_grad(step)                 # 2. the dense buckets zeroed, each .grad a view into its bucket;
+    expert_grads.zero_grad(step)          #    the experts' too
     with runner.keys.training(step):      # 3. the schedule: cp, tp and ep collectives inside the blocks,
-        loss = forward_backward(runner, actions, x, y, args.microbatches,   # pp messages between stages
-                                samples=args.batch_size // mesh.dp_size, grads=grads)
+        loss = forward_backward(runner, actions, x, y, args.microbatches,   # pp messages between stages;
+                                samples=args.batch_size // mesh.dp_size,   # both sets of buckets start as the
+                                grads=BucketSets(grads, expert_grads.buckets))   # backward finishes theirs
     for held in (shards, expert_grads.shards):
         if held:
             held.release()                #    --zero 3: the whole weights gathered for this step go
@@ -365,11 +370,11 @@ def check_step(runner, actions, data, args, mesh, grads, expert_grads, tp_sums):
     compares my microbatches' outputs, in order, with the full model's at my samples (my_sample_indices)."""
     def step(x, y):
         x, y, outputs = *my_microbatches(data, 0, args, mesh, runner.pos, runner.messenger.device), {}
-        grads.zero_grad()
-        expert_grads.zero_grad()
+        grads.zero_grad(0)
+        expert_grads.zero_grad(0)
         with runner.keys.training(0):
             loss = forward_backward(runner, actions, x, y, args.microbatches, args.batch_size // mesh.dp_size,
-                                    outputs=outputs, grads=grads)
+                                    outputs=outputs, grads=BucketSets(grads, expert_grads.buckets))
         sync_tp_grads(*tp_sums)
         grads.final_late()
         grads.wait()

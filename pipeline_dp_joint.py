@@ -95,7 +95,7 @@ def data_parallel_buckets(model, runner, mesh, args, late=()):
         return None, None
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # zb's W writes these in place itself
     grads = GradBuckets(runner.parameters(), mesh.dp_group, waiting(mesh, args), shard=args.zero >= 1,
-                        recorder=runner, late=late, direct=direct, free=args.zero >= 2,
+                        bucket_mb=args.bucket_mb, recorder=runner, late=late, direct=direct, free=args.zero >= 2,
                         groups=weights_by_block(runner.chunks) if args.zero == 3 else None)
     grads.name_params(model.named_parameters())   # for its error lines
     model.grad_buckets = grads            # the summary reports what they sent per step (mp.loop)
@@ -118,7 +118,7 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, timeli
     samples = args.batch_size // mesh.dp_size     # my replica's contiguous slice of the global batch
     x, y = stage_batch(data, step, args, runner, runner.messenger.device, (mesh.dp_rank, mesh.dp_size))
     if grads:
-        grads.zero_grad()                 # the buckets zeroed, each .grad a view into its bucket again
+        grads.zero_grad(step)             # the buckets zeroed, each .grad a view into its bucket again
                                           # (--zero 2, 3: made as the backward's gradients arrive)
     else:
         optimizer.zero_grad(set_to_none=True)
@@ -133,7 +133,8 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, timeli
         grads.wait()                      # every bucket's all-reduce (or reduce-scatter), then / D
     elif mesh.dp_size > 1:                # 2bw: one flat all-reduce after the backward
         with awaiting(*waiting(mesh, args)):
-            all_reduce_flat([p.grad for p in runner.parameters()], mesh.dp_group, divide_by=mesh.dp_size)
+            all_reduce_flat([p.grad for p in runner.parameters()], mesh.dp_group, divide_by=mesh.dp_size,
+                            bucket_mb=args.bucket_mb or 16)
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
         norm = clip(runner, optimizer, args, mesh)
     runner.update(optimizer)              # --zero 1, 2: my slices, then the all-gather (3: my slices only);

@@ -217,7 +217,10 @@ class GradBuckets:
         self.waiting, self.sharded, self.spans = waiting, shard, CollectiveSpans(recorder)
         self.free = free and shard          # --zero 2, 3: reduced in every microbatch, the whole buckets let go
         device = params[0].device if params else torch.device("cpu")
-        if groups is None:            # bucket_mb given (the tests): the cap as it is
+        if groups is None:            # bucket_mb given (--bucket-mb, the tests): the cap as it is
+            # the late ones last, in buckets of their own: mixed in, each would hold its bucket back until after
+            # the backward (under --sequence-parallel a norm in every block: no bucket would overlap it)
+            params = [p for p in params if id(p) not in self.late_ids] + self.late
             kept = kept_bytes(params) if bucket_mb is None else bucket_mb * 2**20
             groups = buckets(params, (bucket_mb or BUCKET_MB) * 2**20) if self.free else kept_groups(params, kept)
         else:                                         # given (--zero 3: a block each), the last block's first
@@ -239,6 +242,8 @@ class GradBuckets:
         self.where = {id(p): b for b in self.buckets for p in b.params}
         self.names = {}                               # id -> a name for error lines (name_params)
         self.too_late = None                          # the first gradient that arrived after its bucket started
+        self.step = None                              # the step under way, for the error lines (zero_grad)
+        self.uncollected = None                       # the first .grad written that no bucket collected
         for b in self.buckets:
             if self.free:                             # my slice's gradient, kept through the step
                 b.acc = torch.zeros(b.padded // self.size, dtype=b.dtype, device=device)
@@ -280,24 +285,26 @@ class GradBuckets:
         """The most bytes of gradients this rank held at once (buckets and accumulators), in MB."""
         return self.peak_bytes / 2**20
 
-    def zero_grad(self):
-        """Before a step's first backward: zeroed buckets (--zero 2, 3: the accumulators let go, made zeroed
+    def zero_grad(self, step=None):
+        """Before step `step`'s first backward: zeroed buckets (--zero 2, 3: the accumulators let go, made zeroed
         by the first reduce-scatter; the buckets are made as their gradients arrive), each .grad a view into
         its bucket."""
+        self.step = step
         for b in self.buckets:
             if b.every_microbatch:        # as torch's zero_grad(set_to_none=True): made again when first needed
                 self.let_go(b.acc)
             elif b.grad is None:          # --zero 2: a late bucket let go after the last step
                 b.make_grad()
                 self.note(b.nbytes)
-            elif b.lazy:                  # each .grad a view into it again, its memory let go until needed
-                b.point_grads()
+            elif b.lazy:                  # its memory let go until needed, and no .grad pointing into it meanwhile
                 self.let_go(b.grad)
+                for p in b.params:
+                    p.grad = None
             else:
                 b.grad.zero_()
                 b.point_grads()
             b.work, b.started, b.expected, b.final, b.filled = None, False, set(), set(), set()
-        self.too_late, self.in_flight = None, []
+        self.too_late, self.uncollected, self.in_flight = None, None, []
 
     def expect(self, params):
         """The caller is about to run the last backward of the step that touches these parameters: the
@@ -313,7 +320,7 @@ class GradBuckets:
         b = self.where.get(id(p))
         if b is None or not b.every_microbatch:
             if b is not None and b.lazy:
-                self.make(b.grad)
+                self.make_lazy(b)
             return
         if b.started:
             self.retire(b)
@@ -412,7 +419,7 @@ class GradBuckets:
         the peak: bounded_by_in_flight)."""
         b.started = True
         if b.lazy:
-            self.make(b.grad)
+            self.make_lazy(b)
         if self.size > 1:
             if b.apart is not None:       # each gradient in place (on the wire, as gloo's reduce-scatter)
                 b.work = Works([dist.all_reduce(g, group=self.group, async_op=True) for g in b.apart])
@@ -476,6 +483,16 @@ class GradBuckets:
             self.note(-storage.nbytes())
             storage.resize_(0)
 
+    def make_lazy(self, b):
+        """A lazy bucket's memory again, zeroed, and each .grad a view into it: zero_grad let both go, so that a
+        gradient written without telling the buckets is a tensor of its own (all_collected names it), never a
+        write into memory let go."""
+        if not b.grad.untyped_storage().nbytes():
+            if self.uncollected is None:
+                self.uncollected = next((p for p in b.params if p.grad is not None), None)
+            self.make(b.grad)
+            b.point_grads()
+
     def make(self, t):
         """t's memory again, zeroed: a lazy bucket's before its first gradient or collective, an accumulator's."""
         storage, nbytes = t.untyped_storage(), t.numel() * t.element_size()
@@ -514,6 +531,7 @@ class GradBuckets:
             raise BucketError(f"a gradient of {self.name(self.too_late)} arrived after its bucket's "
                               f"{self.collective()} had started: the replicas would average part of it; say a "
                               f"parameter final (GradBuckets.final) only after its last backward of the step")
+        self.all_collected()
         for b in self.buckets:
             if not b.every_microbatch and self.free:   # a late bucket under --zero 2, 3: my slice kept, the rest goes
                 b.acc.copy_(b.shard(b.grad, self.rank))
@@ -523,8 +541,57 @@ class GradBuckets:
                 flat = b.grad if not self.sharded else self.my_grad(b)
                 flat /= self.size
 
+    def all_collected(self):
+        """Loud, not silent: a .grad that no bucket holds at the end of the step is a gradient the replicas
+        never summed, and the optimizer would step on the bucket's zeros instead (a weight whose gradient our
+        own code wrote, with nobody telling the buckets: zero-bubble's W for a bucket it was not handed). Kept
+        through the step (--zero 0, 1), a .grad must be a view into its bucket; let go after each microbatch's
+        reduce-scatter (--zero 2, 3), there must be none left."""
+        for b in self.buckets:
+            kept = None if self.free and b.every_microbatch else b.grad
+            for p in b.params:
+                if self.uncollected is None and p.grad is not None and (
+                        kept is None or p.grad.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()):
+                    self.uncollected = p
+        if self.uncollected is not None:
+            at = "" if self.step is None else f" of step {self.step}"
+            raise BucketError(f"{self.name(self.uncollected)} holds a gradient{at} that its bucket never collected, "
+                              f"so the replicas would step on zeros for it: the code that wrote it did not tell the "
+                              f"buckets (GradBuckets.arriving and arrived, or the hooks)")
+
     def name(self, p):
         return self.names.get(id(p), f"a parameter of shape {list(p.shape)}")
 
     def collective(self):
         return "reduce-scatter" if self.sharded else "all-reduce"
+
+
+class BucketSets:
+    """Several GradBuckets over different groups, told as one by the code that runs the backward (the
+    pipeline's executor and zero-bubble's W): parallel_5d.py's dense buckets (over dp x cp) and its experts'
+    (over edp). Each call goes to every set, and each set heeds only its own parameters, so an expert's
+    gradient reaches the experts' buckets wherever it is made (by autograd, or by W in place) and they start
+    during the backward as the dense ones do."""
+
+    def __init__(self, *sets):
+        self.sets = [s for s in sets if s is not None]
+
+    def expect(self, params):
+        for s in self.sets:
+            s.expect(params)
+
+    def final(self, params):
+        for s in self.sets:
+            s.final(params)
+
+    def final_expected(self):
+        for s in self.sets:
+            s.final_expected()
+
+    def arriving(self, p):
+        for s in self.sets:
+            s.arriving(p)
+
+    def arrived(self, p):
+        for s in self.sets:
+            s.arrived(p)

@@ -13,7 +13,7 @@ from functools import partial
 from mp.cp.flags import validate_context_parallel
 from mp.ep.flags import validate_expert_parallel
 from mp.errors import fail
-from mp.flags import base_parser, validate_common
+from mp.flags import add_bucket_flag, base_parser, validate_common
 from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
 from mp.sizes import EVAL_BATCH, tokens_of
 from mp.tp.flags import validate_degree, validate_hybrid, validate_sequence_parallel
@@ -60,7 +60,7 @@ def pipeline_args(argv, doc):
 
 
 def joint_args(argv, doc):
-    p = add_pipeline_flags(base_parser(doc))
+    p = add_bucket_flag(add_pipeline_flags(base_parser(doc)))
     p.add_argument("--dp", type=int, default=2, help="data-parallel pipelines; stages = world size / dp")
     p.add_argument("--timeline", default=None, help="replica 0's measured schedule of the last step")
     p.set_defaults(microbatches=3, batch_size=72)   # 72 = 2 pipelines x 3 microbatches x 12 samples
@@ -143,7 +143,7 @@ def hide_flags(p, *flags):
 
 def grid_args(argv, doc):
     """parallel_3d.py: the pipeline flags, and the grid's --dp and --tp."""
-    p = add_pipeline_flags(base_parser(doc))
+    p = add_bucket_flag(add_pipeline_flags(base_parser(doc)))
     p.add_argument("--dp", type=int, default=2, help="data-parallel replicas; stages = world size / (dp x tp)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per stage (the innermost axis)")
     p.add_argument("--timeline", default=None, help="replica 0, tp rank 0's measured schedule of the last step")
@@ -194,7 +194,7 @@ def parallel_5d_args(argv, doc):
     """parallel_5d.py: --dp --cp --tp [--ep], stages = world / (dp x cp x tp); the pipeline flags,
     --sequence-parallel, --attention; the vit, dense or with --experts. Every check runs here, before any
     collective: the sizes that must divide, and the combinations not yet exact (refused, with the fix)."""
-    p = add_pipeline_flags(base_parser(doc))
+    p = add_bucket_flag(add_pipeline_flags(base_parser(doc)))
     p.set_defaults(model="vit")   # the one model with a sequence (cp) and feed-forward blocks (experts)
     for axis, help_ in (("dp", "data-parallel replicas"), ("cp", "context-parallel ranks: each holds S/cp tokens"),
                         ("tp", "tensor-parallel ranks per stage (the innermost axis)"),

@@ -129,6 +129,15 @@ def add_optimizer_flags(p):
                         "less memory held)")
 
 
+def add_bucket_flag(p):
+    """--bucket-mb, in the programs whose data-parallel gradients go in buckets (mp.buckets)."""
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="the most MB of gradients in one data-parallel bucket (DDP's bucket_cap_mb; a larger weight "
+                        "is a bucket alone); default: --zero 0 and 1 half a stage, within 4-25 MB, --zero 2 and 3 "
+                        "4 MB (--zero 3: a bucket a block, the cap bounds the buckets in flight)")
+    return p
+
+
 def validate_optimizer(args, program):
     """The optimizer flags; sets --lr to the optimizer's default when it was not given."""
     if args.lr is None:
@@ -166,6 +175,10 @@ def validate_common(args, program):
         if not math.isfinite(value) or value < 0 or (value == 0 and name != "momentum"):
             fail(f"--{name.replace('_', '-')} {value} must be a finite number > 0"
                  + (" (or 0 for momentum)" if name == "momentum" else ""))
+    bucket_mb = getattr(args, "bucket_mb", None)
+    if bucket_mb is not None and not (math.isfinite(bucket_mb) and bucket_mb > 0):
+        fail(f"--bucket-mb {bucket_mb} must be a number of MB > 0, e.g. 25 (DDP's default) or 0.05 for several "
+             f"buckets a stage of a small model (omit it for the default)")
     if not 0 <= args.dropout < 1:
         fail(f"--dropout {args.dropout} must be a probability in [0, 1), e.g. 0.1")
     if args.clip_grad_norm is not None and not (math.isfinite(args.clip_grad_norm) and args.clip_grad_norm > 0):

@@ -16,7 +16,7 @@ from mp.pp.schedules import schedule_actions
 import tensor_parallel as tp
 from mp.models import build_model
 from mp.data import load_data
-from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, launch, slow
+from helpers import FAST, ROOT, assert_one_error_line, assert_same_losses, flags_id, launch, slow
 from mp.check import check_one_step
 from mp.dist import torchrun_env
 from mp.pp.training import check_step
@@ -254,3 +254,18 @@ def test_zb_splits_the_sharded_layers_and_keeps_the_baseline(tmp_path, baseline,
     # it on a quiet machine, 2% beside another test file's ranks (pytest -n 2); an unsplit backward's W
     # actions are empty (about 0.1%, 1 us against B's 800 us)
     assert time["weight"] > 0.005 * time["backward"], time
+
+
+@pytest.mark.parametrize("pp,extra", [
+    (1, ["--sequence-parallel", "--zero", "2", "--schedule", "1f1b"]),   # the norms' partial sums: late buckets
+    slow(2, ["--zero", "1", "--schedule", "zbv"]),
+], ids=flags_id)
+def test_several_buckets_a_stage_keep_the_baseline_step_by_step(tmp_path, baseline, pp, extra):
+    """--bucket-mb 0.002: several buckets a stage, a weight above the cap alone (qkv's 16 x 48 slice of 16 x 24
+    per tp rank is 1.5 KB; the mlp's 16 x 64, 2 KB), the sequence-parallel partial sums in late buckets of their
+    own; loss and norm within 1e-6 a step of the baseline (issue 82)."""
+    args = VIT + ["--layers", "4", "--microbatches", "2", "--dropout", "0.1", "--clip-grad-norm", "0.5"]
+    run = run_grid(tmp_path, args, 2, pp, 2, [*extra, "--bucket-mb", "0.002"])
+    got, want = run.events("train"), baseline(args).events("train")
+    assert len(got) == len(want) == 3
+    assert max(abs(a["loss"] - b["loss"]) + abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(got, want)) <= 1e-6

@@ -109,6 +109,35 @@ def test_zb_keeps_its_in_place_weight_gradients_under_data_parallelism(tmp_path)
     run_ranks(_zb_in_place_case, 2, tmp_path)
 
 
+def _uncollected_case(rank, world, group):
+    """zero-bubble's W writes its weights' gradients itself, in place: told (arriving, arrived), the buckets
+    collect them; untold, the bucket never holds them, and wait() says so, naming the weight and the step (issue
+    82: parallel_5d.py's W told only the dense buckets, so the experts stepped on zeros without a word)."""
+    for shard, free in ((False, False), (True, False), (True, True)):   # --zero 0, 1, 2
+        model = model_of()
+        stash = split_weight_grads(model)
+        grads = GradBuckets(list(model.parameters()), None, ("the test's all-reduce", 30), shard=shard, free=free,
+                            bucket_mb=64 / 2**20, direct=stash.weights)
+        grads.name_params(model.named_parameters())
+        for step, told in ((3, True), (4, False)):
+            grads.zero_grad(step)
+            grads.expect(list(model.parameters()))
+            with stash.backward_of(0):
+                model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+            stash.weight_grads(0, grads if told else None)
+            grads.final(list(model.parameters()))
+            if told:
+                grads.wait()
+                continue
+            with pytest.raises(BucketError, match=r"^[02]\.weight holds a gradient of step 4 that its bucket never "
+                                                  r"collected"):
+                grads.wait()
+
+
+def test_a_gradient_no_bucket_collected_is_an_error(tmp_path):
+    run_ranks(_uncollected_case, 2, tmp_path)
+
+
 def _in_flight_case(rank, world, group):
     """How many reduce-scatters are on their way at once, per backend and --zero, on four one-tensor buckets
     (--zero 2's cut at most 64 bytes; --zero 1's closed once they hold a byte)."""
