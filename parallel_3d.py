@@ -67,6 +67,7 @@ from mp.sizes import split_sizes
 from mp.tp.collectives import all_gather, tp_rank, tp_size
 from mp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import sum_sequence_parallel_grads
+from mp.zero import ZeroOptimizer
 # the three programs it composes: the grid's replicas, a pipeline's stages, the tensor-parallel layers
 from pipeline_dp_joint import clip, data_parallel_buckets, pipeline, train_job
 from pipeline_microbatch import Messenger, forward_backward, partition, setup_stage
@@ -250,7 +251,8 @@ def main(argv=None):
         grads, shards = data_parallel_buckets(model, runner, mesh, args, late)
         if args.check:   # my shards against the matching slices of a full model in this process
             status = pipeline_check(env, args, model, runner, data, forward_backward, (mesh.dp_rank, mesh.dp_size),
-                                    grads, sum_first=partial(sync_tp_grads, *tp_sums))
+                                    grads, sum_first=partial(sync_tp_grads, *tp_sums),
+                                    optimizer=ZeroOptimizer(grads, args, shards) if args.zero else None)
         else:   # the loss is logged by tp rank 0 of replica 0's last stage
             timeline, job = train_job(args, env, mesh, runner, model, data, grads, shards, PROGRAM,
                                       step=partial(train_step, tp_sums=tp_sums))

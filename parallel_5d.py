@@ -5,7 +5,7 @@ per-step loss of `single_baseline.py --microbatches M` (same expert flags). Noth
 is parallel_3d.py's (pipeline_microbatch.py's schedules over tensor_parallel.py's sliced blocks), each
 block then runs on my tokens (context_parallel.py's ring or Ulysses, on my tp rank's heads) and its
 mixture of experts keeps my experts (expert_parallel.py's all-to-all, over the ep group folded over
-dp x cp). Written out here: where they meet (the experts' counts, the loss's scale, each sync's group).
+dp x cp x tp). Written out here: where they meet (the experts' counts, the loss's scale, each sync's group).
 
     torchrun --standalone --nproc-per-node 8 -- parallel_5d.py --data synthetic --cp 2 --tp 2 \\
         --experts 4 --top-k 2 --ep 2 --microbatches 2                     (pp 2 = 8 ranks / (cp 2 x tp 2))
@@ -23,12 +23,13 @@ The mesh for 16 ranks, arange(16).view(dp 2, pp 2, cp 2, tp 2) (mp/mesh.py says 
     tp {0,1}        q,k,v column- / proj row-parallel: an all-reduce of [b, S/C, H] in each attention
     cp {0,2}        the ring (C-1 key/value blocks of [b, h/T, S/C, d] to the next rank) or Ulysses'
                     two all-to-alls; the head's all-reduce of the pooled [b, H]
-    ep {0,2,8,10}   (ep 4) each MoE layer: the counts all-gathered (over dp x cp), rows dispatched and
-                    combined by two all-to-alls
+    ep {0,1,2,3}    (ep 4) each MoE layer: my tp rank's run of my tokens (taken from the whole ones
+                    without --sequence-parallel, the outputs all-gathered back over tp), the counts
+                    all-gathered (over tp, then dp x cp), rows dispatched and combined by two all-to-alls
     pp {0,4}        the activation [b, S/C, H] (1/T of it when whole on every tp rank; [b, S/(C*T), H]
                     under --sequence-parallel) and its gradient
     dp x cp         {0,2,8,10}, once a step: the dense gradients' all-reduce, / (D*C), in buckets
-    edp {0} (ep 4)  once a step: the experts' gradients, all-reduced and / (D*C) (not / edp size: the
+    edp {0,8} (ep 4)  once a step: the experts' gradients, all-reduced and / (D*C) (not / edp size: the
                     all-to-all's backward already summed them over the ep ranks)
 
 The data: microbatch m of the baseline is samples m*B/M .. (m+1)*B/M - 1; replica d runs its b = B/(M*D)
@@ -68,10 +69,10 @@ from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.schedules import placement_of, schedule_actions
 from mp.pp.timeline import Timeline
-from mp.replicas import average_replicated_grads, counted_once
+from mp.replicas import average_replicated_grads, counted_once, not_tp_replicas
 from mp.sizes import tokens_of
 from mp.split import MicrobatchMajorKeys, my_microbatches, my_sample_indices
-from mp.tp.mappings import gather_from_sequence_parallel_region
+from mp.tp.mappings import gather_from_sequence_parallel_region, gather_from_tp_region, split_to_sequence_parallel_region
 from mp.tp.sequence import partial_gradients, sum_sequence_parallel_grads
 from mp.zero import ZeroOptimizer
 from mp.ep.zero import ZeroPair, dense_units, expert_units
@@ -175,23 +176,36 @@ def on_my_tokens(i, block, mesh, n_blocks, tokens, attention, sequence_parallel)
 
 
 class FoldedMoE(ExpertParallelMoE):
-    """expert_parallel.ExpertParallelMoE on the mesh: my E/N experts, the all-to-all over the ep group, and the
-    counts of every rank holding this microbatch's tokens per (sample, token chunk), in the baseline's order."""
+    """expert_parallel.ExpertParallelMoE on the mesh: my E/N experts, the all-to-all over the ep group (folded over
+    a stage's dp x cp x tp ranks), and the counts of every rank holding this microbatch's tokens per (sample, token
+    chunk), in the baseline's order. Each tp rank routes its own run of my tokens: under sequence parallelism they
+    are its own already; else the whole tokens, the same on every tp rank, are split here and the outputs
+    gathered back, so that each token is routed, sent and run once, not T times (Megatron's MoE folding)."""
 
     def __init__(self, full, mesh, args, traffic):
         super().__init__(full, mesh.ep_group, traffic)
         self.dp_cp_group, self.dp, self.cp = mesh.dp_cp_group, mesh.dp_size, mesh.cp_size
-        self.tp_group = mesh.tp_group if args.sequence_parallel else None   # else every tp rank routes the same
-        self.me = (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank if args.sequence_parallel else 0)
-        self.ep_first = mesh.dp_cp_rank - mesh.ep_rank   # my ep group: dp x cp ranks ep_first .. + N - 1
+        self.tp_group = mesh.tp_group if mesh.tp_size > 1 else None
+        self.split = mesh.tp_size > 1 and not args.sequence_parallel   # whole tokens: my run of them taken here
+        self.me = (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank)
+        # my ep group: ranks ep_first .. + N - 1 of my stage in (dp, cp, tp) order (mp/mesh.py)
+        self.ep_first = mesh.dp_cp_rank * mesh.tp_size + mesh.tp_rank - mesh.ep_rank
         # my backward carries D*C / M of my share: the dense gradients are averaged over dp x cp (/ D*C)
         # and the baseline's loss is the mean over the M microbatches
         self.scale, self.shares = mesh.dp_cp_size / args.microbatches, []
         self.recompute = args.recompute       # its backward routes each microbatch again (mp.moe: rerun)
-        if args.sequence_parallel:            # my tokens only: the router's and experts' gradients, summed over tp
-            partial_gradients(self.router, self.experts)
+        if mesh.tp_size > 1:                  # the router on my tokens only: its gradients summed over tp; my
+            partial_gradients(self.router)    # experts are mine alone (no tp sum, counted once in the norm)
+            not_tp_replicas(*self.experts.parameters())
 
     def forward(self, x):
+        if not self.split:
+            return self.on_my_tokens(x)
+        mine = split_to_sequence_parallel_region(x, self.tp_group)   # forward: my run; backward: all-gather
+        y = self.on_my_tokens(mine)
+        return gather_from_tp_region(y, self.tp_group, [mine.shape[1]] * dist.get_world_size(self.tp_group), dim=1)
+
+    def on_my_tokens(self, x):
         b, t, h = x.shape
         x, me = x.reshape(b * t, h), dist.get_rank(self.group)
         probs, weights, choice = route(self.router, x, self.top_k)                  # 1. route my tokens
@@ -202,8 +216,8 @@ class FoldedMoE(ExpertParallelMoE):
         kept = from_order(kept_counts(in_order(blocks), capacity), blocks.shape)
         self.record(probs, per_rank(blocks), per_rank(kept))   # f_i of the microbatch, my tokens' P_i share
         d, c, s = self.me
-        mine = per_rank(kept).view(self.dp * self.cp, -1, *kept.shape[-2:])[:, s]   # [D*C, K, E], my tp chunk's
-        rows = rows_per_expert(mine[self.ep_first:self.ep_first + dist.get_world_size(self.group)])   # the one read
+        rows = rows_per_expert(per_rank(kept)[self.ep_first:self.ep_first + dist.get_world_size(self.group)])   # the
+        #                                     ranks of my ep group, their totals [N, K, E]; the one read
         send_splits = [sum(self.on_rank(rows[me], j)) for j in range(len(rows))]
         recv_splits = [sum(self.on_rank(rows[j], me)) for j in range(len(rows))]
         keep = kept_mask_blocks(choice, ahead[d, :, c, s], capacity)
@@ -253,15 +267,16 @@ def build_stage(args, env, mesh):
 
 class ExpertGrads:
     """The experts' gradients, in buckets over the expert-data-parallel group (mp.buckets: all-reduced,
-    --zero 1, 2: reduce-scattered, and divided by the edp size D*C/N), then divided by N: the all-to-all's
-    backward already summed every expert's gradient over the N ep ranks' tokens, so the mean over the
-    D*C ranks that saw tokens is the sum over edp / (D*C). Dividing by the edp size only counts the ep sum
-    twice: N times the gradient (Megatron #5956, torchtitan #1551); tests/test_5d.py puts it back."""
+    --zero 1, 2: reduce-scattered, and divided by the edp size D*C*T/N), then divided by N/T: the all-to-all's
+    backward already summed every expert's gradient over the N ep ranks' tokens, and the T tp ranks of a dp x cp
+    rank hold disjoint runs of its tokens, so the mean over the D*C ranks that hold a replica's tokens is the
+    sum over edp / (D*C). Dividing by the edp size only counts the ep sum twice: N times the gradient at T = 1
+    (Megatron #5956, torchtitan #1551); tests/test_5d.py puts it back."""
 
     def __init__(self, params, mesh, args, runner, late, direct):
         waiting = (f"rank {dist.get_rank()} waited for the experts' all-reduce, ranks {mesh.peers('edp')}",
                    args.timeout_s)
-        self.params, self.ep_sum, self.buckets, self.shards = params, mesh.ep_size, None, None
+        self.params, self.ep_sum, self.buckets, self.shards = params, mesh.ep_size / mesh.tp_size, None, None
         if params:   # --zero 3: a bucket an expert, gathered over edp before it runs (mp/ep/zero.py)
             units = expert_units(runner.chunks)
             self.buckets = GradBuckets(params, mesh.edp_group, waiting, shard=args.zero >= 1, recorder=runner,
@@ -287,7 +302,8 @@ def gradient_syncs(model, runner, mesh, args):
     """The three syncs and the norm's bookkeeping (each parameter knows how it is held):
     tp: sequence-parallel partial gradients summed (parallel_3d.py's); dp x cp: every dense gradient in
     buckets, averaged; edp: the experts. The norm counts a tp shard on its tp rank, a tp replica on tp
-    rank 0, a dense weight on ep rank 0 (all dp x cp ranks hold it) and an expert on its own ep rank."""
+    rank 0, a dense weight on dp x cp rank 0 (all dp x cp ranks hold it) and an expert on edp rank 0, and sums
+    over tp, then dp x cp (together every rank of a stage: the experts' ep groups may cross both), then pp."""
     experts = [p for m in model.modules() if isinstance(m, FoldedMoE) for p in m.experts.parameters()]
     expert_ids = {id(p) for p in experts}
     dense = [p for p in runner.parameters() if id(p) not in expert_ids]
@@ -309,10 +325,10 @@ def gradient_syncs(model, runner, mesh, args):
     expert_grads = ExpertGrads(experts, mesh, args, runner, late, direct)
     if expert_grads.buckets:
         expert_grads.buckets.name_params(model.named_parameters())
-    on_tp, first_ep = counted_once(model, mesh.tp_group), mesh.ep_rank == 0
-    if not args.zero:   # whole gradients: summed over tp, ep (an expert each ep rank), pp
-        runner.counted = lambda p: on_tp(p) and (first_ep or id(p) in expert_ids)
-        runner.norm_groups = [mesh.tp_group, mesh.ep_group, mesh.pp_group]
+    on_tp, first_dp_cp, first_edp = counted_once(model, mesh.tp_group), mesh.dp_cp_rank == 0, mesh.edp_rank == 0
+    if not args.zero:   # whole gradients: each tensor counted on one rank of the stage, summed over tp, dp x cp, pp
+        runner.counted = lambda p: on_tp(p) and (first_edp if id(p) in expert_ids else first_dp_cp)
+        runner.norm_groups = [mesh.tp_group, mesh.dp_cp_group, mesh.pp_group]
     else:               # each dp x cp rank its slices (dp x cp = ep x edp: each expert slice once too)
         runner.counted, runner.norm_groups = on_tp, [mesh.tp_group, mesh.pp_group, mesh.dp_cp_group]
     return grads, expert_grads, tp_sums, shards
@@ -412,13 +428,13 @@ def main(argv=None):
                   f"at each cut, on rank 0: {', '.join(cuts) or 'none (one stage)'}", flush=True)
         grads, expert_grads, tp_sums, shards = gradient_syncs(model, runner, mesh, args)
         actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)
-        if args.check:   # my shards against the matching slices of a full model in this process
+        optimizer = make_5d_optimizer(runner, grads, expert_grads, shards, args)
+        if args.check:   # my shards (--zero: my slices) against the matching slices of a full model in this process
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             exit_now(check_and_exit(env, args, f"5-D {args.schedule}", model, check_step(
                 runner, actions, data, args, mesh, grads, expert_grads, tp_sums), x, y,
                 samples=my_sample_indices(args.batch_size, args.microbatches, mesh.dp_rank, mesh.dp_size),
-                norm=(runner.norm_groups, runner.counted)))
-        optimizer = make_5d_optimizer(runner, grads, expert_grads, shards, args)
+                norm=(runner.norm_groups, runner.counted), optimizer=optimizer if args.zero else None))
         owner = pos.is_last_stage and mesh.dp_cp_rank == 0 and mesh.tp_rank == 0   # logs the loss
         timeline = Timeline(args, runner, pos, owner)
         layout = checkpoint.layout_of(PROGRAM, env, dp=mesh.dp_size, pp=mesh.pp_size, cp=mesh.cp_size,

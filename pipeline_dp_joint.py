@@ -202,7 +202,7 @@ def main(argv=None):
         grads, shards = data_parallel_buckets(model, runner, mesh, args)
         if args.check:   # each replica checks its slice of the first batch
             status = pipeline_check(env, args, model, runner, data, forward_backward, (mesh.dp_rank, mesh.dp_size),
-                                    grads)
+                                    grads, optimizer=ZeroOptimizer(grads, args, shards) if args.zero else None)
         else:
             timeline, job = train_job(args, env, mesh, runner, model, data, grads, shards, PROGRAM)
             status = train(args, env, job)   # the loop (mp/loop.py), then the replicas compared

@@ -42,14 +42,16 @@ def whole_model_step(model):
     return step
 
 
-def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), reference=None, samples=None):
+def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), reference=None, samples=None,
+                   optimizer=None):
     """step(x, y) -> (logits, loss), or (None, None) where this rank has neither: the program's forward
     and backward of one batch on this rank's part of the model, with step 0's dropout masks and every
     gradient synchronised as its training step does (None: whole_model_step). replica = (dp_rank, dp):
     with data parallelism this rank runs, and is compared on, its slice of the batch; samples (a tensor
     of the batch's indices, in the order my step runs them) where my samples are not one slice
     (parallel_5d.py: a part of every microbatch). norm: the gradient norm's groups and counted()
-    (mp.clipping). reference: the full model (None: built here).
+    (mp.clipping). reference: the full model (None: built here). optimizer (--zero): the program's own
+    (mp.zero), whose slices are compared instead of whole gradients, which no replica ever assembles.
     Returns [(what, largest difference, error or None)], one per tensor."""
     reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
     for layer in moe_layers(reference):   # --experts: each microbatch routed on its own, as single_baseline.py
@@ -67,14 +69,36 @@ def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), ref
     if logits is not None:
         compare("output", logits.detach(), ref_logits, results)
         compare("loss", loss.detach(), F.cross_entropy(ref_logits, y), results)
+    ref = dict(reference.named_parameters())
+    if optimizer is not None:
+        return results + compare_slices(args, model, optimizer, norm, ref)
     local = list(model.named_parameters())
     clip_global([p for _, p in local], args.clip_grad_norm, *norm)
-    ref = dict(reference.named_parameters())
     for name, p in local:
         compare(f"gradient of {name}", p.grad, full_slice(model, name, ref[name].grad), results)
     make_optimizer([p for _, p in local], args).step()
     for name, p in local:
         compare(f"weight of {name} after one step", p.detach(), full_slice(model, name, ref[name].detach()), results)
+    return results
+
+
+def compare_slices(args, model, optimizer, norm, ref):
+    """--zero: each replica holds the mean gradient of its slice of every bucket only, and steps that slice; so
+    compare each piece of a parameter in my slices (its gradient, clipped as the program clips, then its weight
+    after the program's own optimizer's step) with the same flat range of the full model's."""
+    groups, counted = norm
+    clip_global(optimizer.slices, args.clip_grad_norm, groups, squares=optimizer.squares(counted))
+    names, results = {id(p): name for name, p in model.named_parameters()}, []
+    pieces = [(mine, names[id(p)], start, first, n)
+              for part in getattr(optimizer, "parts", [optimizer])          # ZeroPair: the dense and the experts'
+              for b, mine in zip(part.grads.buckets, part.slices) for p, start, first, n in b.segments(part.grads.rank)]
+    for mine, name, start, first, n in pieces:
+        want = full_slice(model, name, ref[name].grad).reshape(-1)[first:first + n]
+        compare(f"gradient of {name} (my slice)", mine.grad[start:start + n], want, results)
+    optimizer.step()
+    for mine, name, start, first, n in pieces:
+        want = full_slice(model, name, ref[name].detach()).reshape(-1)[first:first + n]
+        compare(f"weight of {name} after one step (my slice)", mine.detach()[start:start + n], want, results)
     return results
 
 

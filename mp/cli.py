@@ -198,7 +198,7 @@ def parallel_5d_args(argv, doc):
     p.set_defaults(model="vit")   # the one model with a sequence (cp) and feed-forward blocks (experts)
     for axis, help_ in (("dp", "data-parallel replicas"), ("cp", "context-parallel ranks: each holds S/cp tokens"),
                         ("tp", "tensor-parallel ranks per stage (the innermost axis)"),
-                        ("ep", "expert-parallel ranks, folded over a stage's dp x cp ranks (divides dp x cp)")):
+                        ("ep", "expert-parallel ranks, folded over a stage's dp x cp x tp ranks (divides dp x cp x tp)")):
         p.add_argument(f"--{axis}", type=int, default=1, help=help_)
     p.add_argument("--attention", choices=["ring", "ulysses"], default="ring",
                    help="context parallelism's attention over the tokens of every cp rank (on my tp rank's heads)")
@@ -223,10 +223,10 @@ def validate_mesh_5d(args, world):
         fixes = [f"{k} ranks (torchrun --nproc-per-node {k})" for k in near_multiples(world, d * c * t)]
         fail(f"the world size {world} is not divisible by --dp {d} x --cp {c} x --tp {t} = {d * c * t}: launch "
              f"dp x cp x tp x stages processes; use {' or '.join(fixes)}")
-    if (d * c) % n:
-        fits = [k for k in range(1, d * c + 1) if (d * c) % k == 0]
-        fail(f"--ep {n} does not divide --dp {d} x --cp {c} = {d * c}: the experts are folded over a stage's "
-             f"dp x cp ranks; use --ep {' or --ep '.join(map(str, fits[-2:]))}")
+    if (d * c * t) % n:
+        fits = [k for k in range(1, d * c * t + 1) if (d * c * t) % k == 0]
+        fail(f"--ep {n} does not divide --dp {d} x --cp {c} x --tp {t} = {d * c * t}: the experts are folded over a "
+             f"stage's dp x cp x tp ranks; use --ep {' or --ep '.join(map(str, fits[-2:]))}")
     if args.model != "vit":
         what = "--cp" if c > 1 else "--ep" if n > 1 else "--sequence-parallel" if args.sequence_parallel else None
         if what:
@@ -252,6 +252,10 @@ def validate_mesh_5d(args, world):
                  f"rank holds an equal run of tokens: use a --cp that divides {tokens}, or --patch-size 2")
     if args.sequence_parallel:
         validate_sequence_parallel(args, t, use_degree=lambda k: f"--tp {k}")
+    elif args.model == "vit" and args.experts and t > 1 and (tokens_of(args) // c) % t:
+        fail(f"--experts with --tp {t}: each tp rank routes an equal run of my cp rank's {tokens_of(args) // c} tokens "
+             f"(the vit's {tokens_of(args)} / --cp {c}), and {t} does not divide them; use a --tp that divides "
+             f"{tokens_of(args) // c}")
     stages = world // (d * c * t)
     validate_pipeline(args, stages=stages, replicas=d, tp=c * t)
     if args.zero:

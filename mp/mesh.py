@@ -16,9 +16,10 @@ dp x cp), so "who talks to whom" is read off one picture. For 16 ranks, dp 2 pp 
     pp  ---->   4 apart: {0,4}                     point-to-point, every microbatch, one neighbour
     dp          8 apart: {0,8}                     the gradient sync, once or M times a step
     dp x cp     {0,2,8,10}: a stage's ranks that hold the same weights (dense gradients, ZeRO, the loss)
-    ep          folded over dp x cp (Megatron's "MoE parallel folding"): ep 4 = {0,2,8,10};
-                ep 2 = {0,2} {8,10}: consecutive in the dp x cp order, so an expert group stays on a node
-    edp         the dp x cp ranks holding the same experts: ep 2 gives {0,8} {2,10}; ep 4 gives {0}
+    ep          folded over a stage's dp x cp x tp ranks (Megatron's "MoE parallel folding"): ep 4 =
+                {0,1,2,3} {8,9,10,11}; ep 2 = {0,1} {2,3} ...: consecutive in the (dp, cp, tp) order, so an
+                expert group takes the closest ranks (tp first) and stays on a node; each token is routed once
+    edp         the stage's ranks holding the same experts: ep 2 gives {0,2,8,10} {1,3,9,11}; ep 4 {0,8} ...
 
 Why this order: the more often an axis talks, the closer its ranks are numbered, and torchrun gives
 consecutive ranks to one node, so tp (every layer) lands on the fastest links, then cp. dp outermost,
@@ -69,16 +70,17 @@ def lines(ranks, ep=1):
     """{group name: the member lists of every group of that name}, for every rank, from the layout alone
     (no process group: tests read it). A line of an axis holds the ranks that differ only in that coordinate."""
     dp, pp, cp, tp = ranks.shape
-    if ep < 1 or (dp * cp) % ep:
-        raise ValueError(f"ep {ep} does not divide dp {dp} x cp {cp} = {dp * cp}: the experts are folded over "
-                         f"a stage's dp x cp ranks, so use an ep that divides {dp * cp}")
+    if ep < 1 or (dp * cp * tp) % ep:
+        raise ValueError(f"ep {ep} does not divide dp {dp} x cp {cp} x tp {tp} = {dp * cp * tp}: the experts are "
+                         f"folded over a stage's dp x cp x tp ranks, so use an ep that divides {dp * cp * tp}")
     found = {name: along(ranks, AXES.index(name)) for name in ("pp", "dp", "cp", "tp")}
     # a stage's ranks of one tp rank, in (dp, cp) order: [pp, tp, dp x cp]
     stage = ranks.permute(1, 3, 0, 2).reshape(pp, tp, dp * cp)
     found["dp_cp"] = stage.reshape(-1, dp * cp).tolist()
-    folded = stage.reshape(pp, tp, dp * cp // ep, ep)     # ep innermost: an expert group's ranks are closest
-    found["ep"] = folded.reshape(-1, ep).tolist()
-    found["edp"] = folded.transpose(2, 3).reshape(-1, dp * cp // ep).tolist()   # the same ep rank: same experts
+    # a stage's ranks in (dp, cp, tp) order, cut into expert groups of ep consecutive ranks: the closest
+    plane = ranks.permute(1, 0, 2, 3).reshape(pp, dp * cp * tp // ep, ep)
+    found["ep"] = plane.reshape(-1, ep).tolist()
+    found["edp"] = plane.transpose(1, 2).reshape(-1, dp * cp * tp // ep).tolist()   # the same ep rank: same experts
     return {name: found[name] for name in GROUPS}
 
 

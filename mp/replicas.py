@@ -24,8 +24,17 @@ def group_size(group):
 
 
 def replicated_parameters(model):
-    """The parameters every tp rank holds whole: row-parallel biases, norms, (vit) embedding and head."""
-    return [p for name, p in model.named_parameters() if shard_of(model, name) is None]
+    """The parameters every tp rank holds whole: row-parallel biases, norms, (vit) embedding and head; not a
+    parameter that each tp rank holds a different one of (not_tp_replicas: parallel_5d.py's experts)."""
+    return [p for name, p in model.named_parameters()
+            if shard_of(model, name) is None and getattr(p, "tp_replica", True)]
+
+
+def not_tp_replicas(*params):
+    """These parameters are whole but each tp rank's its own (an expert folded over tp): no tp sum or average,
+    and the gradient norm counts each on the rank that holds it."""
+    for p in params:
+        p.tp_replica = False
 
 
 class ReplicatedGrads:

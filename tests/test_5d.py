@@ -53,6 +53,7 @@ def assert_exact(tmp_path, baseline, nproc, layout, model, steps=4):
     slow(4, ["--tp", "2", "--cp", "2", "--sequence-parallel"], CAPACITY, 4),      # tokens split over cp, then tp
     slow(4, ["--tp", "2", "--cp", "2", "--sequence-parallel", "--attention", "ulysses"], [], 4),
     slow(4, ["--dp", "2", "--cp", "2", "--ep", "4"], CAPACITY, 4),
+    slow(4, ["--dp", "2", "--tp", "2", "--ep", "4"], CAPACITY, 4),             # ep folded over tp too
     # the issue's 8-rank configurations
     slow(8, ["--cp", "2", "--tp", "2", "--ep", "2"], MOE, 6),
     slow(8, ["--dp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2", "--zero", "2"], MOE, 6),
@@ -202,6 +203,10 @@ def test_a_moe_layer_reads_the_device_once_a_microbatch(tmp_path, monkeypatch):
     ("parallel_5d.py", ["--dp", "2", "--ep", "2", "--microbatches", "2"], 0),   # pp 2: each microbatch routed alone
     slow("parallel_5d.py", ["--tp", "2", "--cp", "2", "--sequence-parallel"], 0),
     ("tests/broken_5d.py", ["edp-average", "--dp", "2", "--cp", "2", "--ep", "2"], 1),   # --check sees it too
+    # --zero: my slices of the dense and the experts' buckets, several a stage (issue 82: --check was refused)
+    ("parallel_5d.py", ["--dp", "2", "--cp", "2", "--ep", "2", "--zero", "2", "--bucket-mb", "0.002"], 0),
+    slow("parallel_5d.py", ["--dp", "2", "--tp", "2", "--ep", "2", "--zero", "3", "--bucket-mb", "0.002"], 0),
+    slow("tests/broken_5d.py", ["edp-average", "--dp", "2", "--cp", "2", "--ep", "2", "--zero", "1"], 1),
 ], ids=flags_id)
 def test_check_compares_every_shard_with_the_full_model(tmp_path, program, layout, status):
     """--check against a full model that routes each microbatch of the batch on its own, as the run does
@@ -243,3 +248,17 @@ def test_the_tp_average_runs_before_the_buckets_that_hold_its_gradients_start(tm
     assert run.returncode == 0, run.stderr[-2000:]
     got, want = run.events("train"), baseline(args).events("train")
     assert max(abs(a["loss"] - b["loss"]) + abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(got, want)) <= 1e-6
+
+
+def test_under_tp_each_token_is_routed_once(tmp_path, baseline):
+    """ep folded over dp x cp x tp (Megatron's MoE folding): at --dp 2 --tp 2 --ep 2 an expert group is a tp pair,
+    exact, and each tp rank routes its own half of the tokens, so a rank sends about half the all-to-all bytes of
+    the same run at --tp 1 (issue 82: every tp rank routed all of them, T times the expert work and bytes; here
+    0.128 MB a rank a step at --tp 1 and --tp 2 before, 0.062 now)."""
+    folded = assert_exact(tmp_path, baseline, 4, ["--dp", "2", "--tp", "2", "--ep", "2"], MOE, steps=3)
+    args = RUN + ["--steps", "3"] + MOE + ["--dp", "2", "--ep", "2"]
+    whole = launch("parallel_5d.py", args, tmp_path, nproc=2, log_name="tp1.jsonl")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    sent = [sum(run.events("summary")[0]["all_to_all_mb_per_step"].values()) / nproc
+            for run, nproc in ((folded, 4), (whole, 2))]
+    assert 0.4 < sent[0] / sent[1] < 0.6, sent

@@ -22,10 +22,11 @@ SIXTEEN = {
     "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
     "dp_cp": [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]],
 }
-SIXTEEN_EP4 = dict(SIXTEEN, ep=SIXTEEN["dp_cp"],             # one expert group: a stage's whole dp x cp
-                   edp=[[r] for line in SIXTEEN["dp_cp"] for r in line])   # each expert on one rank
-SIXTEEN_EP2 = dict(SIXTEEN, ep=[[0, 2], [8, 10], [1, 3], [9, 11], [4, 6], [12, 14], [5, 7], [13, 15]],
-                   edp=[[0, 8], [2, 10], [1, 9], [3, 11], [4, 12], [6, 14], [5, 13], [7, 15]])
+# ep folded over a stage's dp x cp x tp ranks in (dp, cp, tp) order: stage 0's are 0 1 2 3 8 9 10 11
+SIXTEEN_EP4 = dict(SIXTEEN, ep=[[0, 1, 2, 3], [8, 9, 10, 11], [4, 5, 6, 7], [12, 13, 14, 15]],
+                   edp=[[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]])
+SIXTEEN_EP2 = dict(SIXTEEN, ep=[[0, 1], [2, 3], [8, 9], [10, 11], [4, 5], [6, 7], [12, 13], [14, 15]],
+                   edp=[[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14], [5, 7, 13, 15]])
 # 8 ranks, dp 2 pp 2 tp 2 (parallel_3d.py's grid): rank = dp * 4 + pp * 2 + tp; cp of 1
 EIGHT_EP2 = {
     "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
@@ -33,8 +34,8 @@ EIGHT_EP2 = {
     "cp": [[r] for r in range(8)],
     "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
     "dp_cp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-    "ep": [[0, 4], [1, 5], [2, 6], [3, 7]],
-    "edp": [[0], [4], [1], [5], [2], [6], [3], [7]],
+    "ep": [[0, 1], [4, 5], [2, 3], [6, 7]],       # a tp pair: the closest ranks
+    "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
 }
 # 6 ranks, dp 2 (pipeline_dp_joint.py's default grid): 2 pipelines of 3 stages
 SIX = {"pp": [[0, 1, 2], [3, 4, 5]], "dp": [[0, 3], [1, 4], [2, 5]], "cp": [[r] for r in range(6)],
@@ -92,17 +93,18 @@ def test_my_coordinates_give_back_my_rank(monkeypatch, world, sizes, ep, table):
     for rank, m in meshes.items():
         assert ((m.dp_rank * m.pp_size + m.pp_rank) * m.cp_size + m.cp_rank) * m.tp_size + m.tp_rank == rank
         assert m.dp_cp_rank == m.dp_rank * m.cp_size + m.cp_rank           # my (dp, cp) slice of a batch
-        assert (m.edp_rank, m.ep_rank) == divmod(m.dp_cp_rank, m.ep_size)  # ep innermost in dp x cp
-        assert m.ep_size * m.edp_size == m.dp_cp_size == m.dp_size * m.cp_size
+        plane = m.dp_cp_rank * m.tp_size + m.tp_rank                       # my place in the stage's (dp, cp, tp)
+        assert (m.edp_rank, m.ep_rank) == divmod(plane, m.ep_size)          # ep innermost in it
+        assert m.ep_size * m.edp_size == m.dp_cp_size * m.tp_size == m.dp_size * m.cp_size * m.tp_size
         assert m.ranks.shape == (m.dp_size, m.pp_size, m.cp_size, m.tp_size)
 
 
 def test_rank_10_of_sixteen(monkeypatch):
     meshes, _ = recorded_meshes(monkeypatch, 16, dict(dp=2, cp=2, tp=2), 2)
     m = meshes[10]
-    assert (m.dp_rank, m.pp_rank, m.cp_rank, m.tp_rank, m.ep_rank, m.edp_rank) == (1, 0, 1, 0, 1, 1)
+    assert (m.dp_rank, m.pp_rank, m.cp_rank, m.tp_rank, m.ep_rank, m.edp_rank) == (1, 0, 1, 0, 0, 3)
     assert (m.peers("dp"), m.peers("cp"), m.peers("dp_cp"), m.peers("ep"), m.peers("edp")) == \
-        ([2, 10], [8, 10], [0, 2, 8, 10], [8, 10], [2, 10])
+        ([2, 10], [8, 10], [0, 2, 8, 10], [10, 11], [0, 2, 8, 10])
 
 
 def test_the_pipeline_of_a_rank_is_its_pp_line(monkeypatch):
@@ -113,8 +115,8 @@ def test_the_pipeline_of_a_rank_is_its_pp_line(monkeypatch):
 
 
 @pytest.mark.parametrize("world,sizes,ep,message", [
-    (16, dict(dp=2, cp=2, tp=2), 3, "ep 3 does not divide dp 2 x cp 2 = 4"),
-    (8, dict(dp=2, tp=2), 4, "ep 4 does not divide dp 2 x cp 1 = 2"),
+    (16, dict(dp=2, cp=2, tp=2), 3, "ep 3 does not divide dp 2 x cp 2 x tp 2 = 8"),
+    (8, dict(dp=2, tp=2), 3, "ep 3 does not divide dp 2 x cp 1 x tp 2 = 4"),
     (8, dict(dp=3), 1, "the world size 8 is not divisible by dp 3 x cp 1 x tp 1 = 3"),
 ])
 def test_sizes_that_do_not_fit_are_refused_before_any_group(monkeypatch, world, sizes, ep, message):

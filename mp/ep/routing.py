@@ -53,8 +53,8 @@ def complete_routing(model, pp_group):
 
 def aux_loss_total(model, mesh, args):
     """The load-balancing loss of the step for the log: my shares (each microbatch's, / M; the MoE layers keep
-    them in `shares`), summed over every rank holding a part of the tokens (dp x cp; tp too under sequence
-    parallelism: each tp rank else holds the same share) and over the stages (each its own blocks). None for a
+    them in `shares`), summed over every rank holding a part of the tokens (dp x cp x tp: parallel_5d.py's
+    FoldedMoE gives each tp rank its own run of them) and over the stages (each its own blocks). None for a
     dense model. Every rank takes part, a stage without MoE blocks too."""
     if not args.experts:
         return None
@@ -64,6 +64,6 @@ def aux_loss_total(model, mesh, args):
         m.shares = []
     none = torch.zeros((), device=next(model.parameters()).device)
     total = torch.stack(shares).sum() / args.microbatches if shares else none
-    for group in [mesh.dp_cp_group] + ([mesh.tp_group] if args.sequence_parallel else []) + [mesh.pp_group]:
+    for group in [mesh.dp_cp_group, mesh.tp_group, mesh.pp_group]:   # (tp: each tp rank routes its own tokens)
         dist.all_reduce(total, group=group)
     return total

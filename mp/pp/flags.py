@@ -127,6 +127,3 @@ def validate_zero(args, dp):
         fail(f"{z} does not run with --schedule 2bw (2bw steps two weight versions in turn, each with its own "
              "buckets of state, and averages its gradients after the backward, not in buckets); use --schedule 1f1b, "
              "or drop --zero")
-    if args.check:
-        fail(f"--check compares every rank's whole gradients, which {z} never assembles (each replica is sent "
-             "the sum of its slice only); drop --zero for --check: the gradients and the update are the same")

@@ -40,11 +40,14 @@ def check_step(runner, actions, m, forward_backward, replica=(0, 1), grads=None,
     return step
 
 
-def pipeline_check(env, args, model, runner, data, forward_backward, replica=(0, 1), grads=None, sum_first=None):
-    """--check for a pipeline program (mp.check): check_step on the first batch against the full model."""
+def pipeline_check(env, args, model, runner, data, forward_backward, replica=(0, 1), grads=None, sum_first=None,
+                   optimizer=None):
+    """--check for a pipeline program (mp.check): check_step on the first batch against the full model.
+    optimizer (--zero): mp.zero's, whose slices are compared; their squares summed over its group too."""
     x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
     actions = schedule_actions(args.schedule, runner.pos, args.microbatches,
                                sends_at_once=runner.messenger.sends_at_once)
     step = check_step(runner, actions, args.microbatches, forward_backward, replica, grads, sum_first)
+    groups = runner.norm_groups + ([optimizer.grads.group] if optimizer is not None else [])
     return check_and_exit(env, args, args.schedule, model, step, x, y, replica=replica,
-                          norm=(runner.norm_groups, runner.counted))
+                          norm=(groups, runner.counted), optimizer=optimizer)

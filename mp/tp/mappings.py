@@ -4,6 +4,7 @@ each other's conjugate. f (copy_to_tp_region) and g (reduce_from_tp_region) are 
 tensor_parallel.py.
 
     gather_from_tp_region                    forward all-gather of the shards    backward keep my slice
+    split_to_sequence_parallel_region        forward keep my tokens              backward all-gather
     gather_from_sequence_parallel_region     forward all-gather of the tokens    backward reduce-scatter
     reduce_scatter_to_sequence_parallel_region  forward reduce-scatter           backward all-gather
 """
@@ -51,6 +52,25 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
+
+
+class _SplitToSequence(torch.autograd.Function):
+    """Whole tokens on every rank -> my run of them (parallel_5d.py's mixture of experts under tp without sequence
+    parallelism, so that each token is routed by one tp rank): forward keep my tokens, no communication; backward
+    all-gather (each rank computed the gradient of its own tokens only)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, size = group, x.shape[1] // tp_size(group)
+        return x.narrow(1, tp_rank(group) * size, size).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, [grad.shape[1]] * tp_size(ctx.group), 1), None
+
+
+def split_to_sequence_parallel_region(x, group):
+    return _SplitToSequence.apply(x, group)
 
 
 def gather_from_tp_region(x, group, sizes, dim=-1):
