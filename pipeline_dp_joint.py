@@ -53,7 +53,7 @@ from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_time
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
 from mp.mesh import Mesh
-from mp.optim import make_optimizer, whole_params
+from mp.optim import make_optimizer, runs_on_every_replica, whole_params
 from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
@@ -179,10 +179,11 @@ def train_job(args, env, mesh, runner, model, data, grads, shards, program, step
 
 
 def evaluate_replica(runner, mesh, data, env, optimizer):
-    """Replica 0's pipeline evaluates (the others hold the same weights). --zero 3: every replica takes
-    part in gathering the weights whole first (whole_params: collectives over the replicas)."""
+    """Replica 0's pipeline evaluates (the others hold the same weights). --zero 3: every replica runs it,
+    each block's forward gathering it from the replicas' slices (whole_params: collectives over them)."""
     with whole_params(optimizer):
-        return evaluate_pipeline(runner, runner.pos, data, env.device) if mesh.dp_rank == 0 else None
+        every = runs_on_every_replica(optimizer)
+        return evaluate_pipeline(runner, runner.pos, data, env.device) if mesh.dp_rank == 0 or every else None
 
 
 def main(argv=None):

@@ -17,19 +17,25 @@ sits in the full model:
     exp_avg/2.1.weight#0:5040:120x84       --zero: a replica's slice of a flat bucket, elements 0..5039
     exp_avg/2.1.weight@0:0:60#0:2520:60x84 of the 120x84 tensor (or of the tp slice that @ names), flattened
 
-The optimizer's state goes through mp.optim's param_state and load_param_state, one parameter at a
-time, in the parameter's shape: whatever kinds the optimizer keeps are saved, under their names.
+The optimizer's state goes through mp.optim's param_state, one parameter at a time, in the parameter's
+shape: whatever kinds the optimizer keeps are saved, under their names.
 
 Replicas (data-parallel, or tp ranks holding a replicated tensor) write the same key; DCP's planner
 keeps one writer per key. Under --zero each data-parallel replica writes its own slices only, the
 flat ranges of each parameter that its share of a bucket holds (the `#first:count:shape` keys: a
-sharded state, never the whole state gathered, ZeroOptimizer.saved_pieces); a resume puts the ranges
-of a tensor back together first (joined). On resume each rank computes the slice it holds now, asks
-DCP for the saved pieces that overlap it (each rank loads its own request: resharding) and cuts its
-slice out of them. Why not DTensor: its Shard placement assumes torch.chunk's split (6 over 4 ranks:
-2, 2, 2, 0), ours is tensor_split's (2, 2, 1, 1), and the vit splits by whole heads; keys that carry
-the slice express any split, and loading whole overlapping pieces costs at most about twice a rank's
-share.
+sharded state, never the whole state gathered, ZeroOptimizer.saved_pieces).
+
+A resume is the save's mirror: each rank makes the optimizer state it will hold (mp.optim.make_state)
+and reads into what it holds now, the same list a save writes (held(): its weights, tp slices, --zero
+slices), from each saved piece only the part that overlaps it (SliceReads: both are cut into boxes of
+the full tensor, every overlap one read into a view of the held tensor), then --zero 1, 2 all-gather
+the weights' slices as after an update. Any saved layout into any other (resharding), and nothing
+whole is gathered or put together: beside what the rank holds, DCP's reader has one saved piece in memory
+at a time (a replica's share of a tensor when it was saved under --zero, one tensor when it was
+saved whole), and a read across another tp split of a --zero piece (not one range of it) goes through
+the range that covers it. Why not DTensor: its Shard placement assumes torch.chunk's split (6 over 4
+ranks: 2, 2, 2, 0), ours is tensor_split's (2, 2, 1, 1), and the vit splits by whole heads; keys that
+carry the slice express any split.
 
 A save is atomic: every rank writes into DIR/.step-K.partial, then rank 0 adds meta.json (the step,
 the settings, the layout) and renames the directory to DIR/step-K. A process killed during a save
@@ -46,7 +52,7 @@ import torch.distributed as dist
 from mp.dist import awaiting
 from mp.errors import fail
 from mp.models import shard_of
-from mp.optim import load_param_state, param_state, whole_params
+from mp.optim import loaded, make_state, param_state
 
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
 SETTINGS = ("model", "layers", "hidden", "heads", "patch_size", "activation", "data", "seed", "batch_size",
@@ -227,90 +233,185 @@ def save(args, next_step, model, optimizer, layout, rank, versions=None):
 
 def resume(args, model, optimizer, rank, versions=None):
     """Load args.resume_from into this rank's parameters and optimizer state, and stale weights under
-    2BW's rule (a collective); returns (the step to run next, the layout that wrote it), or (0, None)."""
+    2BW's rule (a collective); returns (the step to run next, the layout that wrote it), or (0, None).
+    Each tensor this rank holds (held(), what a save writes: --zero, its slices) is read straight into
+    place from the parts of the saved pieces that overlap it; --zero 1, 2 then all-gather the weights'
+    slices, as after an update. Nothing whole is gathered or put together."""
     if not args.resume_from:
         return 0, None
     meta = read_meta(args.resume_from)
-    saved = {}                                           # name -> {kind: [(spec, key, shape, dtype, flat)]}
+    saved = {}                                           # (kind, name) -> [(key, spec, flat, shape, chunk offsets)]
     for k, md in dcp().FileSystemReader(args.resume_from).read_metadata().state_dict_metadata.items():
         kind, name, spec, flat = parse_key(k)
-        saved.setdefault(name, {}).setdefault(kind, []).append((spec, k, tuple(md.size), md.properties.dtype, flat))
-    plans = []                                           # (kind, name, spec, the tensor it goes into or goes with)
-    for name, current, stale, stepped in weights_of(model, versions):
-        spec = shard_of(model, name)
-        plans.append(("param", name, spec, current))
-        if stale is not None:                            # validate() matched the rule: the file has them
-            plans.append(("stale", name, spec, stale))
-        # the optimizer's kinds, as saved (validate() matched the optimizer); none before the first step
-        plans += [(kind, name, spec, stepped) for kind in saved.get(name, {}) if kind not in WEIGHTS]
-    wanted = {}
-    for kind, name, spec, p in plans:
-        for _, k, shape, dtype, _ in pieces_of(saved, kind, name, spec, args.resume_from):
-            wanted[k] = torch.empty(shape, dtype=dtype, device=p.device if shape else "cpu")
-    states = {}                                          # the tensor stepped -> {kind: this rank's slice}
-    # collectives: dcp's load, and under --zero 3 the gathering of the whole weights, which are loaded and
-    # give each replica its slice on the way out
+        saved.setdefault((kind, name), []).append((k, spec, flat, tuple(md.size), md.chunks[0].offsets))
+    # the optimizer's state of the kinds saved (validate() matched the optimizer; none before the first
+    # step), made as its step would make it, to be read into
+    kinds = {}
+    for kind, name in saved:
+        if kind not in WEIGHTS:
+            kinds.setdefault(name, []).append(kind)
+    make_state(optimizer, [(stepped, kinds.get(name, [])) for name, _, _, stepped in weights_of(model, versions)])
+    reads = SliceReads(args.resume_from)
+    for kind, name, spec, flat, t in held(model, optimizer, versions):
+        reads.plan(t, kind, name, spec, flat, saved.get((kind, name), []))
+    # collectives: dcp's plan and read, and under --zero 1, 2 the all-gather of the weights' slices
     with awaiting(f"rank {rank} waited for every rank to load {args.resume_from}", args.timeout_s):
-        dcp().load(wanted, checkpoint_id=args.resume_from)
-        with torch.no_grad(), whole_params(optimizer):
-            for kind, name, spec, p in plans:
-                mine = assemble(pieces_of(saved, kind, name, spec, args.resume_from), wanted, spec, p)
-                if kind in WEIGHTS:
-                    p.copy_(mine)
-                else:
-                    states.setdefault(p, {})[kind] = mine
-    for p, state in states.items():
-        load_param_state(optimizer, p, state)
+        dcp().load({}, checkpoint_id=args.resume_from, planner=reads)
+        reads.finish()
+        loaded(optimizer)
     if rank == 0:
         print(f"note: resumed from {args.resume_from} at step {meta['step']}, written by {describe(meta['layout'])}",
               flush=True)
     return meta["step"], meta["layout"]
 
 
-def pieces_of(saved, kind, name, spec, path):
-    """The saved pieces of one tensor that overlap this rank's slice (a 0-dim tensor: its one piece)."""
-    return overlapping(saved.get(name, {}).get(kind, []), spec, name, path)
+class SliceReads:
+    """DCP's load planner for a resume: of each saved piece, only the box that overlaps a tensor this rank
+    holds is read, into that tensor. A tensor held (a flat range first..first+count-1 of a local tensor of
+    some shape: a whole tensor, a tp slice, a --zero slice) and a saved piece (an N-d tensor, or a flat
+    range of one: `#first:count:shape`) are each cut into boxes, each contiguous in row-major order
+    (boxes), and placed in the full tensor (the slice's start along its dim); every pair's overlap is one
+    read. DCP narrows an N-d saved piece to the box, so that read goes into a view of the held tensor; a
+    flat piece only to a range of it, so a box that is not one range of the piece (across another tp
+    split) is read as the range that covers it and copied from there (finish). DCP's reader holds one
+    saved piece at a time while it narrows: a flat piece is one replica's share, a whole piece one tensor."""
+
+    def __init__(self, path):
+        self.path, self.items, self.dests, self.copies = path, [], {}, []
+
+    def plan(self, t, kind, name, spec, flat, pieces):
+        first, count, shape = flat if flat else (0, t.numel(), tuple(t.shape))
+        assert t.is_contiguous(), f"{kind}/{name}"
+        dest, covered = t.detach().view(-1), 0
+        for key, their_spec, their_flat, their_shape, offsets in pieces:
+            theirs = their_flat if their_flat else (0, prod(their_shape), their_shape)
+            for mine_lo, mine_hi in boxes(shape, first, first + count, spec):
+                for lo, hi in boxes(theirs[2], theirs[0], theirs[0] + theirs[1], their_spec):
+                    lo, hi = [max(a, b) for a, b in zip(lo, mine_lo)], [min(a, b) for a, b in zip(hi, mine_hi)]
+                    if any(a >= b for a, b in zip(lo, hi)):
+                        continue
+                    sizes = [b - a for a, b in zip(lo, hi)]
+                    covered += prod(sizes)
+                    into = box_view(dest, shape, local(lo, spec), sizes, first)
+                    self.read(key, offsets, their_flat, theirs[2], local(lo, their_spec), sizes, into)
+        if covered != count:
+            fail(f"the checkpoint {self.path} has {covered} of the {count} elements of {kind}/{name} that this rank "
+                 f"needs; it is damaged or of another model", seen_by="this rank")
+
+    def read(self, key, offsets, flat, shape, lo, sizes, into):
+        """One read of saved piece `key` into `into`: the box at lo (the piece's local coordinates) of these sizes."""
+        if flat is None:                              # an N-d piece: DCP narrows it to the box
+            return self.item(key, offsets, lo, sizes, into)
+        strides = contiguous_strides(shape)           # a flat piece: the range from the box's first element
+        start = sum(i * s for i, s in zip(lo, strides)) - flat[0]
+        length = sum((n - 1) * s for n, s in zip(sizes, strides)) + 1
+        if length == prod(sizes) and into.is_contiguous():
+            return self.item(key, offsets, [start], [length], into.view(-1))
+        covering = torch.empty(length, dtype=into.dtype)   # to its last, the box's elements strided in it
+        self.item(key, offsets, [start], [length], covering)
+        self.copies.append((covering.as_strided(sizes, strides), into))
+
+    def item(self, key, offsets, lo, sizes, into):
+        from_dcp = dcp().planner
+        fqn = str(len(self.dests))
+        self.dests[fqn] = into
+        self.items.append(from_dcp.ReadItem(
+            type=from_dcp.LoadItemType.TENSOR, dest_index=dcp().metadata.MetadataIndex(fqn),
+            dest_offsets=torch.Size([0] * len(sizes)), storage_index=dcp().metadata.MetadataIndex(key, offsets),
+            storage_offsets=torch.Size(lo), lengths=torch.Size(sizes)))
+
+    def finish(self):
+        """The boxes read as the ranges that cover them, into place."""
+        with torch.no_grad():
+            for covering, into in self.copies:
+                into.copy_(covering)
+        self.copies = []
+
+    # DCP's LoadPlanner: every rank reads what it planned, into the tensors it named
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        pass
+
+    def create_local_plan(self):
+        return dcp().planner.LoadPlan(self.items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value):
+        raise AssertionError("a resume reads tensors only")
+
+    def resolve_tensor(self, read_item):
+        return self.dests[read_item.dest_index.fqn]
+
+    def commit_tensor(self, read_item, tensor):
+        pass
 
 
-def overlaps(piece_spec, spec):
-    """Does a saved piece hold any of my slice? A whole tensor on either side, or slices along
-    different dims, always do; slices along one dim when their ranges meet."""
-    if spec is None or piece_spec is None or piece_spec[0] != spec[0]:
-        return True
-    return piece_spec[1] < spec[1] + spec[2] and piece_spec[1] + piece_spec[2] > spec[1]
+def boxes(shape, first, end, spec=None):
+    """The elements first..end-1 of a tensor of this shape, flattened, as boxes [(lo, hi)] (hi exclusive), each
+    contiguous in row-major order; in the full tensor's coordinates where spec (dim, start, length) places it."""
+    for lo, hi in row_major_boxes(tuple(shape), first, end):
+        if spec is not None:
+            lo, hi = list(lo), list(hi)
+            lo[spec[0]] += spec[1]
+            hi[spec[0]] += spec[1]
+        yield tuple(lo), tuple(hi)
 
 
-def overlapping(pieces, spec, name, path):
-    """The saved pieces of one tensor that overlap the slice this rank holds."""
-    found = [piece for piece in pieces if overlaps(piece[0], spec)]
-    if not found:
-        fail(f"the checkpoint {path} has no piece of {name} that this rank needs; it is damaged or of another "
-             f"model", seen_by="this rank")
-    return found
+def row_major_boxes(shape, first, end):
+    if first >= end:
+        return
+    if not shape:                                     # a 0-dim tensor: its one element
+        yield (), ()
+        return
+    inner = prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(first, inner), divmod(end, inner)
+    if r0 == r1:                                      # within one row
+        for lo, hi in row_major_boxes(shape[1:], c0, c1):
+            yield (r0,) + lo, (r0 + 1,) + hi
+        return
+    if c0:                                            # the rest of the first row
+        for lo, hi in row_major_boxes(shape[1:], c0, inner):
+            yield (r0,) + lo, (r0 + 1,) + hi
+        r0 += 1
+    if r1 > r0:                                       # whole rows
+        yield (r0,) + (0,) * (len(shape) - 1), (r1,) + tuple(shape[1:])
+    if c1:                                            # the start of the last row
+        for lo, hi in row_major_boxes(shape[1:], 0, c1):
+            yield (r1,) + lo, (r1 + 1,) + hi
 
 
-def assemble(pieces, wanted, spec, p):
-    """This rank's slice, cut out of the saved pieces (whole tensors, or slices along one dim); a 0-dim
-    tensor (AdamW's step) as it is."""
-    pieces = joined(pieces, wanted)
-    whole = next((t for piece_spec, t in pieces if piece_spec is None), None)
-    if whole is not None and whole.dim() == 0:
-        return whole
-    if whole is None:   # slices along one dim: put them in place in a full-size buffer of that dim
-        dim = pieces[0][0][0]
-        full_len = max(s[1] + s[2] for s, _ in pieces)
-        shape = list(pieces[0][1].shape)
-        shape[dim] = full_len
-        whole = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        for piece_spec, t in pieces:   # the parts no piece covers are outside my slice
-            whole.narrow(dim, piece_spec[1], piece_spec[2]).copy_(t)
-    return whole.narrow(*spec) if spec else whole
+def local(lo, spec):
+    """A corner in the full tensor's coordinates -> in those of the slice that spec names."""
+    return [i - spec[1] if spec is not None and d == spec[0] else i for d, i in enumerate(lo)]
+
+
+def box_view(dest, shape, lo, sizes, first):
+    """The box at lo (these sizes) of a tensor of this shape, as a view of dest, which holds its flat
+    elements from first on."""
+    strides = contiguous_strides(shape)
+    return dest.as_strided(sizes, strides, dest.storage_offset() + sum(i * s for i, s in zip(lo, strides)) - first)
+
+
+def contiguous_strides(shape):
+    return [prod(shape[d + 1:]) for d in range(len(shape))]
+
+
+def prod(values):
+    out = 1
+    for v in values:
+        out *= v
+    return out
 
 
 def joined(pieces, tensors):
-    """[(spec, tensor)] of saved pieces ((spec, key, shape, dtype, flat) as resume reads them; tensors:
-    key -> the loaded tensor): --zero's flat slices of one tensor put back together (the replicas'
-    shares of a bucket tile it), the others as they are."""
+    """[(spec, tensor)] of saved pieces ((spec, key, shape, dtype, flat); tensors: key -> the loaded tensor):
+    --zero's flat slices of one tensor put back together (the replicas' shares of a bucket tile it), the
+    others as they are. For reading a checkpoint whole (tests/test_optimizer.py's full_tensors); a resume
+    reads each rank's slices only (SliceReads)."""
     out, made = [], {}
     for piece_spec, k, _, _, flat in pieces:
         if flat is None:

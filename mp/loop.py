@@ -25,7 +25,7 @@ from mp.dist import awaiting, settle
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
 from mp.models import param_mb
 from mp.moe import expert_load, read_load
-from mp.optim import grad_mb, optimizer_state_mb, whole_params
+from mp.optim import counting, every_param_whole, grad_mb, optimizer_state_mb
 from mp.sizes import EVAL_BATCH
 
 
@@ -130,7 +130,9 @@ def finish(losses, norms, sums, args, rank):
 def train(args, env, job):
     """Train job from its checkpoint (or step 0) to --steps; returns the exit status (0)."""
     optimizer, program = job.optimizer, job.layout["program"]
-    first, written_by = checkpoint.resume(args, job.model, optimizer, env.rank, job.versions)
+    with counting(optimizer, "resume"):   # --zero 3: its peak of weights held, apart from a step's
+        first, written_by = checkpoint.resume(args, job.model, optimizer, env.rank, job.versions)
+    phases = ["resume"] if first else []
     log = MetricsLog(args.log_file, enabled=job.owner, resuming=first > 0, steps=args.steps)
     log.begin(program, args, env, first, written_by)
     progress = Progress(args.steps, enabled=job.owner)
@@ -149,7 +151,7 @@ def train(args, env, job):
                           samples_per_s=args.batch_size / step_time)
                 progress.update(k, loss, step_time, args.batch_size)
         if evaluating:
-            with waiting_for(job, env, args, "the evaluation"):
+            with waiting_for(job, env, args, "the evaluation"), counting(optimizer, "evaluation"):
                 result = job.evaluate()       # the weights after step's update; on the device, read here once
                 if result is not None:
                     settle(env.device, args.timeout_s, lambda: f"the evaluation after step {step}")
@@ -157,19 +159,20 @@ def train(args, env, job):
             if job.owner and result:
                 log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
                 print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
+            phases += [] if "evaluation" in phases else ["evaluation"]
         checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions)
     if job.sums.routing is not None:      # outside the steps: it reads the device and talks to every stage
         with waiting_for(job, env, args, "the stages' routing records"):
             complete_routing(job.model, job.sums.routing)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
-              **activation_fields(env, job.model), **data_parallel_fields(env, job, args.steps - first),
+              **activation_fields(env, job.model), **data_parallel_fields(env, job, args.steps - first, phases),
               **expert_fields(env, job.model, args.steps - first),
               **{k: getattr(args, k) for k in ("schedule", "microbatches") if hasattr(args, k)})   # a pipeline's
     log.close()
     if job.owner:
         print(f"wrote {args.log_file}", flush=True)
-    with whole_params(optimizer):         # --zero 3: the weights gathered whole for the comparison (collectives)
+    with every_param_whole(optimizer):    # --zero 3: the weights gathered whole for the comparison (collectives)
         return max([report_replicas(r.params, r.group, r.claim, env, args.timeout_s, r.zero) for r in job.replicas],
                    default=0)
 
@@ -230,19 +233,25 @@ def expert_fields(env, model, steps):
     return fields
 
 
-def data_parallel_fields(env, job, steps):
+def data_parallel_fields(env, job, steps, phases=()):
     """The summary's dp_sent_mb_per_step, where the program has data-parallel buckets (model.grad_buckets,
     mp.buckets.GradBuckets, which count what each rank sent in them per step, as a ring sends it),
     peak_grad_mb (the most gradient bytes it held at once: the buckets and --zero 2's accumulators,
     counted where they are made and let go) and peak_param_mb (the most weights: under --zero 3 its
-    slices and the blocks gathered, mp.param_shards; else every weight, always held)."""
+    slices and the blocks gathered, mp.param_shards; else every weight, always held). --zero 3: also
+    resume_peak_param_mb and eval_peak_param_mb, the most weights held in the resume and in an evaluation
+    (phases: those that ran), which gather no more than a step does."""
     grads = getattr(job.model, "grad_buckets", None)
     if grads is None:
         return {}
     shards = getattr(job.optimizer, "shards", None)
-    return {"dp_sent_mb_per_step": gather_per_rank(env, grads.sent_bytes / 2**20 / max(steps, 1), digits=4),
-            "peak_grad_mb": gather_per_rank(env, grads.peak_mb(), digits=4),
-            "peak_param_mb": gather_per_rank(env, shards.peak_mb() if shards else param_mb(held(job)), digits=4)}
+    fields = {"dp_sent_mb_per_step": gather_per_rank(env, grads.sent_bytes / 2**20 / max(steps, 1), digits=4),
+              "peak_grad_mb": gather_per_rank(env, grads.peak_mb(), digits=4),
+              "peak_param_mb": gather_per_rank(env, shards.peak_mb() if shards else param_mb(held(job)), digits=4)}
+    for phase in phases if shards else ():
+        name = {"resume": "resume_peak_param_mb", "evaluation": "eval_peak_param_mb"}[phase]
+        fields[name] = gather_per_rank(env, shards.peak_mb(phase), digits=4)
+    return fields
 
 
 @torch.no_grad()

@@ -6,11 +6,11 @@ correction. Both update each element from that element's own gradient and state,
 holds a slice of a weight updates it exactly as the full model would: the optimizer needs no
 communication in any layout (docs/optimizers.md).
 
-Checkpoints (mp/checkpoint.py) read and write the state one parameter at a time through
-`param_state` and `load_param_state`, in the parameter's own shape. An optimizer that keeps its state
-elsewhere defines methods of the same names and is asked through them instead (mp.zero's, which holds
-only its replica's share, defines load_param_state, and saved_pieces in place of param_state: it
-saves its slices as they are).
+Checkpoints (mp/checkpoint.py) write the state one parameter at a time through `param_state`, in the
+parameter's own shape, and a resume reads into the tensors it gives, made first by `make_state`. An
+optimizer that keeps its state elsewhere defines methods of the same names and is asked through them
+instead (mp.zero's, which holds only its replica's share, defines make_state, and saved_pieces in place of
+param_state: it saves its slices as they are and a resume reads into them).
 """
 import contextlib
 
@@ -52,9 +52,49 @@ def param_state(optimizer, p):
 
 
 def whole_params(optimizer):
-    """A context in which every weight of the model is whole: --zero 3 gathers them for its duration
-    (mp.param_shards); otherwise they always are."""
+    """A context for a forward outside a step (the evaluation): every weight whole where a block uses it.
+    --zero 3 gathers each block as its forward starts and frees it when it ends, a block at a time as a
+    step does (mp.param_shards), so every replica must run the same forwards inside; otherwise the
+    weights always are whole."""
     return optimizer.whole_params() if hasattr(optimizer, "whole_params") else contextlib.nullcontext()
+
+
+def every_param_whole(optimizer):
+    """A context in which every weight of the model is whole at once (what reads the parameters
+    themselves, not through a forward: the end-of-run comparison of replicas): --zero 3 gathers them all
+    for its duration; otherwise they always are."""
+    return optimizer.every_param_whole() if hasattr(optimizer, "every_param_whole") else contextlib.nullcontext()
+
+
+def counting(optimizer, phase):
+    """A context whose gathered weights (--zero 3) count as this phase's peak, not a step's (mp.param_shards)."""
+    return optimizer.counting(phase) if hasattr(optimizer, "counting") else contextlib.nullcontext()
+
+
+def runs_on_every_replica(optimizer):
+    """Whether a forward outside a step must run on every data-parallel replica, not on one (--zero 3:
+    each block's all-gather takes every replica's slice)."""
+    return getattr(optimizer, "gathers_by_block", False)
+
+
+def make_state(optimizer, kinds_of):
+    """Before a resume reads into them (mp.checkpoint): kinds_of [(p, kinds)], the state of these kinds
+    ("momentum", "exp_avg", ...; "step") for each p, made as the optimizer's first step makes it (zeros; the
+    step a float32 0-dim tensor on the CPU), in the optimizer's own state. --zero: of this replica's slices,
+    every kind (mp.zero)."""
+    if hasattr(optimizer, "make_state"):
+        return optimizer.make_state(sorted({kind for _, kinds in kinds_of for kind in kinds}))
+    for p, kinds in kinds_of:
+        state = optimizer.state[p]
+        for kind in kinds:
+            state[TORCH_NAME.get(kind, kind)] = torch.zeros((), dtype=torch.float32) if kind == "step" else \
+                torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+
+def loaded(optimizer):
+    """After a resume read this rank's tensors: --zero 1, 2 all-gather the weights' slices (mp.zero)."""
+    if hasattr(optimizer, "loaded"):
+        optimizer.loaded()
 
 
 def load_param_state(optimizer, p, state):

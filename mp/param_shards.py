@@ -42,9 +42,12 @@ While a block is whole, `mine` holds no memory of its own: its bytes are my part
 its storage is let go once the all-gather is done and made again from there when the block is freed (the
 optimizer steps it only after every block is freed; FSDP2 keeps both, the shard and the whole).
 
-A checkpoint, the evaluation and the replicas' end-of-run comparison read the weights whole: whole()
-gathers every block for their duration, and writes each replica's slice back into `mine` afterwards (a
-resume loaded new weights into the whole tensors).
+Outside the steps: the evaluation's forward gathers a block at a time as a step's does (by_block: each
+block gathered by its forward pre-hook, the next one prefetched, freed by its forward hook), so every replica
+runs it; a checkpoint writes and a resume reads each replica's `mine` only (mp.checkpoint), nothing
+gathered; only the replicas' end-of-run comparison, which reads the parameters themselves, gathers every
+block at once (whole). Each phase's peak is counted apart (counting): the summary's peak_param_mb is a
+step's, eval_peak_param_mb and resume_peak_param_mb the others' (mp.loop).
 """
 from contextlib import contextmanager
 
@@ -60,7 +63,7 @@ class ParamShards:
 
     def __init__(self, chunks, grads, gather_every="step"):
         self.grads, self.gather_every, self.rank = grads, gather_every, grads.rank
-        self.pinned, self.held_bytes, self.peak_bytes = False, 0, 0
+        self.pinned, self.evaluating, self.held_bytes, self.phase, self.peaks = False, False, 0, "step", {}
         self.buckets = []                             # one per block, in forward order, chunk by chunk
         for chunk in chunks:
             mine = [self.take(block) for block in blocks_of([chunk])]
@@ -72,7 +75,7 @@ class ParamShards:
         self.own = set(self.buckets)
         grads.when_filled.append(self.filled)
         # held_bytes: the whole weights gathered now; the peak counts from here (the build held them all)
-        self.peak_bytes = self.held_bytes
+        self.peaks = {"step": self.held_bytes}     # phase -> the most bytes of whole weights held in it
         self.slice_bytes = sum(b.mine.numel() * b.mine.element_size() for b in self.buckets)
 
     def take(self, block):
@@ -129,7 +132,7 @@ class ParamShards:
 
     def note(self, nbytes):
         self.held_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), self.held_bytes)
 
     # --------------------------------------------------------------- the hooks
 
@@ -145,8 +148,8 @@ class ParamShards:
             return
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad, b=b: self.before_backward(b))
-        if self.gather_every == "microbatch":   # (step: kept, --recompute's forward without autograd too)
-            self.free(b)
+        if self.gather_every == "microbatch" or self.evaluating:   # (step: kept, --recompute's forward
+            self.free(b)                                            # without autograd too)
 
     def before_backward(self, b):
         """The gradient of b's output arrived: b's backward is next, and b.next's is over (its input's
@@ -187,31 +190,57 @@ class ParamShards:
             self.free(b)
 
     @contextmanager
-    def whole(self):
-        """Every block gathered for what runs inside (a checkpoint, the evaluation, the end-of-run
-        comparison: every replica must enter, the all-gathers are collectives), then each replica's slice
-        copied back from the whole weights (a resume wrote them) and the whole weights freed."""
-        # the steps' peak and bytes sent: what is gathered here is not counted in them
-        peak, sent = self.peak_bytes, self.grads.sent_bytes
-        for b in self.buckets:
-            self.gather(b)
-        for b in self.buckets:
-            self.wait(b)
-        self.pinned, self.peak_bytes = True, peak
+    def counting(self, phase):
+        """What is gathered inside counts as `phase`'s peak (the resume, the evaluation), not a step's; nor
+        are its bytes sent a step's (the summary's dp_sent_mb_per_step)."""
+        outer, sent = self.phase, self.grads.sent_bytes
+        self.phase = phase
+        self.peaks[phase] = max(self.peaks.get(phase, 0), self.held_bytes)
         try:
             yield
         finally:
-            self.pinned = False
-            with torch.no_grad():
-                for b in self.buckets:
-                    if b.mine.untyped_storage().nbytes():   # (else free makes it again from the whole weights)
-                        b.mine.copy_(b.shard(b.param, self.rank))
-                    self.free(b)
-            self.peak_bytes, self.grads.sent_bytes = peak, sent
+            self.phase, self.grads.sent_bytes = outer, sent
 
-    def peak_mb(self):
-        """The most weights this rank held at once during training: its slices and the blocks gathered."""
-        return (self.slice_bytes + self.peak_bytes) / 2**20
+    @contextmanager
+    def by_block(self):
+        """A forward outside a step (the evaluation, under no_grad): each block gathered as its forward starts
+        (the next one's all-gather started too) and freed as it ends, as a step's forward under
+        --zero3-gather microbatch, whatever --zero3-gather: at most two blocks whole. Every replica must run
+        the same forwards (the all-gathers are collectives)."""
+        with self.counting("evaluation" if self.phase == "step" else self.phase):
+            self.evaluating = True
+            try:
+                yield
+            finally:
+                self.evaluating = False
+                for b in self.buckets:     # (each forward freed its block; a prefetch no forward used goes too)
+                    self.free(b)
+
+    @contextmanager
+    def whole(self):
+        """Every block gathered for what runs inside (the end-of-run comparison, which reads the parameters:
+        every replica must enter, the all-gathers are collectives), then each replica's slice copied back
+        from the whole weights and the whole weights freed."""
+        with self.counting("whole" if self.phase == "step" else self.phase):
+            for b in self.buckets:
+                self.gather(b)
+            for b in self.buckets:
+                self.wait(b)
+            self.pinned = True
+            try:
+                yield
+            finally:
+                self.pinned = False
+                with torch.no_grad():
+                    for b in self.buckets:
+                        if b.mine.untyped_storage().nbytes():   # (else free makes it again from the whole weights)
+                            b.mine.copy_(b.shard(b.param, self.rank))
+                        self.free(b)
+
+    def peak_mb(self, phase="step"):
+        """The most weights this rank held at once in a phase (a step; "resume", "evaluation": counting):
+        its slices and the blocks gathered. None for a phase that has not run."""
+        return None if phase not in self.peaks else (self.slice_bytes + self.peaks[phase]) / 2**20
 
 
 def blocks_of(chunks):

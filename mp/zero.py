@@ -21,8 +21,9 @@ exactly the numbers the whole update would. Clipping takes the global norm over 
 replica sums the squares of its slice; mp.clipping sums them over the replicas too). A checkpoint stays
 in the baseline model's coordinates: each replica writes its slices only, each piece of a parameter as
 the flat range of it that the slice holds (saved_pieces, mp.checkpoint's `#first:count:shape` keys: a
-sharded state, nothing gathered), and resuming, in any layout, cuts this replica's slice out of the
-pieces put back together (docs/optimizers.md).
+sharded state, nothing gathered), and resuming, in any layout, reads into this replica's slices the parts
+of the saved pieces that overlap them, then (--zero 1, 2) all-gathers the weights as after an update
+(docs/optimizers.md).
 
 --zero 2 (release): once a bucket's gradients of the step's last backward are all in, nothing reads its
 weights until the all-gather after the update rewrites all but my slice; so my slice moves to a tensor of
@@ -30,8 +31,9 @@ its own and the bucket's whole weights go, made whole again (rejoin) just before
 
 --zero 3 (mp.param_shards.ParamShards, `shards`): the slices are tensors of their own, not views of the
 whole weights, which exist only while a block runs; so the step ends after the update, without the
-all-gather (the next forward gathers each block); a save writes each replica's slice of the weights
-too, and a resume loads them inside shards.whole().
+all-gather (the next forward gathers each block, the evaluation's too: whole_params); a save writes each
+replica's slice of the weights too, and a resume reads them straight into each replica's slices, nothing
+gathered.
 """
 import contextlib
 
@@ -94,8 +96,11 @@ class ZeroOptimizer:
     def step(self):
         """My slices' update, then every replica's slices into every replica's parameters."""
         self.inner.step()
-        if self.shards:                   # --zero 3: each block's next forward gathers its weights
-            return
+        if not self.shards:               # --zero 3: each block's next forward gathers its weights
+            self.share()
+
+    def share(self):
+        """Every replica's slices into every replica's whole weights (--zero 1, 2)."""
         group, works = self.grads.group, []
         for b, mine in zip(self.grads.buckets, self.slices):
             if b in self.released:        # --zero 2: whole again, then the others' slices broadcast into place
@@ -107,9 +112,23 @@ class ZeroOptimizer:
             for work in works:
                 work.wait()
 
+    @property
+    def gathers_by_block(self):
+        """--zero 3: a forward gathers each block from every replica's slice (mp.optim.runs_on_every_replica)."""
+        return self.shards is not None
+
     def whole_params(self):
-        """--zero 3: every weight whole for what runs inside (mp.param_shards); else they always are."""
+        """--zero 3: for a forward outside a step, each block gathered as it runs and freed after
+        (mp.param_shards, by_block); else the weights always are whole."""
+        return self.shards.by_block() if self.shards else contextlib.nullcontext()
+
+    def every_param_whole(self):
+        """--zero 3: every weight whole at once for what runs inside (mp.param_shards); else they always are."""
         return self.shards.whole() if self.shards else contextlib.nullcontext()
+
+    def counting(self, phase):
+        """--zero 3: the weights gathered inside counted as this phase's peak, not a step's (mp.param_shards)."""
+        return self.shards.counting(phase) if self.shards else contextlib.nullcontext()
 
     def held_params(self):
         """The weights this replica holds between steps: --zero 3, its slices; else the whole model's."""
@@ -122,11 +141,6 @@ class ZeroOptimizer:
         pieces = [g[start:start + n] for b, g in zip(self.grads.buckets, self.grads.shard_grads)
                   for p, start, _, n in b.segments(rank) if counted is None or counted(p)]
         return grad_squares(pieces, self.slices[0].device if self.slices else "cpu")
-
-    def where(self, p):
-        b = self.grads.where[id(p)]
-        i = self.grads.buckets.index(b)
-        return i, b, b.offsets[next(j for j, q in enumerate(b.params) if q is p)]
 
     def saved_pieces(self, params):
         """[(kind, parameter, flat, tensor)]: what this replica writes in a checkpoint (mp.checkpoint), its
@@ -144,20 +158,23 @@ class ZeroOptimizer:
                         for kind, t in state.items()]
         return out + [("param", p, None, p.detach()) for p in params if id(p) not in self.grads.where]
 
-    def load_param_state(self, p, state):
-        """Set my slice's state where it holds p (from p's whole state, as param_state gives it)."""
-        i, b, offset = self.where(p)
-        mine = optim.param_state(self.inner, self.slices[i])
-        for kind, value in state.items():
-            if kind != "step" and kind not in mine:
-                mine[kind] = torch.zeros_like(self.slices[i])
-            if kind == "step":
-                mine[kind] = value
-                continue
-            for q, start, first, n in b.segments(self.grads.rank):
-                if q is p:
-                    mine[kind][start:start + n].copy_(value.reshape(-1)[first:first + n])
-        optim.load_param_state(self.inner, self.slices[i], mine)
+    def make_state(self, kinds):
+        """Before a resume reads into them (mp.checkpoint, through saved_pieces): my slices' state of these
+        kinds, as torch's step makes it (zeros; the step a float32 0-dim tensor on the CPU)."""
+        for s in self.slices:
+            state = self.inner.state[s]
+            for kind in kinds:
+                state[optim.TORCH_NAME.get(kind, kind)] = torch.zeros((), dtype=torch.float32) if kind == "step" \
+                    else torch.zeros_like(s)
+
+    def loaded(self):
+        """A resume read my slices (of the weights too: saved_pieces): --zero 1, 2 put every replica's into
+        the whole weights, as after an update (bytes a step does not send: not counted); --zero 3's next
+        forward gathers them."""
+        if not self.shards:
+            sent = self.grads.sent_bytes
+            self.share()
+            self.grads.sent_bytes = sent
 
     def state_mb(self):
         return optim.optimizer_state_mb(self.inner)

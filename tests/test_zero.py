@@ -426,3 +426,113 @@ def test_the_counted_peak_is_the_measured_one(tmp_path):
     assert measured["2"] <= counted["2"] + layer / 2 + 4, (counted, measured)
     assert measured["0"] - measured["2"] >= counted["0"] - counted["2"] - 4, (counted, measured)
     assert counted["0"] - counted["2"] > 10, counted
+
+
+# ----------------------------------------------------------------------------- outside the steps (issue 82, item 8)
+
+
+def _resume_reads_my_slices_case(rank, world, group):
+    """A resume under --zero reads, of each saved piece, only the part that overlaps this replica's slices,
+    straight into them: the elements it asks DCP for are exactly those it holds (no whole tensor, no stage
+    put together), whether the checkpoint holds flat slices (saved under --zero) or whole tensors (saved
+    without); the weights and state read are the saved ones, every replica's weights whole again after."""
+    import argparse
+    import os
+
+    import torch.nn as nn
+
+    from mp import checkpoint, optim
+    from mp.buckets import GradBuckets
+    from mp.zero import ZeroOptimizer
+    args = argparse.Namespace(optimizer="adamw", lr=1e-3, momentum=0.9, weight_decay=0.0, beta1=0.9, beta2=0.999,
+                              adam_eps=1e-8, model="mlp", timeout_s=30)
+
+    def built(zero, seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(24, 20), nn.GELU(), nn.Linear(20, 7))
+        if not zero:
+            return model, None, optim.make_optimizer(model.parameters(), args)
+        grads = GradBuckets(list(model.parameters()), None, ("the test's collectives", 30), shard=True)
+        return model, grads, ZeroOptimizer(grads, args)
+
+    def trained(zero):
+        model, grads, optimizer = built(zero, 0)
+        (grads or optimizer).zero_grad()
+        model(torch.randn(8, 24, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+        if grads:
+            grads.final(list(model.parameters()))
+            grads.wait()
+        else:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+        optimizer.step()
+        return model, optimizer
+
+    asked = []
+    for saved_zero in (True, False):
+        model, optimizer = trained(saved_zero)
+        args.checkpoint_dir = os.path.join(os.environ["SAVE_DIR"], str(saved_zero))
+        checkpoint.save(args, 1, model, optimizer, {"program": "test"}, rank)
+        want = {k: t.clone() for k, t in checkpoint_state(model, optimizer).items()}
+        args.resume_from = checkpoint.latest(args.checkpoint_dir)
+        fresh, grads, zero = built(True, 5)
+        original = checkpoint.SliceReads.item
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(checkpoint.SliceReads, "item", lambda self, key, offsets, lo, sizes, into: (
+                asked.append((key, list(sizes))), original(self, key, offsets, lo, sizes, into))[1])
+            assert checkpoint.resume(args, fresh, zero, rank)[0] == 1
+        mine = sum(t.numel() for *_, t in checkpoint.held(fresh, zero))
+        assert sum(int(torch.Size(s).numel()) for _, s in asked) == mine, (asked, mine)
+        asked.clear()
+        got = checkpoint_state(fresh, zero)
+        for k, t in got.items():                      # every weight whole (all-gathered), my slices of the state
+            kind, name, _, flat = checkpoint.parse_key(k)   # the same slice saved, or my range of the whole
+            saved = want[k] if k in want else want[f"{kind}/{name}"].reshape(-1)[flat[0]:flat[0] + flat[1]]
+            assert torch.equal(t, saved), k
+
+
+def checkpoint_state(model, optimizer):
+    """{key: tensor} of what a rank holds, as a save names it (mp.checkpoint.held), the weights whole."""
+    from mp import checkpoint
+    out = {checkpoint.key(kind, name, spec, flat): t for kind, name, spec, flat, t in
+           checkpoint.held(model, optimizer)}
+    out.update({f"param/{name}": p.detach() for name, p in model.named_parameters()})
+    return out
+
+
+def test_a_zero_resume_reads_each_replicas_slices_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAVE_DIR", str(tmp_path / "ck"))
+    run_ranks(_resume_reads_my_slices_case, 2, tmp_path)
+
+
+def test_zero3_resume_and_evaluation_gather_no_more_than_a_step(tmp_path):
+    """--zero 3 on 2 replicas of 6 blocks, the weights gathered for every microbatch: the evaluation's forward
+    gathers a block at a time as a step's does (it gathered the whole stage first) and a resume reads each
+    replica's slices without gathering anything (it gathered the whole stage to put the pieces in): the
+    weights held at the peak of each (the summary's resume_peak_param_mb, eval_peak_param_mb) are at most a
+    step's (peak_param_mb), the resume's only the slices; the resumed run logs the uninterrupted run's losses
+    and test loss to the bit."""
+    flags = FAST[:FAST.index("--eval-every")] + FAST[FAST.index("--eval-every") + 2:] + [
+        "--model", "mlp", "--layers", "6", "--hidden", "48", "--batch-size", "16", "--optimizer", "adamw",
+        "--dp", "2", "--microbatches", "2", "--zero", "3", "--zero3-gather", "microbatch", "--eval-every", "2",
+        "--save-every", "2", "--steps", "4"]
+    whole = launch("pipeline_dp_joint.py", flags + ["--checkpoint-dir", str(tmp_path / "ck")], tmp_path, nproc=2,
+                   log_name="whole.jsonl")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    shutil.rmtree(tmp_path / "ck" / "step-00000004")
+    resumed = launch("pipeline_dp_joint.py", flags + ["--checkpoint-dir", str(tmp_path / "ck")], tmp_path, nproc=2,
+                     log_name="resumed.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.losses() == whole.losses()[2:]
+    assert [e["test_loss"] for e in resumed.events("eval")] == [e["test_loss"] for e in whole.events("eval")][1:]
+    blocks = [(3072 * 48 + 48) * 4 / 2**20] + [(48 * 48 + 48) * 4 / 2**20] * 4 + [(48 * 10 + 10) * 4 / 2**20]
+    for run in (whole, resumed):
+        summary = run.events("summary")[0]
+        for rank in ("0", "1"):
+            held, step = summary["param_mb"][rank], summary["peak_param_mb"][rank]
+            evaluation = summary["eval_peak_param_mb"][rank]
+            assert held < evaluation <= step, (evaluation, step)
+            assert evaluation <= held + blocks[0] + blocks[1] + 1e-3, (evaluation, held)   # two blocks, not six
+    summary = resumed.events("summary")[0]
+    assert summary["resume_peak_param_mb"] == summary["param_mb"], summary   # nothing gathered: the slices
+    assert "resume_peak_param_mb" not in whole.events("summary")[0]

@@ -26,10 +26,24 @@ class ZeroPair:
     def squares(self, counted=None):
         return sum(part.squares(counted) for part in self.parts)
 
+    @property
+    def gathers_by_block(self):
+        return any(part.gathers_by_block for part in self.parts)
+
     def whole_params(self):
+        """--zero 3: each dense block and each expert gathered as it runs (over dp x cp, over edp)."""
+        return self.each(lambda part: part.whole_params())
+
+    def counting(self, phase):
+        return self.each(lambda part: part.counting(phase))
+
+    def every_param_whole(self):
+        return self.each(lambda part: part.every_param_whole())
+
+    def each(self, context):
         stack = contextlib.ExitStack()
         for part in self.parts:
-            stack.enter_context(part.whole_params())
+            stack.enter_context(context(part))
         return stack
 
     def held_params(self):
@@ -40,9 +54,13 @@ class ZeroPair:
         """Each part's slices (nothing whole: every trained weight is in one of the two)."""
         return self.parts[0].saved_pieces([]) + self.parts[1].saved_pieces([])
 
-    def load_param_state(self, p, state):
-        part = next(part for part in self.parts if id(p) in part.grads.where)
-        part.load_param_state(p, state)
+    def make_state(self, kinds):
+        for part in self.parts:
+            part.make_state(kinds)
+
+    def loaded(self):
+        for part in self.parts:
+            part.loaded()
 
     def state_mb(self):
         return sum(part.state_mb() for part in self.parts)
