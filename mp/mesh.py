@@ -87,18 +87,43 @@ def along(ranks, axis):
     return ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
 
 
+def world_splits():
+    """Does torch make a new group by splitting the world's communicator? On nccl with a bound device (mp.dist
+    binds one) it does: new_group is then an ncclCommSplit of the world, which every rank must join."""
+    world = dist.group.WORLD
+    return world is not None and dist.get_backend() == "nccl" and getattr(world, "bound_device_id", None) is not None
+
+
+def split_axis(rank, axis_lines, timeout, desc):
+    """My group along one axis, all of the axis's groups made by one split of the world (as torch's DeviceMesh
+    does): one ncclCommSplit, each rank coloured by its line, where a new_group a line would be one each. The
+    lines of an axis cover every rank once, which a split asks; each keeps its order (its ranks ascend)."""
+    return dist.split_group(split_ranks=axis_lines, timeout=timeout, group_desc=desc)
+
+
+def my_line(rank, axis_lines, timeout, desc):
+    """My group along one axis, made by its members alone: the other ranks do not take part (my line is one
+    of theirs only if they are in it). Deadlock-free because every rank is in exactly one line of each axis
+    and makes its lines in the order of GROUPS: a group's members all make it as their k-th group, so they
+    meet, and they agree on the name torch gives it (its ranks and how many groups each made before)."""
+    mine = next(line for line in axis_lines if rank in line)
+    return new_group(mine, timeout, desc)
+
+
 SHARED_GLOO = "gloo_world_device"   # what dist.get_backend(group) says for a gloo group made by new_group
 
 
-def new_group(line, timeout):
-    """dist.new_group(line), on gloo one that shares the world group's device (the module's docstring says
-    why). torch names no public option for it: where this torch lacks the private ones used here, a plain
-    group (the same numbers, a loop thread of its own). Every rank runs the same torch, so all choose alike."""
+def new_group(line, timeout, desc=None):
+    """dist.new_group(line) on its members alone (use_local_synchronization: the ranks outside it do not
+    call), on gloo one that shares the world group's device (the module's docstring says why). torch names
+    no public option for the device: where this torch lacks the private ones used here, a plain group (the
+    same numbers, a loop thread of its own). Every rank runs the same torch, so all choose alike."""
+    options = dict(timeout=timeout, use_local_synchronization=True, group_desc=desc)
     if dist.get_backend() != "gloo" or world_devices() is None or not hasattr(dist.ProcessGroupGloo, "_Options"):
-        return dist.new_group(line, timeout=timeout)
+        return dist.new_group(line, **options)
     if SHARED_GLOO not in dist.Backend.backend_list:   # once a process: new_group's backend= then knows it
         dist.Backend.register_backend(SHARED_GLOO, gloo_on_world_device, extended_api=True, devices=["cpu"])
-    return dist.new_group(line, timeout=timeout, backend=SHARED_GLOO)
+    return dist.new_group(line, backend=SHARED_GLOO, **options)
 
 
 def gloo_on_world_device(opts, backend_options=None):
@@ -135,15 +160,15 @@ class Mesh:
 
     @classmethod
     def build(cls, rank, world, dp=1, cp=1, tp=1, ep=1, timeout=None):
-        """Lay the world out and make every group (a collective: every rank calls it, with the same
-        sizes). timeout: the default group's; new_group's own default is 30 minutes, so a rank waiting
-        on a stopped peer would hang that long. Bad sizes raise ValueError before any group is made."""
-        members = lines(layout(world, dp, cp, tp), ep)
-        groups = {}
-        for name in GROUPS:                    # every group of every name, in the same order on every rank
-            made = [new_group(line, timeout) for line in members[name]]
-            groups[name] = next(g for g, line in zip(made, members[name]) if rank in line)
-        return cls(rank, layout(world, dp, cp, tp), members, groups, timeout)
+        """Lay the world out and make my group along every axis (every rank calls it, with the same sizes):
+        one axis at a time, in the order of GROUPS on every rank. timeout: the default group's; new_group's
+        own default is 30 minutes, so a rank waiting on a stopped peer would hang that long. Bad sizes
+        raise ValueError before any group is made."""
+        ranks = layout(world, dp, cp, tp)
+        members = lines(ranks, ep)
+        make = split_axis if world_splits() else my_line
+        groups = {name: make(rank, members[name], timeout, f"mesh_{name}") for name in GROUPS}
+        return cls(rank, ranks, members, groups, timeout)
 
     def peers(self, name):
         """The global ranks of my group along `name` (mine among them), in the order of its coordinate."""
