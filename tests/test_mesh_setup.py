@@ -3,7 +3,9 @@ of torch's new_group and split_group, every rank of 8, 16 and 64 in turn (no pro
 makes only its own 7 groups with their members alone (none world-wide, where a new_group a line was 36, 56,
 152); on nccl with a bound device one split of the world an axis (7). Each group of lines() is made once,
 by exactly its members, all as the same k-th call: they meet, and torch names it alike on each. With
-processes (4 gloo ranks): 7 calls a rank, and each group holds lines()'s members in lines()'s order."""
+processes (4 gloo ranks): 7 calls a rank, and each group holds lines()'s members in lines()'s order; (2 ranks)
+a peer that never comes ends the wait at the mesh's timeout."""
+import time
 from datetime import timedelta
 
 import pytest
@@ -98,3 +100,18 @@ def _counted_case(rank, world, group):
 
 def test_real_groups_are_the_lines_made_with_seven_calls(tmp_path):
     run_ranks(_counted_case, 4, tmp_path)
+
+
+def _absent_peer_case(rank, world, group):
+    """Rank 1 never makes its groups: rank 0, waiting in its tp group's rendezvous (its pp group, of one,
+    needs nobody), gives up at the mesh's timeout, not new_group's 30 minutes."""
+    if rank == 1:
+        return
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="(?i)wait timeout"):   # the store's words (FileStore, TCPStore)
+        Mesh.build(rank, world, tp=2, timeout=timedelta(seconds=2))
+    assert 1.5 < time.perf_counter() - start < 20
+
+
+def test_a_peer_that_never_comes_ends_the_wait_at_the_timeout(tmp_path):
+    run_ranks(_absent_peer_case, 2, tmp_path)
