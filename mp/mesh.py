@@ -28,13 +28,25 @@ puts pp outermost instead (a pipeline's small messages cross nodes and its dp gr
 this order is the one pipeline_dp_joint.py (view(dp, pp)) and parallel_3d.py (view(dp, pp, tp)) always
 had, so every rank keeps its coordinates and every sum its order: their numbers stay bit-identical.
 
-new_group is itself a collective over all ranks, so every rank creates every group, in the order of
-GROUPS, even the groups it is not in. Axes of size 1 get real groups of one rank too: a collective on
-a group of one is a no-op, while None would mean WORLD, and code that runs on WORLD "because it is
-alone" is what composition breaks. They are cheap on gloo (measured on 2 shared CPU cores, 2026-11-28):
-29 groups for pipeline_dp_joint.py's 6 ranks took 48 ms (26 ms for the 11 of its axes larger than one),
-36 for parallel_3d.py's 8 ranks (dp 2 pp 2 tp 2) 33 ms (24 ms), 56 for 16 ranks (dp 2 pp 2 cp 2 tp 2
-ep 4) 154 ms (111 ms): a tenth of a second against the seconds a rank takes to import torch and start.
+Each rank makes only its own group of each name, one name at a time in the order of GROUPS (Mesh.build).
+Axes of size 1 get real groups of one rank too: a collective on a group of one is a no-op, while None
+would mean WORLD, and code that runs on WORLD "because it is alone" is what composition breaks. Until
+2026-12-07 every rank called new_group for every line of every name, a world-wide call: 36 at 8 ranks
+(dp 2 pp 2 tp 2 ep 2), 56 at 16 (dp 2 pp 2 cp 2 tp 2 ep 4), 152 at 64 (dp 4 pp 2 cp 2 tp 4 ep 4),
+1,600 at 1,024 (dp 8 pp 8 cp 2 tp 8 ep 8). Now, on gloo, a group is made by its members alone (new_group's
+use_local_synchronization): 7 calls a rank, none world-wide. It cannot deadlock, and its members agree
+on the name torch gives it (from its ranks and how many groups each rank made before): every rank is in
+exactly one line of each name, so a group's members all make it as their k-th. On nccl with a bound
+device (mp.dist binds one) torch makes every new_group an ncclCommSplit of the world, which every rank
+must join (non-members with no colour): made by its members alone, a group would leave them waiting in
+the split for the rest. There each name is one dist.split_group of the world, as torch's DeviceMesh
+does: one ncclCommSplit, each rank coloured by its line, 7 world-wide calls a rank at any size, where
+there were 56 at 16 ranks and 1,600 at 1,024 (not yet timed on a GPU). Measured on gloo (2 shared CPU
+cores, ranks forked by mp.tools.torchrun, 2026-12-07; Mesh.build's slowest rank, the median of 3-5
+launches): 8 ranks 66 ms before, 60 ms now; 16 ranks 179 ms, 134 ms; 64 ranks 1.35 s, 1.19 s (64 ranks
+on 2 cores: +-0.3 s); still one gloo loop thread a rank. Little, as a gloo group's non-members only
+kept books; what shrinks is the calls: as rank r of a world of fakes (torch's fake backend and FakeStore,
+one process) Mesh.build took 1.4, 1.7, 6.3 and 72 ms at 8, 16, 64 and 1,024 ranks; now 0.8, 1.0, 1.0, 2.4 ms.
 On gloo, torch gives every group a transport of its own (a "device": a listening socket and an event-loop
 thread that wakes every 10 ms, idle or not), so pipeline_dp_joint.py --dp 4 (8 groups a rank: the world's
 and one for each of GROUPS) woke 800 times a second a rank where DDP (1 group) wakes 100. Our groups share
@@ -45,10 +57,9 @@ cores, 2026-11-28): 25 threads a rank became 18; over 30 steps the 4 ranks' loop
 thousand times, now 22 (DDP's 16); over 10 paired rounds each, the cores' idle share 5.1% became 3.5%
 (DDP's 2.8-3.2%), while the step time's ratio to DDP's stayed where it was, within the noise (1.048, 1.047);
 our mlp 8 x 1024 alone, shared against torch's own groups (8 runs each, in turn): --zero 0 0.98, --zero 2 0.94.
-Groups with the same members (dp and dp x cp when cp is 1) stay two groups, so that collectives on two
-axes never queue behind each other in one group's order. On nccl with a bound device (mp.dist), torch
-makes each new_group an ncclCommSplit of the world (non-members take part too) and connects the new
-communicator at once: not yet timed on a GPU; if it costs, groups of one are the first to drop there.
+Groups with the same members (dp and dp x cp when cp is 1) stay two groups (two calls, two splits), so
+that collectives on two axes never queue behind each other in one group's order; each group's ranks are
+its line's, in its order (a line's ranks ascend, so neither new_group's sort nor a split reorders them).
 """
 from dataclasses import dataclass, field
 
@@ -89,18 +100,43 @@ def along(ranks, axis):
     return ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
 
 
+def world_splits():
+    """Does torch make a new group by splitting the world's communicator? On nccl with a bound device (mp.dist
+    binds one) it does: new_group is then an ncclCommSplit of the world, which every rank must join."""
+    world = dist.group.WORLD
+    return world is not None and dist.get_backend() == "nccl" and getattr(world, "bound_device_id", None) is not None
+
+
+def split_axis(rank, axis_lines, timeout, desc):
+    """My group along one axis, all of the axis's groups made by one split of the world (as torch's DeviceMesh
+    does): one ncclCommSplit, each rank coloured by its line, where a new_group a line would be one each. The
+    lines of an axis cover every rank once, which a split asks; each keeps its order (its ranks ascend)."""
+    return dist.split_group(split_ranks=axis_lines, timeout=timeout, group_desc=desc)
+
+
+def my_line(rank, axis_lines, timeout, desc):
+    """My group along one axis, made by its members alone: the other ranks do not take part (my line is one
+    of theirs only if they are in it). Deadlock-free because every rank is in exactly one line of each axis
+    and makes its lines in the order of GROUPS: a group's members all make it as their k-th group, so they
+    meet, and they agree on the name torch gives it (its ranks and how many groups each made before)."""
+    mine = next(line for line in axis_lines if rank in line)
+    return new_group(mine, timeout, desc)
+
+
 SHARED_GLOO = "gloo_world_device"   # what dist.get_backend(group) says for a gloo group made by new_group
 
 
-def new_group(line, timeout):
-    """dist.new_group(line), on gloo one that shares the world group's device (the module's docstring says
-    why). torch names no public option for it: where this torch lacks the private ones used here, a plain
-    group (the same numbers, a loop thread of its own). Every rank runs the same torch, so all choose alike."""
+def new_group(line, timeout, desc=None):
+    """dist.new_group(line) on its members alone (use_local_synchronization: the ranks outside it do not
+    call), on gloo one that shares the world group's device (the module's docstring says why). torch names
+    no public option for the device: where this torch lacks the private ones used here, a plain group (the
+    same numbers, a loop thread of its own). Every rank runs the same torch, so all choose alike."""
+    options = dict(timeout=timeout, use_local_synchronization=True, group_desc=desc)
     if dist.get_backend() != "gloo" or world_devices() is None or not hasattr(dist.ProcessGroupGloo, "_Options"):
-        return dist.new_group(line, timeout=timeout)
+        return dist.new_group(line, **options)
     if SHARED_GLOO not in dist.Backend.backend_list:   # once a process: new_group's backend= then knows it
         dist.Backend.register_backend(SHARED_GLOO, gloo_on_world_device, extended_api=True, devices=["cpu"])
-    return dist.new_group(line, timeout=timeout, backend=SHARED_GLOO)
+    return dist.new_group(line, backend=SHARED_GLOO, **options)
 
 
 def gloo_on_world_device(opts, backend_options=None):
@@ -137,15 +173,15 @@ class Mesh:
 
     @classmethod
     def build(cls, rank, world, dp=1, cp=1, tp=1, ep=1, timeout=None):
-        """Lay the world out and make every group (a collective: every rank calls it, with the same
-        sizes). timeout: the default group's; new_group's own default is 30 minutes, so a rank waiting
-        on a stopped peer would hang that long. Bad sizes raise ValueError before any group is made."""
-        members = lines(layout(world, dp, cp, tp), ep)
-        groups = {}
-        for name in GROUPS:                    # every group of every name, in the same order on every rank
-            made = [new_group(line, timeout) for line in members[name]]
-            groups[name] = next(g for g, line in zip(made, members[name]) if rank in line)
-        return cls(rank, layout(world, dp, cp, tp), members, groups, timeout)
+        """Lay the world out and make my group along every axis (every rank calls it, with the same sizes):
+        one axis at a time, in the order of GROUPS on every rank. timeout: the default group's; new_group's
+        own default is 30 minutes, so a rank waiting on a stopped peer would hang that long. Bad sizes
+        raise ValueError before any group is made."""
+        ranks = layout(world, dp, cp, tp)
+        members = lines(ranks, ep)
+        make = split_axis if world_splits() else my_line
+        groups = {name: make(rank, members[name], timeout, f"mesh_{name}") for name in GROUPS}
+        return cls(rank, ranks, members, groups, timeout)
 
     def peers(self, name):
         """The global ranks of my group along `name` (mine among them), in the order of its coordinate."""
