@@ -63,7 +63,7 @@ from mp.mesh import Mesh
 from mp.models import PatchEmbed, num_blocks
 from mp.moe import (MixtureOfExperts, ahead_of, capacity_of, combine, kept_counts, route, rows_per_expert,
                     sorted_by_expert)
-from mp.optim import make_optimizer, whole_params
+from mp.optim import whole_params
 from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
@@ -72,10 +72,10 @@ from mp.pp.timeline import Timeline
 from mp.replicas import average_replicated_grads, counted_once, not_tp_replicas
 from mp.sizes import tokens_of
 from mp.split import MicrobatchMajorKeys, my_microbatches, my_sample_indices
-from mp.tp.mappings import gather_from_sequence_parallel_region, gather_from_tp_region, split_to_sequence_parallel_region
+from mp.tp.mappings import (gather_from_sequence_parallel_region, gather_from_tp_region,
+                             split_to_sequence_parallel_region)
 from mp.tp.sequence import partial_gradients, sum_sequence_parallel_grads
-from mp.zero import ZeroOptimizer
-from mp.ep.zero import ZeroPair, dense_units, expert_units
+from mp.ep.zero import dense_units, expert_units, mesh_optimizer
 # the lessons it composes
 from context_parallel import ContextParallelAttention, ContextParallelEmbed, ContextParallelHead
 from expert_parallel import AllToAll, ExpertParallelMoE
@@ -177,10 +177,8 @@ def on_my_tokens(i, block, mesh, n_blocks, tokens, attention, sequence_parallel)
 
 class FoldedMoE(ExpertParallelMoE):
     """expert_parallel.ExpertParallelMoE on the mesh: my E/N experts, the all-to-all over the ep group (folded over
-    a stage's dp x cp x tp ranks), and the counts of every rank holding this microbatch's tokens per (sample, token
-    chunk), in the baseline's order. Each tp rank routes its own run of my tokens: under sequence parallelism they
-    are its own already; else the whole tokens, the same on every tp rank, are split here and the outputs
-    gathered back, so that each token is routed, sent and run once, not T times (Megatron's MoE folding)."""
+    dp x cp x tp), the counts of every rank holding this microbatch's tokens per (sample, token chunk) in the
+    baseline's order. Each tp rank routes its own run of the tokens, so each is routed once, not T times."""
 
     def __init__(self, full, mesh, args, traffic):
         super().__init__(full, mesh.ep_group, traffic)
@@ -190,8 +188,7 @@ class FoldedMoE(ExpertParallelMoE):
         self.me = (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank)
         # my ep group: ranks ep_first .. + N - 1 of my stage in (dp, cp, tp) order (mp/mesh.py)
         self.ep_first = mesh.dp_cp_rank * mesh.tp_size + mesh.tp_rank - mesh.ep_rank
-        # my backward carries D*C / M of my share: the dense gradients are averaged over dp x cp (/ D*C)
-        # and the baseline's loss is the mean over the M microbatches
+        # my backward carries D*C / M of my share: dense gradients are / D*C, the loss a mean over M microbatches
         self.scale, self.shares = mesh.dp_cp_size / args.microbatches, []
         self.recompute = args.recompute       # its backward routes each microbatch again (mp.moe: rerun)
         if mesh.tp_size > 1:                  # the router on my tokens only: its gradients summed over tp; my
@@ -267,11 +264,10 @@ def build_stage(args, env, mesh):
 
 class ExpertGrads:
     """The experts' gradients, in buckets over the expert-data-parallel group (mp.buckets: all-reduced,
-    --zero 1, 2: reduce-scattered, and divided by the edp size D*C*T/N), then divided by N/T: the all-to-all's
-    backward already summed every expert's gradient over the N ep ranks' tokens, and the T tp ranks of a dp x cp
-    rank hold disjoint runs of its tokens, so the mean over the D*C ranks that hold a replica's tokens is the
-    sum over edp / (D*C). Dividing by the edp size only counts the ep sum twice: N times the gradient at T = 1
-    (Megatron #5956, torchtitan #1551); tests/test_5d.py puts it back."""
+    --zero 1, 2: reduce-scattered, and divided by the edp size D*C*T/N), then by N/T: the all-to-all's backward
+    summed each expert's gradient over the N ep ranks' tokens and the T tp ranks hold disjoint runs of them, so
+    the mean over the D*C ranks is the sum over edp / (D*C). / edp size only counts the ep sum twice (Megatron
+    #5956, torchtitan #1551); tests/test_5d.py puts it back."""
 
     def __init__(self, params, mesh, args, runner, late, direct):
         waiting = (f"rank {dist.get_rank()} waited for the experts' all-reduce, ranks {mesh.peers('edp')}",
@@ -363,16 +359,6 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert
     return (loss + aux if aux is not None and loss is not None else loss), norm
 
 
-def make_5d_optimizer(runner, grads, expert_grads, shards, args):
-    """torch's optimizer; --zero: mp.zero's over my slices of the dense buckets, and with experts a second one
-    over my slices of theirs, stepped together (mp/ep/zero.py)."""
-    if not args.zero:
-        return make_optimizer(runner.parameters(), args)
-    dense = ZeroOptimizer(grads, args, shards)
-    return ZeroPair(dense, ZeroOptimizer(expert_grads.buckets, args, expert_grads.shards)) if expert_grads.params \
-        else dense
-
-
 def clip(runner, optimizer, args):
     """The global norm over the groups of runner.norm_groups; --zero: over my slices (mp.zero)."""
     if not args.zero:
@@ -428,7 +414,7 @@ def main(argv=None):
                   f"at each cut, on rank 0: {', '.join(cuts) or 'none (one stage)'}", flush=True)
         grads, expert_grads, tp_sums, shards = gradient_syncs(model, runner, mesh, args)
         actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)
-        optimizer = make_5d_optimizer(runner, grads, expert_grads, shards, args)
+        optimizer = mesh_optimizer(runner.parameters(), grads, shards, expert_grads, args)
         if args.check:   # my shards (--zero: my slices) against the matching slices of a full model in this process
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             exit_now(check_and_exit(env, args, f"5-D {args.schedule}", model, check_step(

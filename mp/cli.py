@@ -198,7 +198,7 @@ def parallel_5d_args(argv, doc):
     p.set_defaults(model="vit")   # the one model with a sequence (cp) and feed-forward blocks (experts)
     for axis, help_ in (("dp", "data-parallel replicas"), ("cp", "context-parallel ranks: each holds S/cp tokens"),
                         ("tp", "tensor-parallel ranks per stage (the innermost axis)"),
-                        ("ep", "expert-parallel ranks, folded over a stage's dp x cp x tp ranks (divides dp x cp x tp)")):
+                        ("ep", "expert-parallel ranks, folded over a stage's dp x cp x tp ranks (divides it)")):
         p.add_argument(f"--{axis}", type=int, default=1, help=help_)
     p.add_argument("--attention", choices=["ring", "ulysses"], default="ring",
                    help="context parallelism's attention over the tokens of every cp rank (on my tp rank's heads)")

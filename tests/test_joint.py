@@ -31,7 +31,8 @@ def test_the_default_grid_is_two_pipelines_of_three_stages_with_three_microbatch
 @pytest.mark.parametrize("zero", [[], slow(["--zero", "3", "--bucket-mb", "0.005"])])
 def test_check_passes_on_every_rank(tmp_path, zero):
     """--zero: each replica's slices of the gradients and of the weights after one step (issue 82: refused)."""
-    run = launch("pipeline_dp_joint.py", MLP + ["--check", "--dp", "2", "--microbatches", "2", *zero], tmp_path, nproc=4)
+    args = MLP + ["--check", "--dp", "2", "--microbatches", "2", *zero]
+    run = launch("pipeline_dp_joint.py", args, tmp_path, nproc=4)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("all tensors match the full model") == 1, run.stdout
 

@@ -1,7 +1,8 @@
 """How many world-wide calls making the mesh's groups takes (issue 82, item 9). Counted against stand-ins
 of torch's new_group and split_group, every rank of 8, 16 and 64 in turn (no processes): on gloo each rank
 makes only its own 7 groups with their members alone (none world-wide, where a new_group a line would be
-32, 48, 128 with ep folded over tp; 36, 56, 152 before it was); on nccl with a bound device one split of the world an axis (7). Each group of lines() is made once,
+32, 48, 128 with ep folded over tp; 36, 56, 152 before); on nccl with a bound device one split of the
+world an axis (7). Each group of lines() is made once,
 by exactly its members, all as the same k-th call: they meet, and torch names it alike on each. With
 processes (4 gloo ranks): 7 calls a rank, and each group holds lines()'s members in lines()'s order; (2 ranks)
 a peer that never comes ends the wait at the mesh's timeout."""

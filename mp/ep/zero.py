@@ -8,6 +8,9 @@ dp x cp, which counts each once (dp x cp is the ep group times the edp group: th
 summed over their edp replicas and over the ep ranks' different experts)."""
 import contextlib
 
+from mp.optim import make_optimizer
+from mp.zero import ZeroOptimizer
+
 
 class ZeroPair:
     def __init__(self, dense, experts):
@@ -85,3 +88,13 @@ def expert_units(chunks):
     """Per chunk, its experts (each called once a microbatch, in the order they run)."""
     return [[expert for block in chunk if is_moe_block(block) for expert in block.mlp.experts.values()]
             for chunk in chunks]
+
+
+def mesh_optimizer(params, grads, shards, experts, args):
+    """parallel_5d.py's optimizer: torch's over params; --zero: mp.zero's over my slices of the dense buckets
+    (grads, and --zero 3's shards), and with experts a second one over my slices of theirs (experts: its
+    ExpertGrads, whose buckets and shards are None without experts), stepped together (ZeroPair)."""
+    if not args.zero:
+        return make_optimizer(params, args)
+    dense = ZeroOptimizer(grads, args, shards)
+    return ZeroPair(dense, ZeroOptimizer(experts.buckets, args, experts.shards)) if experts.buckets else dense
