@@ -100,7 +100,10 @@ def ranks(world):
             yield
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def legal(parse, argv, world):
