@@ -58,7 +58,7 @@ from mp.ep.evaluate import Traffic
 from mp.ep.routing import WithAuxLoss, aux_loss_total
 from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
 from mp.errors import note_one_rank
-from mp.loop import Job, Replicas, Sums, splits_evenly, train
+from mp.loop import Job, Replicas, Sums, train
 from mp.mesh import Mesh
 from mp.models import PatchEmbed, num_blocks
 from mp.moe import (MixtureOfExperts, ahead_of, capacity_of, combine, kept_counts, route, rows_per_expert,
@@ -206,9 +206,10 @@ class FoldedMoE(ExpertParallelMoE):
         b, t, h = x.shape
         x, me = x.reshape(b * t, h), dist.get_rank(self.group)
         probs, weights, choice = route(self.router, x, self.top_k)                  # 1. route my tokens
-        blocks = gather_blocks(sample_counts(choice, b, self.num_experts), self.dp_cp_group, self.dp, self.cp,
-                               self.tp_group)                                        # 2. every block's counts
-        capacity = capacity_of(blocks.shape[:4].numel() * t, self.num_experts, self.top_k, self.capacity_factor)
+        blocks, samples = gather_blocks(sample_counts(choice, b, self.num_experts), self.dp_cp_group, self.dp,
+                                        self.cp, self.tp_group, even=self.training_step is not None)   # 2. counts
+        capacity = capacity_of(samples * blocks.shape[2:4].numel() * t, self.num_experts, self.top_k,
+                               self.capacity_factor)
         ahead = from_order(ahead_of(in_order(blocks)), blocks.shape)                 # 3. the baseline's order
         kept = from_order(kept_counts(in_order(blocks), capacity), blocks.shape)
         self.record(probs, per_rank(blocks), per_rank(kept))   # f_i of the microbatch, my tokens' P_i share
@@ -217,7 +218,7 @@ class FoldedMoE(ExpertParallelMoE):
         #                                     ranks of my ep group, their totals [N, K, E]; the one read
         send_splits = [sum(self.on_rank(rows[me], j)) for j in range(len(rows))]
         recv_splits = [sum(self.on_rank(rows[j], me)) for j in range(len(rows))]
-        keep = kept_mask_blocks(choice, ahead[d, :, c, s], capacity)
+        keep = kept_mask_blocks(choice, ahead[d, :b, c, s], capacity)   # (the evaluation: not the padding)
         token, slot = sorted_by_expert(keep, choice, self.num_experts, sum(rows[me]))
         traffic = self.traffic if self.training_step is not None else None
         received = AllToAll.apply(x[token], send_splits, recv_splits, self.group, traffic)   # 4. dispatch
@@ -386,14 +387,12 @@ def check_step(runner, actions, data, args, mesh, grads, expert_grads, tp_sums):
 
 
 def evaluate_all(runner, mesh, data, env, optimizer):
-    """Every replica runs its slice of each test batch, as a step runs its slice of the batch: the experts'
-    counts, gathered over dp x cp, are then the test batch's, and the capacity drops what the baseline's
-    evaluation drops; the replicas' sums are added. Where D does not cut a test batch evenly, each replica
-    runs it whole (exact without --capacity-factor; mp.cli refuses it with). --zero 3: the weights
-    gathered whole first. The owner's figures are logged."""
-    replica = (mesh.dp_rank, mesh.dp_size, mesh.dp_group) if splits_evenly(data, mesh.dp_size) else None
+    """Every replica runs its slice of each test batch, as a step runs its slice of the batch (D need not
+    divide it: the counts are padded, mp.ep.order.gather_blocks): the experts' counts, gathered over dp x cp,
+    are then the test batch's, and the capacity drops what the baseline's evaluation drops; the replicas'
+    sums are added. --zero 3: a block's weights gathered as it runs. The owner's figures are logged."""
     with whole_params(optimizer):
-        result = evaluate_pipeline(runner, runner.pos, data, env.device, replica)
+        result = evaluate_pipeline(runner, runner.pos, data, env.device, (mesh.dp_rank, mesh.dp_size, mesh.dp_group))
     return result if mesh.dp_rank == 0 else None
 
 

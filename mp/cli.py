@@ -15,7 +15,7 @@ from mp.ep.flags import validate_expert_parallel
 from mp.errors import fail
 from mp.flags import add_bucket_flag, base_parser, validate_common
 from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
-from mp.sizes import EVAL_BATCH, tokens_of
+from mp.sizes import tokens_of
 from mp.tp.flags import validate_degree, validate_hybrid, validate_sequence_parallel
 
 
@@ -260,16 +260,6 @@ def validate_mesh_5d(args, world):
     validate_pipeline(args, stages=stages, replicas=d, tp=c * t)
     if args.zero:
         validate_zero(args, d * c)
-    refuse_not_yet_exact(args)
-
-
-def refuse_not_yet_exact(args):
-    """Combinations parallel_5d.py does not compute exactly yet: refused, never run approximately."""
-    if args.experts and args.capacity_factor is not None and args.eval_every and EVAL_BATCH % args.dp and \
-            not args.check:
-        fail(f"--eval-every with --capacity-factor and --dp {args.dp}: each replica evaluates its slice of every "
-             f"test batch of {EVAL_BATCH} samples, so that the capacity is the baseline's, and {args.dp} does not "
-             f"divide {EVAL_BATCH}; use a --dp that divides {EVAL_BATCH}, or --eval-every 0")
 
 
 PARSERS["parallel_5d"] = parallel_5d_args

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from mp import checkpoint
 from mp.check import report_replicas
 from mp.clipping import finish_norms
-from mp.data import dp_slice, test_batches
+from mp.data import test_batches
 from mp.ep.routing import complete_routing
 from mp.dist import awaiting, settle
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
@@ -260,9 +260,9 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     equal-size (inputs, labels) batches through the model and calls score(i, logits) with batch i's
     logits where they are whole (a pipeline: on its last stage). The full batches go in one call, a
     smaller last batch in a second: a pipeline's messages have one shape per call.
-    replica=(d, D, group): I am replica d of D and run my contiguous slice of every batch (dp_slice, as a
-    step slices its batch; D divides every batch: splits_evenly), and the replicas' sums are added over
-    group; every member calls it, the sums of a rank that scores nothing are zeros.
+    replica=(d, D, group): I am replica d of D and run my contiguous slice of every batch (as a step slices
+    its batch; where D does not divide a batch, the first replicas take one sample more), and the replicas'
+    sums are added over group; every member calls it, the sums of a rank that scores nothing are zeros.
     Returns [mean loss, accuracy], float64 on the device, unread: the loop reads it once its work is done
     (settle), so a peer lost on a GPU ends in one error line, not a read that waits for nccl's watchdog."""
     batches = test_batches(data, batch)
@@ -270,7 +270,7 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     n = sum(len(y) for _, y in batches)
     if replica is not None:
         d, parts, group = replica
-        batches = [(dp_slice(x, d, parts), dp_slice(y, d, parts)) for x, y in batches]
+        batches = [(x.tensor_split(parts)[d], y.tensor_split(parts)[d]) for x, y in batches]
     full = [b for b in batches if len(b[1]) == len(batches[0][1])]
     for part in (full, batches[len(full):]):
         if not part:
@@ -285,11 +285,6 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     if replica is not None:                   # the whole split's sums: every replica's slices added
         dist.all_reduce(totals, group=group)
     return totals / n
-
-
-def splits_evenly(data, parts, batch=EVAL_BATCH):
-    """Does every test batch cut into `parts` equal slices (evaluate's replica=)?"""
-    return all(len(y) % parts == 0 for _, y in test_batches(data, batch))
 
 
 def whole_model_run(model, device):

@@ -35,16 +35,24 @@ def gather(x, group):
     return torch.stack(every)
 
 
-def gather_blocks(mine, dp_cp_group, dp, cp, tp_group=None):
-    """Every block's counts in the baseline's order, [D, b, C, T, K, E] (T: 1 without sequence
-    parallelism). mine: my samples' counts [b, K, E]; gathered over the tp group first (each tp rank
-    one token chunk of my cp chunk), then over dp x cp (rank r = dp_rank * C + cp_rank)."""
+def gather_blocks(mine, dp_cp_group, dp, cp, tp_group=None, even=True):
+    """(every block's counts in the baseline's order, [D, b, C, T, K, E] (T: 1 without tp), the samples they
+    hold). mine: my samples' counts [b, K, E]; gathered over the tp group first (each tp rank one token chunk
+    of my cp chunk), then over dp x cp (rank r = dp_rank * C + cp_rank). even=False (the evaluation, whose
+    test batch D need not divide: the replicas' slices differ by a sample): the replicas' sample counts are
+    gathered first (a read), and each rank's counts padded with zero rows to the most, so that a padding row
+    is a block that chose no expert: it moves no count, no place in the order and no capacity."""
+    samples = mine.shape[0] * dp
+    if not even:
+        sizes = gather(torch.tensor([mine.shape[0]], device=mine.device), dp_cp_group).view(-1).tolist()
+        samples = sum(sizes[::cp])                                             # a replica's cp ranks: the same
+        mine = torch.cat([mine, mine.new_zeros(max(sizes) - mine.shape[0], *mine.shape[1:])])
     by_tp = gather(mine, tp_group) if tp_group is not None else mine[None]      # [T, b, K, E]
     every = gather(by_tp, dp_cp_group)                                         # [D*C, T, b, K, E]
     t, b = by_tp.shape[:2]
     # the baseline's order: samples (replica-major: a replica's samples are consecutive), then token
     # chunks (cp chunk, then tp chunk inside it)
-    return every.view(dp, cp, t, b, *mine.shape[1:]).permute(0, 3, 1, 2, 4, 5)
+    return every.view(dp, cp, t, b, *mine.shape[1:]).permute(0, 3, 1, 2, 4, 5), samples
 
 
 def in_order(blocks):
