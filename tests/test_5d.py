@@ -183,7 +183,8 @@ def test_a_dp_that_does_not_divide_the_test_batch_evaluates_as_the_baseline(tmp_
     """--dp 3 with --capacity-factor: 3 does not divide a test batch of 500, so the replicas take 167, 167 and 166
     samples and pad their counts with empty rows to 167 (mp.ep.order.gather_blocks): the capacity drops what the
     baseline's evaluation drops (issue 82: refused before)."""
-    args = RUN[:RUN.index("--eval-every")] + CAPACITY + ["--batch-size", "12", "--steps", "2", "--eval-every", "2"]
+    i = RUN.index("--eval-every")
+    args = RUN[:i] + RUN[i + 2:] + CAPACITY + ["--batch-size", "12", "--steps", "2", "--eval-every", "2"]
     run = launch("parallel_5d.py", args + ["--dp", "3"], tmp_path, nproc=3)
     assert run.returncode == 0, run.stderr[-2000:]
     got, want = run.events("eval"), baseline(args).events("eval")
