@@ -10,7 +10,7 @@ failure, with the one command that reruns the draw:
     MP_FUZZ_SEED=1234 python -m pytest -q tests/test_fuzz_5d.py -k draw3
 
 Draw i of seed s depends on (s, i) alone. The quick subset draws 2 layouts on 2 or 4 ranks; the slow set
-MP_FUZZ_DRAWS more (default 4) on 4 or 8 ranks. A draw is legal when the programs' own parsers take it
+MP_FUZZ_DRAWS more (default 2) on 4 or 8 ranks. A draw is legal when the programs' own parsers take it
 (mp.cli.parallel_5d_args at its WORLD_SIZE, and baseline_args), checked here in-process; a refused one is drawn
 again."""
 import contextlib
@@ -25,7 +25,7 @@ from helpers import FAST, launch, slow
 from mp.cli import baseline_args, parallel_5d_args
 
 SEED = int(os.environ.get("MP_FUZZ_SEED") or int.from_bytes(os.urandom(4), "little"))
-QUICK_DRAWS, SLOW_DRAWS = 2, int(os.environ.get("MP_FUZZ_DRAWS", 4))
+QUICK_DRAWS, SLOW_DRAWS = 2, int(os.environ.get("MP_FUZZ_DRAWS", 2))
 TRIES = 1000          # redraws of a refused layout before the fuzzer gives up (a bug of the fuzzer, then)
 STEPS = 3
 # what every draw shares with its baseline: the vit of tests/test_5d.py, dropout and (active) clipping
