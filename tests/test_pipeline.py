@@ -244,8 +244,12 @@ def test_bad_input_under_torchrun_fails_on_every_rank(tmp_path):
     """Under the real torchrun (not the tests' zygote): one error line on the console, and torchrun's
     report names our exit status 2, shows that line for each rank (mp.errors.tell_torchrun) and no
     line of our code."""
-    run = launch("pipeline_microbatch.py", MLP + ["--microbatches", "5"], tmp_path, nproc=2, timeout=60, real=True)
     line = "error: --batch-size 24 is not divisible by --microbatches 5"
+    for _ in range(3):   # a rank still importing torch when another failed is stopped by torchrun (SIGTERM) before
+        run = launch("pipeline_microbatch.py", MLP + ["--microbatches", "5"], tmp_path, nproc=2, timeout=60,
+                     real=True)   # its check: nothing of ours to see (once in 17 min of a loaded suite); again
+        if "(SIGTERM)" not in run.stderr:
+            break
     assert run.returncode != 0
     assert [x for x in run.stderr.splitlines() if x.startswith("error:")] == [line + "; use --batch-size 20 or --batch-size 25"]
     assert run.stderr.count(f"traceback : {line}") == 2, run.stderr[-3000:]   # the report: both ranks
