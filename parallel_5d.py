@@ -214,8 +214,8 @@ class FoldedMoE(ExpertParallelMoE):
         kept = from_order(kept_counts(in_order(blocks), capacity), blocks.shape)
         self.record(probs, per_rank(blocks), per_rank(kept))   # f_i of the microbatch, my tokens' P_i share
         d, c, s = self.me
-        rows = rows_per_expert(per_rank(kept)[self.ep_first:self.ep_first + dist.get_world_size(self.group)])   # the
-        #                                     ranks of my ep group, their totals [N, K, E]; the one read
+        # my ep group's ranks, their totals [N, K, E] (the evaluation's padding rows hold none): the one read
+        rows = rows_per_expert(per_rank(kept)[self.ep_first:self.ep_first + dist.get_world_size(self.group)])
         send_splits = [sum(self.on_rank(rows[me], j)) for j in range(len(rows))]
         recv_splits = [sum(self.on_rank(rows[j], me)) for j in range(len(rows))]
         keep = kept_mask_blocks(choice, ahead[d, :b, c, s], capacity)   # (the evaluation: not the padding)
