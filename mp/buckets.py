@@ -580,10 +580,6 @@ class BucketSets:
         for s in self.sets:
             s.expect(params)
 
-    def final(self, params):
-        for s in self.sets:
-            s.final(params)
-
     def final_expected(self):
         for s in self.sets:
             s.final_expected()
