@@ -5,6 +5,7 @@ Each parallel program logs the per-step training loss of this program within 1e-
 contract, docs/equivalence.md); each one's docstring lists what it adds to this file.
 
     python single_baseline.py --data synthetic --steps 300
+    python single_baseline.py --model gpt --data synthetic --loss-mask prefix   # a causal language model
     python -m mp.tools.plot_curves logs/single_baseline.jsonl -o plots/baseline.png
 """
 from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
@@ -14,13 +15,13 @@ if __name__ == "__main__":
 import copy
 
 import torch
-import torch.nn.functional as F
 
 from mp import checkpoint
 from mp.cli import baseline_args
 from mp.data import agree_on_data, load_data, to_device
 from mp.dist import distributed
 from mp.loop import Job, evaluate, train, whole_model_run
+from mp.loss import loss_function
 from mp.models import build_model
 from mp.moe import moe_layers, plus_aux_loss
 from mp.optim import make_optimizer
@@ -37,20 +38,21 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- training
 
 
-def train_step(model, optimizer, x, y, step=0, grad_norm=None):
+def train_step(model, optimizer, x, y, loss_fn, step=0, grad_norm=None):
     """One optimizer step on the whole global batch (the samples of step `step`, for the dropout
-    masks). grad_norm(params): the full model's gradient norm, clipping the gradients to
+    masks). loss_fn(logits, y): the mean cross-entropy (the gpt: over the batch's valid tokens,
+    mp/loss.py). grad_norm(params): the full model's gradient norm, clipping the gradients to
     --clip-grad-norm if set (None: neither). Returns (the loss before the update, that norm)."""
     optimizer.zero_grad(set_to_none=True)
     with model.dropout_keys.training(step):
-        loss = plus_aux_loss(model, F.cross_entropy(model(x), y))   # --experts: + the load-balancing loss
+        loss = plus_aux_loss(model, loss_fn(model(x), y))   # --experts: + the load-balancing loss
     loss.backward()
     norm = grad_norm(list(model.parameters())) if grad_norm else None
     optimizer.step()
     return loss.detach(), norm      # tensors: the loop reads them every --log-every steps
 
 
-def delayed_train_step(model, stale, optimizer, x, y, step=0, grad_norm=None):
+def delayed_train_step(model, stale, optimizer, x, y, loss_fn, step=0, grad_norm=None):
     """--delay 1, PipeDream-2BW's update in one process: W(t+1) = W(t) - lr * grad f_t(W(t-1)).
     stale holds W(t-1) (at step 0 the initial weights). The gradient of batch t is taken there and
     applied to the current weights, momentum as usual; then stale becomes W(t). Returns (batch t's
@@ -58,7 +60,7 @@ def delayed_train_step(model, stale, optimizer, x, y, step=0, grad_norm=None):
     stale.zero_grad(set_to_none=True)
     optimizer.zero_grad(set_to_none=True)
     with stale.dropout_keys.training(step):
-        loss = plus_aux_loss(stale, F.cross_entropy(stale(x), y))
+        loss = plus_aux_loss(stale, loss_fn(stale(x), y))
     loss.backward()
     for p, old in zip(model.parameters(), stale.parameters()):
         p.grad = old.grad
@@ -92,9 +94,10 @@ def main(argv=None):
 
         def step(k):
             x, y = (to_device(t, env.device) for t in data.batch(k, args.batch_size))   # the whole global batch
+            loss_fn = loss_function(args, data, k)   # one piece: the whole batch
             if stale is None:
-                return train_step(model, optimizer, x, y, k, grad_norm)
-            return delayed_train_step(model, stale, optimizer, x, y, k, grad_norm)
+                return train_step(model, optimizer, x, y, loss_fn, k, grad_norm)
+            return delayed_train_step(model, stale, optimizer, x, y, loss_fn, k, grad_norm)
 
         train(args, env, Job(step, model, optimizer, checkpoint.layout_of(PROGRAM, env),
                              evaluate=lambda: evaluate(data, env.device, whole_model_run(model, env.device)),

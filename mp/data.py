@@ -1,14 +1,13 @@
 """The data every program trains on, as a sequence of global batches that every rank can draw
 identically: CIFAR-10 through torchvision (downloaded once per machine, under a lock), or a
-synthetic, learnable, CIFAR-shaped stand-in made from the seed; plus the slices and the test split."""
-import fcntl
+synthetic, learnable, CIFAR-shaped stand-in made from the seed; the gpt's text (mp/text.py); plus
+the slices and the test split."""
 import functools
 import os
 import shutil
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -17,12 +16,12 @@ import torch.nn.functional as F
 from mp.dist import awaiting
 from mp.dropout import MASK32, mix
 from mp.errors import fail
+from mp.fetch import DOWNLOAD_TIMEOUT_S, LOCK_TIMEOUT_S, DataUnavailable, file_lock
 from mp.models import NUM_CLASSES
+from mp.text import load_text, synthetic_data
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
-DOWNLOAD_TIMEOUT_S = 30   # no answer from the server for this long: treat the machine as offline
-LOCK_TIMEOUT_S = 900      # how long a rank waits while another process downloads and extracts
 FAILED_MARK = ".cifar10-download-failed"   # a failed attempt, so the next ranks do not retry it
 
 
@@ -164,30 +163,6 @@ class Cifar10Data:
         return self.normalise(self.test[0]), self.test[1]
 
 
-class DataUnavailable(Exception):
-    """CIFAR-10 cannot be had here (no torchvision, no network): --data auto falls back."""
-
-
-@contextmanager
-def file_lock(path, what, timeout_s):
-    """An exclusive lock on `path` (released by the kernel if its holder dies), waited for with a timeout."""
-    with open(path, "a") as f:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    fail(f"waited {timeout_s:g} s for {path}, held by another process {what}; "
-                         f"wait for it to finish, or use another --data-dir", seen_by="every node")
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def import_torchvision():
     try:
         import torchvision  # imported here: only the CIFAR-10 path needs it
@@ -265,7 +240,10 @@ def ensure_cifar10(torchvision, data_dir):
 
 def load_data(args):
     """The data of --data, before init, so a missing data set fails before any collective.
-    --data auto falls back to the synthetic set here; agree_on_data() then makes every rank agree."""
+    --data auto falls back to the synthetic set here; agree_on_data() then makes every rank agree.
+    The gpt reads text (mp/text.py)."""
+    if args.model == "gpt":
+        return load_text(args)
     if args.data == "synthetic":
         return SyntheticData(args.seed)
     try:
@@ -285,17 +263,18 @@ def agree_on_data(data, args, env):
     """After init, under --data auto: if any rank fell back (a node without the files or the
     network), every rank uses the synthetic set. Sets args.data to the data actually used (the
     config record and the plot titles read it); the first rank that fell back prints the one note."""
-    lacking = [env.rank] if data.name != "cifar10" else []
+    lacking = [env.rank] if data.name == "synthetic" else []
+    real = "tiny Shakespeare" if args.model == "gpt" else "CIFAR-10"
     if args.data == "auto" and env.world_size > 1:
-        mine = torch.tensor([data.name == "cifar10"], dtype=torch.int32, device=env.device)
+        mine = torch.tensor([data.name != "synthetic"], dtype=torch.int32, device=env.device)
         every = [torch.zeros_like(mine) for _ in range(env.world_size)]
         with awaiting(f"rank {env.rank} waited for every rank to say which data it found", args.timeout_s):
             dist.all_gather(every, mine)
         lacking = [r for r, t in enumerate(every) if not t.item()]
-        if lacking and data.name == "cifar10":
-            data = SyntheticData(args.seed)
+        if lacking and data.name != "synthetic":
+            data = synthetic_data(args) if args.model == "gpt" else SyntheticData(args.seed)
     if args.data == "auto" and lacking and env.rank == lacking[0]:
-        ranks = f" (ranks {lacking} of {env.world_size} found no CIFAR-10)" if len(lacking) < env.world_size else ""
+        ranks = f" (ranks {lacking} of {env.world_size} found no {real})" if len(lacking) < env.world_size else ""
         print(f"note: --data auto uses the SYNTHETIC data{ranks}: {data.note}", flush=True)
     args.data = data.name
     return data

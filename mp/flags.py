@@ -27,9 +27,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 # the model flags each model reads: a flag given for a model that ignores it is refused, not dropped
+EXPERT_FLAGS = ("--experts", "--top-k", "--aux-loss", "--capacity-factor")
 MODEL_FLAGS = {"cnn": (), "mlp": ("--layers", "--hidden"),
-               "vit": ("--layers", "--hidden", "--heads", "--patch-size", "--experts", "--top-k", "--aux-loss",
-                       "--capacity-factor")}
+               "vit": ("--layers", "--hidden", "--heads", "--patch-size") + EXPERT_FLAGS,
+               "gpt": ("--layers", "--hidden", "--heads", "--seq-len", "--tie-embeddings", "--loss-mask",
+                       "--text-file") + EXPERT_FLAGS}
+ALL_MODEL_FLAGS = tuple(dict.fromkeys(f for flags in MODEL_FLAGS.values() for f in flags))
+# the programs that train --model gpt so far (each axis's lesson joins as it learns the language model)
+GPT_PROGRAMS = ("single_baseline",)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -50,7 +55,7 @@ class Parser(OneLineParser):
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)
         parsed = super().parse_args(argv, namespace)
-        given = [a.split("=")[0] for a in argv if a.split("=")[0] in MODEL_FLAGS["vit"]]
+        given = [a.split("=")[0] for a in argv if a.split("=")[0] in ALL_MODEL_FLAGS]
         unused = [flag for flag in dict.fromkeys(given) if flag not in MODEL_FLAGS[parsed.model]]
         if unused:
             used = ", ".join(MODEL_FLAGS[parsed.model]) or "no model flag"
@@ -61,19 +66,23 @@ class Parser(OneLineParser):
 
 def base_parser(description):
     p = Parser(description=description, formatter_class=HelpFormatter)
-    p.add_argument("--model", choices=["cnn", "mlp", "vit"], default="cnn")
-    p.add_argument("--layers", type=int, default=4, help="mlp: Linear layers; vit: blocks (the cnn has 5 fixed blocks)")
-    p.add_argument("--hidden", type=int, default=128, help="mlp: width; vit: embedding width")
-    p.add_argument("--heads", type=int, default=4, help="vit: attention heads")
+    p.add_argument("--model", choices=["cnn", "mlp", "vit", "gpt"], default="cnn",
+                   help="cnn, mlp, vit: CIFAR-10 classifiers; gpt: a causal language model on bytes of text")
+    p.add_argument("--layers", type=int, default=4,
+                   help="mlp: Linear layers; vit, gpt: transformer blocks (the cnn has 5 fixed blocks)")
+    p.add_argument("--hidden", type=int, default=128, help="mlp: width; vit, gpt: embedding width")
+    p.add_argument("--heads", type=int, default=4, help="vit, gpt: attention heads")
     p.add_argument("--patch-size", type=int, default=4,
                    help="vit: the side of a square patch; (32/P)^2 tokens (4: 64, 2: 256, 1: 1024)")
-    add_expert_flags(p)                    # vit: --experts, --top-k, --aux-loss, --capacity-factor (mp/ep/flags.py)
+    add_text_flags(p)                      # gpt: --seq-len, --tie-embeddings, --loss-mask, --text-file
+    add_expert_flags(p)                    # vit, gpt: --experts, --top-k, --aux-loss, --capacity-factor (mp/ep/flags.py)
     p.add_argument("--activation", choices=ACTIVATION_NAMES, default="gelu",
                    help="every model's activation; relu: --model mlp --layers 2 is the course's Linear-ReLU-Linear "
                         "(its kinks let float32 rounding differences grow: docs/equivalence.md)")
-    p.add_argument("--data", choices=["auto", "cifar10", "synthetic"], default="auto",
-                   help="auto: CIFAR-10 if it is in --data-dir or can be downloaded, else synthetic")
-    p.add_argument("--data-dir", default="./data", help="where CIFAR-10 is, or is downloaded to once")
+    p.add_argument("--data", choices=["auto", "cifar10", "shakespeare", "synthetic"], default="auto",
+                   help="auto: CIFAR-10 (gpt: tiny Shakespeare, or --text-file) if it is in --data-dir or can be "
+                        "downloaded, else synthetic; cifar10 for the image models, shakespeare for the gpt")
+    p.add_argument("--data-dir", default="./data", help="where CIFAR-10 and tiny Shakespeare are, or are downloaded to once")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps, numbered from 0 on screen and in the log")
     p.add_argument("--batch-size", type=int, default=64, help="global batch of one optimizer step")
     add_optimizer_flags(p)
@@ -99,6 +108,19 @@ def base_parser(description):
     p.add_argument("--save-every", type=int, default=50,
                    help="with --checkpoint-dir: save every K steps and after the last")
     return p
+
+
+def add_text_flags(p):
+    """The gpt's own flags (mp.text holds the data, mp.loss the loss they shape)."""
+    p.add_argument("--seq-len", type=int, default=64, help="gpt: bytes a sample reads (its context window)")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="gpt: the output layer reuses the input embedding's weight (one parameter)")
+    p.add_argument("--loss-mask", default="none", metavar="{none,prefix,prefix:N}",
+                   help="gpt: prefix leaves a seeded prefix of each sample, 0 to N tokens long (default N: half "
+                        "the sequence), out of the loss, so samples, microbatches and ranks hold different counts "
+                        "of valid tokens (the loss: their sum over the global batch's count)")
+    p.add_argument("--text-file", default=None,
+                   help="gpt: train on this file's bytes (the last tenth held out for the evaluation)")
 
 
 # the programs with a data-parallel axis, whose replicas can split the optimizer state (--zero 1)
@@ -185,12 +207,13 @@ def validate_common(args, program):
         fail(f"--clip-grad-norm {args.clip_grad_norm} must be a finite number > 0 (omit it for no clipping)")
     if args.model == "mlp" and args.layers < 2:
         fail(f"--layers {args.layers}: the mlp needs at least 2 Linear layers")
-    if args.model == "vit" and args.hidden % args.heads:
+    if args.model in ("vit", "gpt") and args.hidden % args.heads:
         fail(f"--hidden {args.hidden} is not divisible by --heads {args.heads}; "
              f"choose --heads among the divisors of {args.hidden}")
     if args.model == "vit" and (args.patch_size <= 0 or 32 % args.patch_size):
         fail(f"--patch-size {args.patch_size} does not divide the 32-pixel side of an image; "
              f"use one of 1, 2, 4, 8, 16, 32 (4: 64 tokens, 2: 256, 1: 1024)")
+    validate_text(args, program)
     validate_experts(args, program)
     if args.log_file is None:
         args.log_file = os.path.join("logs", f"{program}.jsonl")
@@ -200,3 +223,29 @@ def validate_common(args, program):
         if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
             fail(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory; give a directory path "
                  f"(it is created if missing)")
+
+
+def validate_text(args, program):
+    """The gpt's flags and its data; sets args.mask_max (the longest prefix --loss-mask leaves out, 0: none)."""
+    if args.model != "gpt":
+        if args.data == "shakespeare":
+            fail(f"--data shakespeare is text, for --model gpt; --model {args.model} reads images: "
+                 f"use --data cifar10 or synthetic, or --model gpt")
+        return
+    if program not in GPT_PROGRAMS:
+        fail(f"--model gpt: {program}.py does not train the language model yet (so far: "
+             f"{', '.join(p + '.py' for p in GPT_PROGRAMS)}); use --model vit here")
+    if args.data == "cifar10":
+        fail("--data cifar10 holds images and --model gpt reads text: use --data shakespeare, synthetic or auto, "
+             "or --text-file PATH")
+    if args.text_file is not None and args.data != "auto":
+        fail(f"--text-file {args.text_file} is the data, and --data {args.data} asks for other data; drop --data")
+    if args.seq_len <= 0:
+        fail(f"--seq-len {args.seq_len} must be a positive integer, e.g. 64")
+    kind, _, n = args.loss_mask.partition(":")
+    if kind not in ("none", "prefix") or (kind == "none" and n) or (n and not n.isdigit()):
+        fail(f"--loss-mask {args.loss_mask}: use none, prefix (a prefix of 0 to seq-len/2 tokens) or prefix:N")
+    args.mask_max = 0 if kind == "none" else int(n) if n else args.seq_len // 2
+    if args.mask_max >= args.seq_len:
+        fail(f"--loss-mask {args.loss_mask} could leave out all {args.seq_len} tokens of a sample (--seq-len "
+             f"{args.seq_len}), which then has no valid token; use prefix:N with N at most {args.seq_len - 1}")

@@ -7,6 +7,7 @@ checkpoint, time each step from the batch's drawing on, read the steps' scalars 
 steps and log them, evaluate every --eval-every steps, save every --save-every, write the summary.
 """
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -14,7 +15,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from mp import checkpoint
 from mp.check import report_replicas
@@ -22,6 +22,7 @@ from mp.clipping import finish_norms
 from mp.data import test_batches
 from mp.ep.routing import complete_routing
 from mp.dist import awaiting, settle
+from mp.loss import token_sum, valid_tokens
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
 from mp.models import param_mb
 from mp.moe import expert_load, read_load
@@ -157,8 +158,7 @@ def train(args, env, job):
                     settle(env.device, args.timeout_s, lambda: f"the evaluation after step {step}")
                     result = result.tolist()
             if job.owner and result:
-                log.write("eval", step=step, test_loss=result[0], test_acc=result[1])
-                print(f"step {step}: test loss {result[0]:.4f}  test accuracy {result[1]:.1%}", flush=True)
+                report_evaluation(log, args, step, *result)
             phases += [] if "evaluation" in phases else ["evaluation"]
         checkpoint.maybe_save(args, step, job.model, optimizer, job.layout, env.rank, job.versions)
     if job.sums.routing is not None:      # outside the steps: it reads the device and talks to every stage
@@ -175,6 +175,17 @@ def train(args, env, job):
     with every_param_whole(optimizer):    # --zero 3: the weights gathered whole for the comparison (collectives)
         return max([report_replicas(r.params, r.group, r.claim, env, args.timeout_s, r.zero) for r in job.replicas],
                    default=0)
+
+
+def report_evaluation(log, args, step, loss, accuracy):
+    """The eval record and its console line; the gpt's also in bits per byte (its loss is in nats per byte)."""
+    if args.model != "gpt":
+        log.write("eval", step=step, test_loss=loss, test_acc=accuracy)
+        print(f"step {step}: test loss {loss:.4f}  test accuracy {accuracy:.1%}", flush=True)
+        return
+    log.write("eval", step=step, test_loss=loss, test_acc=accuracy, test_bits_per_byte=loss / math.log(2))
+    print(f"step {step}: test loss {loss:.4f} ({loss / math.log(2):.3f} bits per byte)  next-byte accuracy "
+          f"{accuracy:.1%}", flush=True)
 
 
 def waiting_for(job, env, args, what):
@@ -256,7 +267,8 @@ def data_parallel_fields(env, job, steps, phases=()):
 
 @torch.no_grad()
 def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
-    """Mean test loss and accuracy over the whole test split. run(batches, score) sends a list of
+    """Mean test loss and accuracy over the whole test split (the gpt: over its tokens, each a prediction of
+    the next byte; a label IGNORE would not count, and the test split has none). run(batches, score) sends a list of
     equal-size (inputs, labels) batches through the model and calls score(i, logits) with batch i's
     logits where they are whole (a pipeline: on its last stage). The full batches go in one call, a
     smaller last batch in a second: a pipeline's messages have one shape per call.
@@ -267,7 +279,7 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     (settle), so a peer lost on a GPU ends in one error line, not a read that waits for nccl's watchdog."""
     batches = test_batches(data, batch)
     totals = torch.zeros(2, dtype=torch.float64, device=device)   # the loss's sum, the correct answers
-    n = sum(len(y) for _, y in batches)
+    n = sum(valid_tokens(y) for _, y in batches)
     if replica is not None:
         d, parts, group = replica
         batches = [(x.tensor_split(parts)[d], y.tensor_split(parts)[d]) for x, y in batches]
@@ -278,8 +290,8 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
 
         def score(i, logits, part=part):
             labels = part[i][1].to(device)
-            totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()   # as .item() gave it
-            totals[1] += (logits.argmax(1) == labels).sum()
+            totals[0] += token_sum(logits, labels).double()   # as .item() gave it
+            totals[1] += (logits.argmax(-1) == labels).sum()
 
         run(part, score)
     if replica is not None:                   # the whole split's sums: every replica's slices added

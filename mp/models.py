@@ -1,5 +1,6 @@
-"""The three models as ordered lists of blocks (the units a pipeline cuts into stages), built block
-by block from --seed, so that every rank and every program starts from bit-identical weights."""
+"""The four models as ordered lists of blocks (the units a pipeline cuts into stages), built block
+by block from --seed, so that every rank and every program starts from bit-identical weights: three
+image classifiers (cnn, mlp, vit) and a causal language model on bytes (gpt)."""
 import itertools
 import math
 from collections import OrderedDict
@@ -10,7 +11,7 @@ import torch.nn as nn
 
 from mp.dropout import DropoutKeys, KeyedDropout
 from mp.moe import MixtureOfExperts
-from mp.sizes import ACTIVATION_NAMES, num_blocks  # noqa: F401 (num_blocks: the programs read it here)
+from mp.sizes import ACTIVATION_NAMES, VOCAB, num_blocks  # noqa: F401 (num_blocks: the programs read it here)
 
 
 NUM_CLASSES = 10
@@ -25,19 +26,29 @@ assert tuple(ACTIVATIONS) == ACTIVATION_NAMES   # the names --activation offers 
 class Attention(nn.Module):
     """Multi-head self-attention with separate q, k, v projections, so that tensor parallelism can
     give each rank whole heads by slicing rows of q, k, v and columns of proj. The number of heads
-    is read off the weights, so a sliced copy runs unchanged on its local heads."""
+    is read off the weights, so a sliced copy runs unchanged on its local heads. causal (the gpt):
+    token i attends to tokens 0..i only, so that predicting token i + 1 never sees it."""
 
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, causal=False):
         super().__init__()
-        self.head_dim = dim // heads
+        self.head_dim, self.causal = dim // heads, causal
         self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        attn = (q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)).softmax(dim=-1)
-        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, -1))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        if self.causal:   # the later keys' scores to -inf: a weight of exactly 0 after the softmax
+            scores = scores.masked_fill(causal_mask(t, t, x.device), float("-inf"))
+        return self.proj((scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+def causal_mask(queries, keys, device, offset=0):
+    """[queries, keys], True where key j comes after query i (j > i + offset): the scores a causal
+    model hides. offset: the queries' first position minus the keys' (context parallelism's blocks)."""
+    i = torch.arange(queries, device=device).unsqueeze(1)
+    return torch.arange(keys, device=device).unsqueeze(0) > i + offset
 
 
 class TransformerBlock(nn.Module):
@@ -45,10 +56,10 @@ class TransformerBlock(nn.Module):
     token, so it never mixes samples: exact under microbatching and data parallelism. moe(): a
     mixture of experts in place of the MLP (--experts, mp/moe.py)."""
 
-    def __init__(self, dim, heads, dropout=None, act=nn.GELU, moe=None):
+    def __init__(self, dim, heads, dropout=None, act=nn.GELU, moe=None, causal=False):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
+        self.attn = Attention(dim, heads, causal)
         self.mlp = moe() if moe else nn.Sequential(nn.Linear(dim, 2 * dim), act(), nn.Linear(2 * dim, dim))
         self.drop1, self.drop2 = dropout() if dropout else nn.Identity(), dropout() if dropout else nn.Identity()
 
@@ -80,6 +91,46 @@ class Head(nn.Module):
 
     def forward(self, x):
         return self.fc(self.ln(x).mean(dim=1))
+
+
+class TokenEmbed(nn.Module):
+    """The gpt's first block: each byte's learned vector (tok, VOCAB x dim) plus its position's (pos).
+    Both drawn from N(0, 0.02^2), GPT-2's scale: tied to the head (--tie-embeddings), tok is also the
+    output layer, whose logits must start small."""
+
+    def __init__(self, dim, seq_len, vocab=VOCAB):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        self.pos = nn.Parameter(0.02 * torch.randn(1, seq_len, dim))
+
+    def forward(self, tokens):
+        return self.tok(tokens) + self.pos[:, :tokens.shape[1]]
+
+
+class LMHead(nn.Module):
+    """The gpt's last block: final LayerNorm, then a logit per byte and position, [b, s, VOCAB], from
+    a weight of its own (weight) or, tied, from the embedding's (--tie-embeddings: the same Parameter
+    as block 0's tok.weight, so one process's autograd sums the two uses' gradients; a pipeline, whose
+    first and last stage each hold it, sums them itself)."""
+
+    def __init__(self, dim, vocab=VOCAB, tied=None):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.weight = tied if tied is not None else nn.Parameter(0.02 * torch.randn(vocab, dim))
+
+    def forward(self, x):
+        return self.ln(x) @ self.weight.T
+
+
+def gpt_blocks(layers, hidden, heads, seq_len, dropout, act=nn.GELU, moe=None, tie=False):
+    """A decoder-only transformer on bytes: TokenEmbed, `layers` causal pre-norm blocks (the vit's, with
+    the mask), LMHead; tie: the head reads the embedding's weight (one Parameter)."""
+    embed = TokenEmbed(hidden, seq_len)
+    yield embed
+    for _ in range(layers):
+        yield TransformerBlock(hidden, heads, dropout, act, moe, causal=True)
+    yield LMHead(hidden, tied=embed.tok.weight if tie else None)
 
 
 def cnn_blocks(dropout, act=nn.GELU):
@@ -143,6 +194,8 @@ def model_blocks(args, keys):
         return mlp_blocks(args.layers, args.hidden, dropout, act)
     moe = partial(MixtureOfExperts, args.hidden, args.experts, args.top_k, args.capacity_factor, args.aux_loss, act,
                   keys) if getattr(args, "experts", 0) else None   # --experts: each block's MLP as experts (mp/moe.py)
+    if args.model == "gpt":
+        return gpt_blocks(args.layers, args.hidden, args.heads, args.seq_len, dropout, act, moe, args.tie_embeddings)
     return vit_blocks(args.layers, args.hidden, args.heads, dropout, act, getattr(args, "patch_size", 4), moe)
 
 

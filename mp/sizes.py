@@ -5,6 +5,7 @@ imports torch) all read them here, so the checks and the models cannot disagree.
 
 ACTIVATION_NAMES = ("gelu", "relu")   # mp.models.ACTIVATIONS: the module of each
 VIT_PATCH = 4                         # --patch-size's default
+VOCAB = 256                           # the gpt's symbols: bytes, no tokenizer
 
 
 def vit_tokens(patch=VIT_PATCH):
@@ -18,14 +19,17 @@ EVAL_BATCH = 500                      # the test split goes through the model in
 
 
 def tokens_of(args):
-    """The vit's tokens at this run's --patch-size (hand-made args without the flag: the default)."""
+    """A sample's tokens: the gpt's --seq-len, the vit's at this run's --patch-size (hand-made args
+    without the flag: the default)."""
+    if getattr(args, "model", None) == "gpt":
+        return args.seq_len
     return vit_tokens(getattr(args, "patch_size", VIT_PATCH))
 
 
 def num_blocks(args):
     """The blocks a pipeline stage is made of: the cnn's 5, the mlp's Linear layers, the vit's
-    transformer blocks plus its patch embedding and its head."""
-    return {"cnn": 5, "mlp": args.layers, "vit": args.layers + 2}[args.model]
+    transformer blocks plus its patch embedding and its head, the gpt's plus its token embedding and head."""
+    return {"cnn": 5, "mlp": args.layers, "vit": args.layers + 2, "gpt": args.layers + 2}[args.model]
 
 
 def split_sizes(n, parts):

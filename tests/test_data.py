@@ -12,6 +12,7 @@ import torch
 import cifar_mirror as cm
 from mp.dist import Env
 from mp.data import Cifar10Data, SyntheticData, agree_on_data, dp_slice, next_batch
+from mp.text import TextData, synthetic_data
 from helpers import PYTHON, ROOT, launch, read_log, run_ranks
 
 ARGS = ["--model", "mlp", "--layers", "4", "--hidden", "32", "--steps", "4", "--batch-size", "16",
@@ -128,15 +129,26 @@ class FoundCifar:
     name, note = "cifar10", None
 
 
+class FoundText:
+    """Stands in for tiny Shakespeare (mp.text.TextData) on the ranks that found it."""
+    name, note = "shakespeare", None
+
+
 def ranks_disagree(rank, world, group):
-    args = argparse.Namespace(data="auto", seed=0, data_dir="data", timeout_s=60.0)
+    args = argparse.Namespace(data="auto", seed=0, data_dir="data", timeout_s=60.0, model="cnn")
     env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
     found = FoundCifar() if rank != 1 else SyntheticData(0, note="no network")
     data = agree_on_data(found, args, env)
-    assert data.name == "synthetic" and args.data == "synthetic", (rank, data.name)
+    assert data.name == "synthetic" and args.data == "synthetic" and isinstance(data, SyntheticData), (rank, data)
+    # the gpt's text alike: the ranks that found tiny Shakespeare take the synthetic text too
+    args = argparse.Namespace(data="auto", seed=0, data_dir="data", timeout_s=60.0, model="gpt", seq_len=16,
+                              mask_max=0, batch_size=8)
+    found = FoundText() if rank != 1 else synthetic_data(args, note="no network")
+    data = agree_on_data(found, args, env)
+    assert data.name == "synthetic" and args.data == "synthetic" and isinstance(data, TextData), (rank, data)
 
 
-def test_when_one_rank_has_no_cifar10_every_rank_uses_synthetic(tmp_path):
+def test_when_one_rank_has_no_cifar10_or_text_every_rank_uses_synthetic(tmp_path):
     run_ranks(ranks_disagree, 3, tmp_path)
 
 

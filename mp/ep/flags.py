@@ -37,9 +37,9 @@ def validate_experts(args, program):
     if program not in MOE_PROGRAMS:
         fail(f"--experts {args.experts}: {program}.py runs the dense vit only; train the mixture of experts with "
              f"single_baseline.py, expert_parallel.py or parallel_5d.py, or drop --experts")
-    if args.model != "vit":
+    if args.model not in ("vit", "gpt"):
         fail(f"--experts {args.experts}: --model {args.model} has no feed-forward blocks to make experts of; "
-             f"use --model vit")
+             f"use --model vit or gpt")
     if args.top_k > args.experts:
         fail(f"--top-k {args.top_k} is more than --experts {args.experts}: a token cannot reach more experts than "
              f"there are; use --top-k {args.experts} or --experts {max(args.top_k, 2)}")
