@@ -31,19 +31,20 @@ def compare(what, got, want, results):
         results.append((what, diff, " ".join(str(e).split())[:200]))
 
 
-def whole_model_step(model):
-    """check_one_step's step for a model that takes the whole batch (tensor parallelism)."""
+def whole_model_step(model, loss_fn=F.cross_entropy):
+    """check_one_step's step for a model that takes the whole batch (tensor parallelism); loss_fn: the
+    batch's loss (mp.loss.loss_function)."""
     def step(x, y):
         with model.dropout_keys.training(0):      # step 0's masks, as in training
             logits = model(x)
-        loss = F.cross_entropy(logits, y)
+        loss = loss_fn(logits, y)
         loss.backward()
         return logits, loss
     return step
 
 
 def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), reference=None, samples=None,
-                   optimizer=None):
+                   optimizer=None, loss_fn=F.cross_entropy, piece_loss=None):
     """step(x, y) -> (logits, loss), or (None, None) where this rank has neither: the program's forward
     and backward of one batch on this rank's part of the model, with step 0's dropout masks and every
     gradient synchronised as its training step does (None: whole_model_step). replica = (dp_rank, dp):
@@ -52,13 +53,15 @@ def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), ref
     (parallel_5d.py: a part of every microbatch). norm: the gradient norm's groups and counted()
     (mp.clipping). reference: the full model (None: built here). optimizer (--zero): the program's own
     (mp.zero), whose slices are compared instead of whole gradients, which no replica ever assembles.
+    loss_fn: the whole batch's loss (mp.loss.loss_function: the gpt's over the batch's valid tokens);
+    piece_loss: what my step's loss is of my samples (default: loss_fn of them).
     Returns [(what, largest difference, error or None)], one per tensor."""
     reference = build_model(args).to(x.device) if reference is None else reference   # the full model: --check only
     for layer in moe_layers(reference):   # --experts: each microbatch routed on its own, as single_baseline.py
         layer.microbatches = getattr(args, "microbatches", 1)   # --microbatches M and the pipeline route it
     with reference.dropout_keys.training(0):
         ref_logits = reference(x)
-    plus_aux_loss(reference, F.cross_entropy(ref_logits, y)).backward()   # --experts: + the load-balancing loss
+    plus_aux_loss(reference, loss_fn(ref_logits, y)).backward()   # --experts: + the load-balancing loss
     torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip_grad_norm or float("inf"))
     make_optimizer(reference.parameters(), args).step()
     if samples is None:                   # a replica's samples are one slice of the batch
@@ -68,7 +71,7 @@ def check_one_step(args, model, step, x, y, replica=(0, 1), norm=((), None), ref
     logits, loss = (step or whole_model_step(model))(x, y)
     if logits is not None:
         compare("output", logits.detach(), ref_logits, results)
-        compare("loss", loss.detach(), F.cross_entropy(ref_logits, y), results)
+        compare("loss", loss.detach(), (piece_loss or loss_fn)(ref_logits, y), results)
     ref = dict(reference.named_parameters())
     if optimizer is not None:
         return results + compare_slices(args, model, optimizer, norm, ref)
