@@ -1,4 +1,4 @@
-"""Expert parallelism: the vit's feed-forward blocks as a mixture of experts, the experts spread over the ranks.
+"""Expert parallelism: the feed-forward blocks (the vit's, the gpt's) as a mixture of experts, spread over the ranks.
 
 The lesson (Lepikhin et al. 2020, "GShard"; Fedus et al. 2021, "Switch Transformers"; Rajbhandari et al.
 2022, "DeepSpeed-MoE"): with --experts E each block's MLP is E experts behind a router (mp/moe.py, the
@@ -43,7 +43,6 @@ if __name__ == "__main__":
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from mp import checkpoint
 from mp.check import check_and_exit
@@ -54,6 +53,7 @@ from mp.dist import distributed, exit_now, group_timeout
 from mp.ep.evaluate import Traffic, sliced_run
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, evaluate, train
+from mp.loss import loss_function
 from mp.mesh import Mesh
 from mp.models import build_model
 from mp.moe import (MixtureOfExperts, aux_loss, capacity_of, combine, kept_counts, kept_mask, route, rows_per_expert,
@@ -207,13 +207,15 @@ def build_expert_parallel_model(args, group, device):
 # ----------------------------------------------------------------------------- training
 
 
-def forward_backward(model, x, y, step, n, me):
-    """My slice's forward and backward; returns (my logits, my slice's mean cross-entropy, my share of the
+def forward_backward(model, x, y, step, n, me, loss_fn):
+    """My slice's forward and backward; returns (my logits, my slice's cross-entropy, my share of the
     load-balancing loss). Backward on my share of the global loss, ce / N + aux: summed over the ranks it
-    is the baseline's loss, so every gradient is a sum of the ranks' parts."""
+    is the baseline's loss, so every gradient is a sum of the ranks' parts. loss_fn: my slice's mean
+    cross-entropy (the gpt's: my valid tokens' sum times N / the global batch's count, mp/loss.py, so
+    that ce / N is my share however many valid tokens my slice holds)."""
     with model.dropout_keys.training(step, first_sample=me * len(y)):   # my samples' masks, by global index
         logits = model(x)                   # the dispatch and the combine run inside each block
-    ce, aux = F.cross_entropy(logits, y), aux_loss(model)
+    ce, aux = loss_fn(logits, y), aux_loss(model)
     (ce / n + aux).backward()               # the all-to-alls' backwards send the gradients home
     return logits, ce, aux
 
@@ -226,7 +228,7 @@ def train_step(step, model, optimizer, data, args, device, group, norm):
     x = to_device(data.images(step, args.batch_size, me * b, b), device)       # only my samples are drawn
     y = to_device(dp_slice(data.labels(step, args.batch_size), me, n), device)
     optimizer.zero_grad(set_to_none=True)
-    _, ce, aux = forward_backward(model, x, y, step, n, me)
+    _, ce, aux = forward_backward(model, x, y, step, n, me, loss_function(args, data, step, pieces=n))
     model.replicated_grads.sum()            # the data-parallel sync: the replicated weights' parts summed
     grad_norm = clip_global(model.parameters(), args.clip_grad_norm, *norm)   # the full model's norm
     optimizer.step()
@@ -251,9 +253,11 @@ def main(argv=None):
         norm = ([group], model.counted)
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
+            piece_loss = loss_function(args, data, 0, pieces=mesh.dp_size)
             return check_and_exit(env, args, f"expert parallelism, {args.experts} experts (top-{args.top_k})",
-                                  model, check_step(model, group), x, y, replica=(mesh.dp_rank, mesh.dp_size),
-                                  norm=norm)
+                                  model, check_step(model, group, piece_loss), x, y,
+                                  replica=(mesh.dp_rank, mesh.dp_size), norm=norm,
+                                  loss_fn=loss_function(args, data, 0), piece_loss=piece_loss)
         optimizer = make_optimizer(model.parameters(), args)
 
         def step(k):
@@ -270,11 +274,11 @@ def main(argv=None):
                                     collectives="the expert-parallel exchanges", replicas=[replicas]))
 
 
-def check_step(model, group):
+def check_step(model, group, loss_fn):
     """--check's step (mp.check): my slice's forward and backward on the first batch, the replicated
     gradients summed; the loss compared is my slice's cross-entropy."""
     def step(x, y):
-        logits, ce, _ = forward_backward(model, x, y, 0, ep_size(group), ep_rank(group))
+        logits, ce, _ = forward_backward(model, x, y, 0, ep_size(group), ep_rank(group), loss_fn)
         model.replicated_grads.sum()
         return logits, ce
     return step

@@ -121,9 +121,9 @@ def expert_parallel_args(argv, doc):
     args = p.parse_args(argv)
     # before the common checks: these would name the --experts 4 default, or a data-parallel axis
     # that the experts' ranks are, as the reason
-    if args.model != "vit":
-        fail(f"expert_parallel.py trains the vit, whose feed-forward blocks become the experts, and --model "
-             f"{args.model} has none: drop --model, or use --model vit")
+    if args.model not in ("vit", "gpt"):
+        fail(f"expert_parallel.py trains the vit or the gpt, whose feed-forward blocks become the experts, and "
+             f"--model {args.model} has none: drop --model, or use --model vit or gpt")
     if args.zero or args.zero3_gather:
         given = f"--zero {args.zero}" if args.zero else f"--zero3-gather {args.zero3_gather}"
         fail(f"{given}: expert_parallel.py keeps its optimizer state whole (each expert's already lives on one "

@@ -104,8 +104,8 @@ def test_resume_across_layouts_continues_the_baseline(tmp_path, baseline):
      "error: --capacity-factor -1.0 must be a finite number > 0"),
     (["--experts", "1", "--top-k", "2"], 1, "error: --top-k 2 is more than --experts 1"),
     (["--top-k", "3"], 2, "error: argument --top-k: invalid choice: 3"),
-    (["--model", "cnn"], 2, "error: expert_parallel.py trains the vit, whose feed-forward blocks become the "
-                            "experts, and --model cnn has none: drop --model, or use --model vit"),   # issue 67
+    (["--model", "cnn"], 2, "error: expert_parallel.py trains the vit or the gpt, whose feed-forward blocks "
+                            "become the experts, and --model cnn has none: drop --model, or use --model vit or gpt"),
     (["--model", "mlp", "--experts", "4"], 2, "error: --model mlp does not use --experts"),
     (["--experts", "0"], 2, "error: --experts 0: expert parallelism needs a mixture of experts; use --experts 2"),
     (["--batch-size", "6"], 4, "error: --batch-size 6 is not divisible by the 4 ranks"),

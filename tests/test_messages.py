@@ -92,8 +92,8 @@ def test_expert_parallel_lists_and_blames_only_what_it_takes(monkeypatch, capsys
         expert_parallel.parse_args(["--help"])
     assert "--zero" not in capsys.readouterr().out
     assert error_of(expert_parallel, 2, ["--model", "cnn"], monkeypatch, capsys) == (
-        "error: expert_parallel.py trains the vit, whose feed-forward blocks become the experts, and --model cnn has "
-        "none: drop --model, or use --model vit")
+        "error: expert_parallel.py trains the vit or the gpt, whose feed-forward blocks become the experts, and "
+        "--model cnn has none: drop --model, or use --model vit or gpt")
     for flags in (["--zero", "1"], ["--zero3-gather", "step"]):
         error = error_of(expert_parallel, 2, flags, monkeypatch, capsys)
         assert error.startswith(f"error: {' '.join(flags)}: expert_parallel.py keeps its optimizer state whole") \

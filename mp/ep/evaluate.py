@@ -21,7 +21,7 @@ def sliced_run(model, device, group):
         for i, (x, _) in enumerate(batches):
             sizes = split_sizes(len(x), n)
             mine = model(x.tensor_split(n)[me].to(device))
-            padded = mine.new_zeros(sizes[0], mine.shape[1])          # all_gather wants equal shapes
+            padded = mine.new_zeros(sizes[0], *mine.shape[1:])        # all_gather wants equal shapes
             padded[:len(mine)] = mine
             every = [torch.empty_like(padded) for _ in range(n)]
             dist.all_gather(every, padded, group=group)

@@ -52,9 +52,9 @@ def validate_experts(args, program):
 
 def validate_expert_parallel(args, world):
     """expert_parallel.py: E/N experts a rank, and each rank its equal slice of the batch."""
-    if args.model != "vit":
-        fail(f"expert parallelism spreads the experts of the vit's feed-forward blocks, and --model {args.model} "
-             f"has none: use --model vit")
+    if args.model not in ("vit", "gpt"):
+        fail(f"expert parallelism spreads the experts of the vit's or the gpt's feed-forward blocks, and --model "
+             f"{args.model} has none: use --model vit or gpt")
     if args.experts <= 0:
         fail(f"--experts {args.experts}: expert parallelism needs a mixture of experts; use --experts {max(world, 2)}")
     if args.experts % world:
