@@ -57,10 +57,12 @@ from mp.optim import loaded, make_state, param_state
 # what makes a run what it is: a checkpoint resumes only into a run with the same values
 SETTINGS = ("model", "layers", "hidden", "heads", "patch_size", "activation", "data", "seed", "batch_size",
             "optimizer", "lr", "momentum", "weight_decay", "beta1", "beta2", "adam_eps", "dropout", "clip_grad_norm",
-            "delay", "experts", "top_k", "aux_loss", "capacity_factor")
+            "delay", "experts", "top_k", "aux_loss", "capacity_factor", "seq_len", "tie_embeddings", "loss_mask",
+            "text_file")
 # a checkpoint saved before the flag existed: the value it trained with (SGD, without weight decay)
 EARLIER = {"activation": "gelu", "delay": 0, "optimizer": "sgd", "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999,
-           "adam_eps": 1e-8, "patch_size": 4, "experts": 0, "top_k": 1, "aux_loss": 0.01, "capacity_factor": None}
+           "adam_eps": 1e-8, "patch_size": 4, "experts": 0, "top_k": 1, "aux_loss": 0.01, "capacity_factor": None,
+           "seq_len": 64, "tie_embeddings": False, "loss_mask": "none", "text_file": None}
 WEIGHTS = ("param", "stale")                   # the other kinds of key are the optimizer's state
 RULES = {0: "the synchronous update", 1: "PipeDream-2BW's update (--schedule 2bw, single_baseline.py --delay 1)"}
 STEP_DIR = re.compile(r"^step-(\d{8})$")

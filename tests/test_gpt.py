@@ -196,3 +196,13 @@ def test_offline_auto_falls_back_to_the_synthetic_text_with_one_note(shakespeare
     strict = launch("single_baseline.py", GPT + ["--data", "shakespeare", "--data-dir", str(tmp_path / "data")],
                     tmp_path)
     assert strict.returncode == 2 and "error: tiny Shakespeare is not in --data-dir" in strict.stderr
+
+
+def test_a_gpt_checkpoint_resumes_only_into_the_same_text_model(tmp_path):
+    args = GPT + ["--data", "synthetic", "--steps", "2", "--eval-every", "0", "--checkpoint-dir", str(tmp_path / "ck"),
+                  "--tie-embeddings"]
+    assert launch("single_baseline.py", args, tmp_path).returncode == 0
+    other = launch("single_baseline.py", args[:-1] + ["--steps", "3"], tmp_path)   # untied: another model
+    assert other.returncode == 2 and "--tie-embeddings True there, False here" in other.stderr, other.stderr
+    longer = launch("single_baseline.py", args + ["--steps", "3", "--seq-len", "32"], tmp_path)
+    assert longer.returncode == 2 and "--seq-len 16 there, 32 here" in longer.stderr, longer.stderr
