@@ -5,12 +5,14 @@ import hashlib
 import http.server
 import math
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
-from helpers import assert_one_error_line, launch
+from helpers import ROOT, assert_one_error_line, launch
 from mp.cli import baseline_args, pipeline_args
 from mp.loss import loss_function, token_sum, valid_tokens
 from mp.models import build_model
@@ -206,3 +208,19 @@ def test_a_gpt_checkpoint_resumes_only_into_the_same_text_model(tmp_path):
     assert other.returncode == 2 and "--tie-embeddings True there, False here" in other.stderr, other.stderr
     longer = launch("single_baseline.py", args + ["--steps", "3", "--seq-len", "32"], tmp_path)
     assert longer.returncode == 2 and "--seq-len 16 there, 32 here" in longer.stderr, longer.stderr
+
+
+def test_the_sampler_writes_from_a_checkpoint_of_any_layout_and_refuses_others(tmp_path):
+    ck = tmp_path / "ck"
+    args = GPT + ["--data", "synthetic", "--steps", "2", "--eval-every", "0", "--checkpoint-dir", str(ck)]
+    assert launch("single_baseline.py", args, tmp_path).returncode == 0
+
+    def sample(*flags):
+        return subprocess.run([sys.executable, "-m", "mp.tools.sample", *flags], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    a, b = (sample("--checkpoint-dir", str(ck), "--prompt", "Once", "--bytes", "40") for _ in range(2))
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and "after 2 steps" in a.stdout and "\nOnce" in a.stdout        # seeded draws
+    assert len(a.stdout.split("\nOnce", 1)[1].encode(errors="replace")) >= 40
+    none = sample("--checkpoint-dir", str(tmp_path / "none"))
+    assert none.returncode == 2 and none.stderr.startswith("error: --checkpoint-dir") and none.stderr.count("\n") == 1
