@@ -17,6 +17,7 @@ from mp.mesh import GROUPS, layout, lines
 from mp.mesh_picture import SHOWN, label, start_up
 from mp.tools import mesh as tool
 from mp.tools.figure import png_record
+from test_figures import settings
 from test_mesh import recorded_meshes
 
 # (argv, world, dp, cp, tp, ep): run_5d.sh's default (ep 2 = the tp pairs), ep over cp x tp and over dp x tp
@@ -165,3 +166,24 @@ def test_the_start_up_lines_say_the_mesh_my_groups_and_the_message(monkeypatch):
     whole = start_up(meshes[3], Messenger([(3, 32, 32), (16, 128)], [], 2), args)   # --sequence-parallel's cut
     assert "the activation [16, 128] = [S/(C·T), H]: tp rank 1's 16 of cp rank 1's 32 tokens" in whole
 
+
+def test_the_committed_picture_is_run_5d_shs_mesh_as_the_mesh_builds_it_today():
+    """plots/mesh_5d.png (docs/parallel_5d.md) was drawn by `python -m mp.tools.mesh -o plots/mesh_5d.png`,
+    whose defaults are run_5d.sh's: a change to either, or to mp.mesh's order, asks for it to be redrawn."""
+    knobs = settings("run_5d")
+    assert (tool.WORLD, tool.EXPERTS) == (int(knobs["NPROC"]), int(knobs["EXPERTS"]))
+    assert tool.DEFAULTS == {axis: int(knobs[axis.upper()]) for axis in tool.DEFAULTS}
+    _, record = png_record(os.path.join(ROOT, "plots", "mesh_5d.png"))
+    ranks = layout(tool.WORLD, tool.DEFAULTS["dp"], tool.DEFAULTS["cp"], tool.DEFAULTS["tp"])
+    assert record["groups"] == {name: lines(ranks, tool.DEFAULTS["ep"])[name] for name in SHOWN}, \
+        "redraw it: python -m mp.tools.mesh -o plots/mesh_5d.png"
+
+
+def test_the_doc_shows_what_the_tool_prints(capsys):
+    """docs/parallel_5d.md pastes the default run's mesh as the tool prints it: each part of it, verbatim."""
+    tool.main([])
+    printed = capsys.readouterr().out
+    with open(os.path.join(ROOT, "docs", "parallel_5d.md")) as f:
+        doc = f.read()
+    stale = [part for part in printed.strip("\n").split("\n\n") if part not in doc]
+    assert not stale, f"docs/parallel_5d.md shows an older print of python -m mp.tools.mesh: {stale}"
