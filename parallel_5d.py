@@ -60,6 +60,7 @@ from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, p
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
 from mp.mesh import Mesh
+from mp.mesh_picture import start_up
 from mp.models import PatchEmbed, num_blocks
 from mp.moe import (MixtureOfExperts, ahead_of, capacity_of, combine, kept_counts, route, rows_per_expert,
                     sorted_by_expert)
@@ -407,10 +408,8 @@ def main(argv=None):
                           timeout=group_timeout(env, args.timeout_s))
         pos, model, runner = build_stage(args, env, mesh)
         runner.model = model
-        cuts = [str(runner.messenger.message_shape(c)) for c in range(1, len(runner.messenger.shapes))]
-        if env.rank == 0:
-            print(f"mesh = arange(world).view(dp, pp, cp, tp), ep {mesh.ep_size}:\n{mesh.ranks}\nper-sample message "
-                  f"at each cut, on rank 0: {', '.join(cuts) or 'none (one stage)'}", flush=True)
+        if env.rank == 0:   # the mesh by axis, my groups, what a pipeline message carries (mp/mesh_picture.py)
+            print(start_up(mesh, runner.messenger, args), flush=True)
         grads, expert_grads, tp_sums, shards = gradient_syncs(model, runner, mesh, args)
         actions = schedule_actions(args.schedule, pos, args.microbatches, sends_at_once=runner.messenger.sends_at_once)
         optimizer = mesh_optimizer(runner.parameters(), grads, shards, expert_grads, args)

@@ -16,7 +16,8 @@ FIGURES = {"run_pipeline": ["pipeline_loss_synthetic.png", "pipeline_timeline_sy
            "run_tp": ["tp_loss_hybrid1_synthetic.png"], "run_3d": ["3d_loss_synthetic.png"],
            "run_cp": ["cp_loss_synthetic.png"], "run_ep": ["ep_loss_synthetic.png"], "run_5d": ["5d_loss_synthetic.png"]}
 OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh",   # drawn by another documented command
-                  "tp_ladder.png": "python benchmarks/tp_ladder.py --steps 300 --plot plots/tp_ladder.png"}
+                  "tp_ladder.png": "python benchmarks/tp_ladder.py --steps 300 --plot plots/tp_ladder.png",
+                  "mesh_5d.png": "python -m mp.tools.mesh -o plots/mesh_5d.png"}
 
 
 def read(path):
