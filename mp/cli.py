@@ -227,11 +227,9 @@ def validate_mesh_5d(args, world):
         fits = [k for k in range(1, d * c * t + 1) if (d * c * t) % k == 0]
         fail(f"--ep {n} does not divide --dp {d} x --cp {c} x --tp {t} = {d * c * t}: the experts are folded over a "
              f"stage's dp x cp x tp ranks; use --ep {' or --ep '.join(map(str, fits[-2:]))}")
-    if args.model != "vit":
-        what = "--cp" if c > 1 else "--ep" if n > 1 else "--sequence-parallel" if args.sequence_parallel else None
-        if what:
-            fail(f"{what}: --model {args.model} has no sequence of tokens (and no feed-forward blocks to make experts "
-                 f"of); use --model vit")
+    if args.model != "vit":   # its tensor-parallel blocks, tokens and experts are the vit's (the gpt's: to come)
+        fail(f"parallel_5d.py trains the vit, whose blocks every axis cuts (its heads, tokens and feed-forward "
+             f"blocks), and --model {args.model} has none of them: drop --model, or use --model vit")
     if n > 1 and not args.experts:
         fail(f"--ep {n} spreads the experts of a mixture of experts, and this run is dense; add --experts "
              f"{2 * n} (a multiple of --ep), or drop --ep")
