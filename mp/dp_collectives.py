@@ -21,8 +21,12 @@ import torch.distributed as dist
 from mp.mesh import SHARED_GLOO
 
 # torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn); either works
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def REDUCE_SCATTER(*args, **kwargs):   # looked up at the call: mp.traffic counts the one called
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+def ALL_GATHER(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
 def reduce_scatter_copies(group):

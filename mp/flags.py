@@ -107,6 +107,9 @@ def base_parser(description):
                         "a run whose directory holds one resumes from the latest, in any layout")
     p.add_argument("--save-every", type=int, default=50,
                    help="with --checkpoint-dir: save every K steps and after the last")
+    p.add_argument("--trace-collectives", action="store_true",
+                   help="print every collective and point-to-point send of rank 0's first step, in the order it ran, "
+                        "with its group, shape and bytes (mp/traffic.py)")
     return p
 
 

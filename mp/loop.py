@@ -28,6 +28,7 @@ from mp.models import param_mb
 from mp.moe import expert_load, read_load
 from mp.optim import counting, every_param_whole, grad_mb, optimizer_state_mb
 from mp.sizes import EVAL_BATCH
+from mp.traffic import METER
 
 
 @dataclass
@@ -141,9 +142,12 @@ def train(args, env, job):
     start_memory_count(env.device)
     for step in range(first, args.steps):
         start = scalars.start()               # every program times its step from the batch's drawing on
-        with waiting_for(job, env, args, f"step {step}"):
-            loss, norm = job.step(step)
+        tracing = getattr(args, "trace_collectives", False) and step == first and env.rank == 0
+        with waiting_for(job, env, args, f"step {step}"), METER.counting(trace=tracing):
+            loss, norm = job.step(step)       # every message it sends counted by group (mp/traffic.py)
         scalars.stop(step, start, loss, norm)
+        if tracing:
+            print_trace(METER.trace, step)
         evaluating = job.evaluate and args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1)
         if (step + 1) % args.log_every == 0 or step == args.steps - 1 or evaluating or saving(args, step):
             for k, loss, norm, step_time in scalars.read(job, args, env.rank):
@@ -167,7 +171,7 @@ def train(args, env, job):
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
               **activation_fields(env, job.model), **data_parallel_fields(env, job, args.steps - first, phases),
-              **expert_fields(env, job.model, args.steps - first),
+              **expert_fields(env, job.model, args.steps - first), **traffic_fields(env, args.steps - first),
               **{k: getattr(args, k) for k in ("schedule", "microbatches") if hasattr(args, k)})   # a pipeline's
     log.close()
     if job.owner:
@@ -186,6 +190,26 @@ def report_evaluation(log, args, step, loss, accuracy):
     log.write("eval", step=step, test_loss=loss, test_acc=accuracy, test_bits_per_byte=loss / math.log(2))
     print(f"step {step}: test loss {loss:.4f} ({loss / math.log(2):.3f} bits per byte)  next-byte accuracy "
           f"{accuracy:.1%}", flush=True)
+
+
+def print_trace(lines, step):
+    """--trace-collectives: what rank 0 sent in its first step, in the order it ran (mp.traffic.Meter)."""
+    print(f"--trace-collectives: rank 0's step {step}, every collective and point-to-point send in the order it ran "
+          f"(group {{its ranks}}, the tensor, the bytes this rank sends as a ring moves them: mp/traffic.py):", flush=True)
+    for line in lines or ["  (none: this rank sent nothing in the step)"]:
+        print(line, flush=True)
+
+
+def traffic_fields(env, steps):
+    """The summary's sent_mb_per_step: {group: {rank: MB}}, what each rank sent over each group a training step
+    (mp.traffic: every collective and point-to-point send of the steps, as a ring moves it). The groups are every
+    rank's (an all-gather of the names: a rank that sent nothing over a group says 0)."""
+    if env.world_size == 1:
+        return {}
+    names = [None] * env.world_size
+    dist.all_gather_object(names, sorted(METER.bytes))
+    return {"sent_mb_per_step": {name: gather_per_rank(env, METER.bytes.get(name, 0) / 2**20 / max(steps, 1), digits=6)
+                                 for name in sorted(set().union(*names))}}
 
 
 def waiting_for(job, env, args, what):

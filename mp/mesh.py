@@ -66,6 +66,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mp.traffic import METER
+
 AXES = ("dp", "pp", "cp", "tp")                          # the numbering, outermost first
 GROUPS = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp")  # the order every rank creates them in
 
@@ -181,7 +183,9 @@ class Mesh:
         members = lines(ranks, ep)
         make = split_axis if world_splits() else my_line
         groups = {name: make(rank, members[name], timeout, f"mesh_{name}") for name in GROUPS}
-        return cls(rank, ranks, members, groups, timeout)
+        mesh = cls(rank, ranks, members, groups, timeout)
+        METER.name_groups(groups, {name: mesh.peers(name) for name in GROUPS})   # the summary's bytes, by axis
+        return mesh
 
     def peers(self, name):
         """The global ranks of my group along `name` (mine among them), in the order of its coordinate."""

@@ -28,6 +28,7 @@ class Attention(nn.Module):
     give each rank whole heads by slicing rows of q, k, v and columns of proj. The number of heads
     is read off the weights, so a sliced copy runs unchanged on its local heads. causal (the gpt):
     token i attends to tokens 0..i only, so that predicting token i + 1 never sees it."""
+    causal = False   # the class's: a subclass built without this __init__ (a tp rank's slice) is not causal
 
     def __init__(self, dim, heads, causal=False):
         super().__init__()
