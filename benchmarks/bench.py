@@ -247,7 +247,7 @@ def one_step(model, opt):
     """step(x, y) -> the loss of single_baseline.train_step, read as a float (as the other engines'
     steps here read theirs): step 0's dropout keys (the benchmarks run without dropout) and no
     gradient norm (nothing clips, nothing logs it)."""
-    return lambda x, y: single_baseline.train_step(model, opt, x, y, 0, lambda params: None)[0].item()
+    return lambda x, y: single_baseline.train_step(model, opt, x, y, F.cross_entropy, 0, lambda params: None)[0].item()
 
 
 def baseline_engine(margs, env):

@@ -22,7 +22,7 @@ from mp.clipping import finish_norms
 from mp.data import test_batches
 from mp.ep.routing import complete_routing
 from mp.dist import awaiting, settle
-from mp.loss import token_sum, valid_tokens
+from mp.loss import token_sum
 from mp.log import MetricsLog, Progress, check_finite, gather_per_rank, memory_fields, start_memory_count
 from mp.models import param_mb
 from mp.moe import expert_load, read_load
@@ -292,7 +292,7 @@ def data_parallel_fields(env, job, steps, phases=()):
 @torch.no_grad()
 def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     """Mean test loss and accuracy over the whole test split (the gpt: over its tokens, each a prediction of
-    the next byte; a label IGNORE would not count, and the test split has none). run(batches, score) sends a list of
+    the next byte; the test split leaves none out: every label counts). run(batches, score) sends a list of
     equal-size (inputs, labels) batches through the model and calls score(i, logits) with batch i's
     logits where they are whole (a pipeline: on its last stage). The full batches go in one call, a
     smaller last batch in a second: a pipeline's messages have one shape per call.
@@ -303,7 +303,7 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     (settle), so a peer lost on a GPU ends in one error line, not a read that waits for nccl's watchdog."""
     batches = test_batches(data, batch)
     totals = torch.zeros(2, dtype=torch.float64, device=device)   # the loss's sum, the correct answers
-    n = sum(valid_tokens(y) for _, y in batches)
+    n = sum(y.numel() for _, y in batches)   # every label counts: the test split has no IGNORE (and no read)
     if replica is not None:
         d, parts, group = replica
         batches = [(x.tensor_split(parts)[d], y.tensor_split(parts)[d]) for x, y in batches]
