@@ -291,7 +291,12 @@ def interrupted_at(cmd, moment, folder, env):
             pytest.fail(f"{moment} was never reached: exit status {proc.returncode}, {err[-2000:]}")
         time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:   # a rank in a C++ wait leaves at once too (mp/errors.py _leave_from_any_wait): seconds, even under load
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # the agent, and with it every rank (mp/errors.py end_with_launcher)
+        out, err = proc.communicate()
+        pytest.fail(f"still running 120 s after the Ctrl-C at {moment}: {err[-2000:]}")
     return proc.returncode, out, err
 
 

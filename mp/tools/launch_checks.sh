@@ -45,10 +45,12 @@ else
     BLOCK_SIGINT=()
 fi
 run_python() {   # ARGS...: "$PYTHON" ARGS..., started with SIGINT blocked; its status is the call's
-    if [ -z "${RUN_STAGE:-}" ]; then
-        "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" || return $?   # (the caller's ERR trap names the failed STEP)
+    # MP_LAUNCHER_PID: the python ends if this launcher is killed, and torchrun's agent stops its ranks
+    # (mp/errors.py end_with_launcher): no rank outlives the launcher
+    if [ -z "${RUN_STAGE:-}" ]; then   # (the caller's ERR trap names the failed STEP)
+        MP_LAUNCHER_PID=$$ "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" || return $?
     else   # once the run writes into its own folder: its lines name files as they will be (pipefail: python's status)
-        "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" | unstaged || return $?
+        MP_LAUNCHER_PID=$$ "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" | unstaged || return $?
     fi
 }
 
