@@ -224,6 +224,15 @@ def test_a_flag_no_program_takes_names_the_launcher_the_program_and_the_knob(tmp
         "knob: EXPERTS=8 bash run_ep.sh"], run.stderr
 
 
+def test_a_mistyped_extra_flag_names_the_flag_it_is_close_to(tmp_path):
+    """Issue 85, item 2a: under a launcher too, `--hiden 64` names --hidden."""
+    run = launcher("run_tp.sh", tmp_path, ["--hiden", "64"])
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        "error: run_tp.sh passes its extra flags to tensor_parallel.py and single_baseline.py, and tensor_parallel.py "
+        "does not take --hiden 64 (python tensor_parallel.py --help lists its flags); did you mean --hidden?"], \
+        run.stderr
+
+
 def test_a_later_run_names_what_a_failed_one_left_unfinished(tmp_path):
     """Issue 67, item 2: a failed run's folder in logs/.unfinished/ (other settings: the later run does
     not take it over) is named by the next run of the launcher that finishes, with its command."""

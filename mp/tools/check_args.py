@@ -81,7 +81,7 @@ UNKNOWN = "unrecognized arguments: "
 def unknown_flags(launcher, program, reason, knobs):
     """The launcher's line for extra flags that the parallel program does not take: which program
     refused them, and the knob that a flag looks like, with the value the user gave it."""
-    typed = reason.removeprefix(UNKNOWN).removesuffix(" (see --help)")
+    typed, _, near = reason.removeprefix(UNKNOWN).removesuffix(" (see --help)").partition(": did you mean ")
     words = typed.split()
     line = (f"{launcher} passes its extra flags to {program}.py and single_baseline.py, and {program}.py does "
             f"not take {typed} (python {program}.py --help lists its flags)")
@@ -91,6 +91,8 @@ def unknown_flags(launcher, program, reason, knobs):
     if knob:
         setting = f"{knob}={value}" if value else knob
         line += f"; to set {knob.lower().replace('_', ' ')}, use the knob: {setting} bash {launcher}"
+    elif near:   # a flag of the program's, mistyped (mp.flags.OneLineParser.did_you_mean)
+        line += f"; did you mean {near}"
     return line
 
 
