@@ -233,6 +233,19 @@ def test_a_mistyped_extra_flag_names_the_flag_it_is_close_to(tmp_path):
         run.stderr
 
 
+@pytest.mark.parametrize("script", ["run_5d.sh", "run_cp.sh", "run_ep.sh"])
+def test_a_vit_launcher_given_another_model_says_it_trains_the_vit(tmp_path, script):
+    """Issue 85, item 2b: `bash run_5d.sh --model mlp` told the student to drop EXPERTS and TOP_K, which
+    they never set; it says what the lesson runs and where the mlp is trained."""
+    run = launcher(script, tmp_path, ["--model", "mlp"])
+    lines = run.stderr.splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith(f"error: {script} trains the vit, the one model ") and lines[0].endswith(
+        "; drop --model mlp, or train the mlp with another launcher: MODEL=mlp bash run_3d.sh (or run_pipeline.sh, "
+        "run_joint.sh, run_tp.sh)") and "EXPERTS" not in lines[0], lines
+    assert launcher(script, tmp_path, ["--model=vit"], CHECK_ONLY="1").returncode == 0
+
+
 def test_a_later_run_names_what_a_failed_one_left_unfinished(tmp_path):
     """Issue 67, item 2: a failed run's folder in logs/.unfinished/ (other settings: the later run does
     not take it over) is named by the next run of the launcher that finishes, with its command."""

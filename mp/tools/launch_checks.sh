@@ -298,6 +298,25 @@ refuse_knob_flags() {   # the extra arguments: a flag that has a knob is refused
     done
 }
 
+trains_the_vit() {   # WHY ARGS...: a launcher whose lesson is the vit's has no MODEL knob; an extra --model that
+                     # asks for another model would reach both programs and be refused there in terms of the
+                     # vit's flags the launcher sets (EXPERTS, TOP_K), which the user never set
+    local why=$1 args i model
+    shift
+    args=("$@")
+    for ((i = 0; i < ${#args[@]}; i++)); do
+        case "${args[i]}" in
+            --model=*) model=${args[i]#--model=} ;;
+            --model) model=${args[i + 1]:-} ;;
+            *) continue ;;
+        esac
+        if [ "$model" != vit ]; then
+            launcher_error "$(basename "$0") trains the vit, $why; drop --model $model, or train the $model with" \
+                "another launcher: MODEL=$model bash run_3d.sh (or run_pipeline.sh, run_joint.sh, run_tp.sh)"
+        fi
+    done
+}
+
 in_knob_terms() {   # stdin to stdout with the programs' flags as the knobs: --microbatches 3 -> MICROBATCHES=3
     # a flag only where it stands alone: --experts, not the tail of a --num-experts the user typed
     local script=() pair flag knob kind end='\([^a-z-]\|$\)' start='\(^\|[^a-z-]\)'
