@@ -72,6 +72,28 @@ def note_one_rank(what):
               f"the work over N ranks", flush=True)
 
 
+def cores():
+    """The cores this process may run on (a container's or taskset's limit, where the system tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def shared_cores(ranks):
+    """Why ranks that outnumber the cores time slower: "" when each rank has a core."""
+    if ranks <= cores():
+        return ""
+    n = cores()
+    return f"{ranks} ranks share this machine's {n} core{'s' if n > 1 else ''}, at most {n} computing at once"
+
+
+def note_shared_cores(ranks):
+    """Once, where ranks are started: more ranks than cores (the results stay exact; the times do not)."""
+    why = shared_cores(ranks)
+    if why and not os.environ.get("MP_CORES_NOTED"):
+        print(f"note: {why}: step times are longer than with a core a rank, and a pipeline's measured bubble "
+              f"counts a rank's wait for a core as idle time (the losses are the same)", flush=True)
+        os.environ["MP_CORES_NOTED"] = "1"   # said: the ranks started from here, and later launches, stay quiet
+
+
 _interrupted_line = None   # () -> what this rank says when interrupted (None: nothing); set by the loop
 
 

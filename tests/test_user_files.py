@@ -374,3 +374,18 @@ def test_ctrl_c_while_torchruns_new_python_ranks_start_says_at_most_one_line(tmp
     assert code == 130 and "Traceback" not in err + out and "Fatal Python error" not in err, (code, err[-2000:])
     assert not err or (err.startswith("interrupted ") and err.count("\n") == 1), err[-2000:]
     assert not list(tmp_path.glob("tp*.jsonl"))
+
+
+def test_ctrl_c_after_the_baseline_names_its_finished_log_left_in_the_runs_folder(tmp_path):
+    """Issue 85, item 2e: interrupted while the parallel run starts, the launcher leaves the baseline's
+    finished log in logs/.unfinished/ (files move only when every run has finished): its line names it."""
+    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic", STEPS="2",
+               EVAL_EVERY="0", MODEL="mlp", NPROC="2", OMP_NUM_THREADS="1", MP_TORCHRUN_FORK="0")
+    code, out, err = interrupted_at(["bash", os.path.join(ROOT, "run_tp.sh"), *SMALL], "tensor_parallel.py@torch",
+                                    tmp_path, env)
+    stage, = (tmp_path / "logs" / ".unfinished").iterdir()
+    log, = (stage / "logs").glob("single_baseline_*.jsonl")
+    assert code == 130 and "Traceback" not in err, (code, err[-2000:])
+    assert err.splitlines()[-1] == (f"note: interrupted, so the finished logs/{log.name} stayed in {stage}, not moved "
+                                    f"to {tmp_path / 'logs'}: the same command again finishes the run (and moves the "
+                                    f"files), or delete the folder"), err

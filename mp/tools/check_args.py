@@ -33,7 +33,7 @@ import subprocess
 import sys
 
 from mp.cli import PARSERS
-from mp.errors import fail
+from mp.errors import fail, note_shared_cores
 
 SEPARATOR = "::"
 
@@ -149,8 +149,10 @@ def main(argv=None):
         launcher, argv = argv[1], argv[2:]
     if argv[:1] == ["--knobs"]:       # the launcher's flags that have a knob, flag:KNOB:kind (launch_checks.sh)
         knobs, argv = argv[1].split(), argv[2:]
-    for world, program, args in runs(argv):
+    planned = runs(argv)
+    for world, program, args in planned:
         check(world, program, args, launcher, knobs)
+    note_shared_cores(max(world for world, _, _ in planned))   # the launcher's one word on it (MP_CORES_NOTED)
 
 
 if __name__ == "__main__":
