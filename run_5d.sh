@@ -55,6 +55,8 @@ check_count NPROC "$NPROC"
 check_knob SP "$SP" 0 1
 check_knob TOP_K "$TOP_K" 1 2
 refuse_knob_flags "$@"
+trains_the_vit "the one model every axis splits (its tokens over cp, its feed-forward blocks as experts over ep)" \
+    "$@"
 
 MOE=() MOE_TAG=""                      # a mixture's logs never take a dense run's name
 if [ "$EXPERTS" != 0 ]; then

@@ -42,6 +42,7 @@ if [ -z "$ATTENTION_LIST" ]; then launcher_error "ATTENTION is empty: name ring,
 for ATTENTION in $ATTENTION_LIST; do check_knob ATTENTION "$ATTENTION" ring ulysses; done
 ATTENTION=$ATTENTION_LIST                # the whole list again, for the plot's name
 refuse_knob_flags "$@"
+trains_the_vit "the one model with a sequence of tokens to split over the ranks" "$@"
 
 COMMON=(--model vit --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" --patch-size "$PATCH_SIZE" "$@")

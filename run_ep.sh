@@ -43,6 +43,7 @@ check_count NPROC "$NPROC"
 check_count EXPERTS "$EXPERTS"
 check_knob TOP_K "$TOP_K" 1 2
 refuse_knob_flags "$@"
+trains_the_vit "the one model whose feed-forward blocks become experts" "$@"
 
 MOE=(--experts "$EXPERTS" --top-k "$TOP_K")
 MOE_TAG="_e${EXPERTS}_k${TOP_K}"       # always in the names: a mixture's logs never take a dense run's name

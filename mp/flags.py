@@ -3,6 +3,7 @@
 check every run's flags in one process before anything imports it (mp/tools/check_args.py)."""
 import argparse
 import copy
+import difflib
 import math
 import os
 import sys
@@ -46,7 +47,20 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message):  # argparse's own mistakes get the same one-line form
-        fail(f"{message} (see --help)")
+        fail(f"{message}{self.did_you_mean(message)} (see --help)")
+
+    def did_you_mean(self, message):
+        """For a mistyped flag (--hiden 64), the flags it is close to: ": did you mean --hidden?"."""
+        if not message.startswith(UNRECOGNIZED):
+            return ""
+        flags = [f for f in self._option_string_actions if f.startswith("--")]
+        typed = [w.split("=")[0] for w in message.removeprefix(UNRECOGNIZED).split() if w.startswith("--")]
+        near = [m for w in typed for m in difflib.get_close_matches(w, flags, n=1, cutoff=0.7)
+                or [f for f in flags if f.startswith(w)][:1]]
+        return f": did you mean {' and '.join(dict.fromkeys(near))}?" if near else ""
+
+
+UNRECOGNIZED = "unrecognized arguments: "   # argparse's words for flags no parser took
 
 
 class Parser(OneLineParser):

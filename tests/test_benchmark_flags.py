@@ -70,7 +70,7 @@ def test_a_bad_flag_value_is_one_error_line(script, stop_after_parsing, monkeypa
 def test_an_abbreviated_flag_is_refused(stop_after_parsing, monkeypatch, capsys):
     """No abbreviations, as in the programs: --round is not taken for --rounds."""
     assert one_error_line("zero_bubble", "main", ["--round", "1"], monkeypatch, capsys) == \
-        "error: unrecognized arguments: --round 1 (see --help)"
+        "error: unrecognized arguments: --round 1: did you mean --rounds? (see --help)"
 
 
 # zero_bubble.py's checks after parsing: flags, what the line says first, the fix it must name
@@ -102,5 +102,5 @@ def test_sequence_parallels_driver_refuses_a_mistyped_flag(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         sequence_parallel.parse_driver(["--cut"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err == "error: unrecognized arguments: --cut (see --help)\n", err
+    assert exit_.value.code == 2 and err == "error: unrecognized arguments: --cut: did you mean --cuts? (see --help)\n", err
     assert sequence_parallel.parse_driver(["--cuts", "--out", "x.json"]).cuts

@@ -39,8 +39,11 @@ def test_run_tp_plots_the_curves_and_prints_the_largest_difference(tmp_path):
     # issue 67, item 6: a program writes into the run's own folder until the launcher moves the set in
     # place; its line says where the file goes, never the folder that vanishes at the end
     assert ".unfinished" not in run.stdout, run.stdout
-    moved = re.findall(r"^finished: moved to (\S+/tensor_parallel_\S+\.jsonl) when the launcher ends$", run.stdout, re.M)
-    assert [os.path.realpath(path) for path in moved] == [os.path.realpath(written(run.stdout)[1])], run.stdout
+    # issue 85, item 2d: one line says so, not one line a file
+    moved = re.findall(r"^finished: the runs' files move together to (\S+) \(figures: (\S+)\) when the launcher ends; "
+                       r"its last lines name them$", run.stdout, re.M)
+    assert [tuple(map(os.path.realpath, m)) for m in moved] == [(str(logs), str(logs / "plots"))], run.stdout
+    assert run.stdout.count("when the launcher ends") == 1, run.stdout
     assert all(os.path.getsize(path) > 0 for path in written(run.stdout))
     assert (logs / "plots" / f"tp_loss{tag}.png").stat().st_size > 10_000
     # issue 67, item 1: the last line says what holds, after the files
@@ -224,6 +227,42 @@ def test_a_flag_no_program_takes_names_the_launcher_the_program_and_the_knob(tmp
         "knob: EXPERTS=8 bash run_ep.sh"], run.stderr
 
 
+def test_more_ranks_than_cores_is_said_once_by_the_launcher(tmp_path):
+    """Issue 85, item 2c: the ranks outnumber the cores (here one core: taskset's limit): one note, what
+    it does to step times and to the measured bubble, said by the launcher's check of every run."""
+    env = dict(os.environ, PYTHON=sys.executable, LOGS=str(tmp_path / "logs"), DATA="synthetic", CHECK_ONLY="1",
+               SCHEDULE="gpipe 1f1b", NPROC="2")
+    run = subprocess.run(["bash", os.path.join(ROOT, "run_pipeline.sh")], env=env, capture_output=True, text=True,
+                         timeout=60, preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    notes = [line for line in run.stdout.splitlines() if line.startswith("note: ")]
+    assert run.returncode == 0 and notes == [
+        "note: 2 ranks share this machine's 1 core, at most 1 computing at once: step times are longer than with a "
+        "core a rank, and a pipeline's measured bubble counts a rank's wait for a core as idle time (the losses are "
+        "the same)"], run.stdout + run.stderr
+
+
+def test_a_mistyped_extra_flag_names_the_flag_it_is_close_to(tmp_path):
+    """Issue 85, item 2a: under a launcher too, `--hiden 64` names --hidden."""
+    run = launcher("run_tp.sh", tmp_path, ["--hiden", "64"])
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        "error: run_tp.sh passes its extra flags to tensor_parallel.py and single_baseline.py, and tensor_parallel.py "
+        "does not take --hiden 64 (python tensor_parallel.py --help lists its flags); did you mean --hidden?"], \
+        run.stderr
+
+
+@pytest.mark.parametrize("script", ["run_5d.sh", "run_cp.sh", "run_ep.sh"])
+def test_a_vit_launcher_given_another_model_says_it_trains_the_vit(tmp_path, script):
+    """Issue 85, item 2b: `bash run_5d.sh --model mlp` told the student to drop EXPERTS and TOP_K, which
+    they never set; it says what the lesson runs and where the mlp is trained."""
+    run = launcher(script, tmp_path, ["--model", "mlp"])
+    lines = run.stderr.splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith(f"error: {script} trains the vit, the one model ") and lines[0].endswith(
+        "; drop --model mlp, or train the mlp with another launcher: MODEL=mlp bash run_3d.sh (or run_pipeline.sh, "
+        "run_joint.sh, run_tp.sh)") and "EXPERTS" not in lines[0], lines
+    assert launcher(script, tmp_path, ["--model=vit"], CHECK_ONLY="1").returncode == 0
+
+
 def test_a_later_run_names_what_a_failed_one_left_unfinished(tmp_path):
     """Issue 67, item 2: a failed run's folder in logs/.unfinished/ (other settings: the later run does
     not take it over) is named by the next run of the launcher that finishes, with its command."""
@@ -236,3 +275,19 @@ def test_a_later_run_names_what_a_failed_one_left_unfinished(tmp_path):
     assert f"note: an earlier run of run_tp.sh that did not finish left {os.path.realpath(left)} (DATA=synthetic EVAL_EVERY=0 " \
            f"MODEL=mlp STEPS=2 bash run_tp.sh --hidden 32): run that again to finish it, or delete the folder" in \
            run.stdout.replace(str(tmp_path), os.path.realpath(tmp_path)), run.stdout
+
+
+def test_the_bubble_line_says_why_it_exceeds_the_theory_when_ranks_share_cores(tmp_path, monkeypatch, capsys):
+    """Issue 85, item 2d: "bubble measured 77.3%, theory 42.9%" on 4 ranks and 2 cores says why they differ."""
+    from mp.pp import timeline
+    monkeypatch.setattr("mp.errors.cores", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    trace = {"traceEvents": [], "otherData": {"bubble_measured": 0.773, "bubble_theory": 0.429, "stages": 4,
+                                              "device": "cpu"}}
+    timeline.write_timeline(trace, str(tmp_path / "t.json"), True)
+    assert capsys.readouterr().out == (f"wrote {tmp_path / 't.json'}: bubble measured 77.3%, theory 42.9% (4 ranks "
+                                       f"share this machine's 2 cores, at most 2 computing at once: a stage waiting "
+                                       f"for a core counts as idle)\n")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    timeline.write_timeline(trace, str(tmp_path / "t.json"), True)
+    assert capsys.readouterr().out.endswith("theory 42.9%\n")

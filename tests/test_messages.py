@@ -8,6 +8,7 @@ import parallel_3d
 import pipeline_dp_joint
 import pipeline_microbatch
 import tensor_parallel
+from mp.cli import PARSERS
 
 MLP = ["--data", "synthetic", "--model", "mlp"]
 CASES = [  # program, world size, command line that fails
@@ -98,3 +99,20 @@ def test_expert_parallel_lists_and_blames_only_what_it_takes(monkeypatch, capsys
         error = error_of(expert_parallel, 2, flags, monkeypatch, capsys)
         assert error.startswith(f"error: {' '.join(flags)}: expert_parallel.py keeps its optimizer state whole") \
             and "data-parallel axis" not in error, error
+
+
+ONE_RANK = {"pipeline_dp_joint": ["--dp", "1"], "parallel_3d": ["--dp", "1", "--tp", "1"]}   # layouts of one rank
+
+
+@pytest.mark.parametrize("program", sorted(PARSERS))
+def test_a_mistyped_flag_names_the_flag_it_is_close_to_and_that_one_parses(program, monkeypatch, capsys):
+    """Issue 85, item 2a: `--hiden 64` says "did you mean --hidden?" in every program, and the flag it
+    names is taken (at one rank)."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--data", "synthetic", "--model", "vit", "--steps", "3"] + ONE_RANK.get(program, [])
+    with pytest.raises(SystemExit) as exit_:
+        PARSERS[program](argv + ["--hiden", "64", "--step", "2"], None)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == ("error: unrecognized arguments: --hiden 64 --step 2: did you mean --hidden "
+                                             "and --steps? (see --help)\n"), err
+    assert PARSERS[program](argv + ["--hidden", "64", "--steps", "2"], None).hidden == 64

@@ -140,7 +140,7 @@ def test_under_plain_torchrun_a_refusal_ends_the_output(tmp_path):
                            os.path.join(ROOT, "pipeline_microbatch.py"), "--data", "synthetic", "--shedule", "1f1b"],
                           cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-    line = "error: unrecognized arguments: --shedule 1f1b (see --help)"
+    line = "error: unrecognized arguments: --shedule 1f1b: did you mean --schedule? (see --help)"
     assert proc.returncode != 0 and proc.stderr.count(line) >= 2, proc.stderr[-3000:]   # the console's, the report's
     tail = proc.stderr.strip().splitlines()[-10:]
     assert any(t.startswith("Root Cause") for t in tail) and f"traceback : {line}" in [t.strip() for t in tail], tail

@@ -182,3 +182,142 @@ def test_a_stopped_pipeline_leaves_its_data_parallel_peers_waiting_no_longer_tha
     """Pipeline 1 (ranks 2 and 3) stops whole: pipeline 0 then waits in the data-parallel all-reduce,
     on groups made by new_group, whose own default timeout is 30 minutes. They take --timeout-s."""
     assert_gave_up_naming_the_wait(hung_runs["stopped pipeline"], HUNG["stopped pipeline"][4])
+
+
+# ---- no rank outlives its launcher (issue 85, item 1) --------------------------------------------
+
+def running(pid):
+    """Whether pid runs (a zombie, ended but not reaped by whoever adopted it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(pid):
+    """Every process below pid, read from /proc's parent links."""
+    children = {}
+    for other in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{other}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(other))
+        except OSError:
+            continue
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def gone_within(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if running(pid)]
+
+
+# a parent that starts one rank of a 2-rank torchrun job as torchrun's agent would, says its pid, and waits
+# (or, "dies first", leaves at once: the rank has not yet asked to end with it)
+RANK_PARENT = """import os, subprocess, sys
+env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+           MASTER_PORT=sys.argv[1], TORCHELASTIC_RUN_ID="none", TORCHELASTIC_RESTART_COUNT="0", OMP_NUM_THREADS="1")
+if sys.argv[2] != "plain torchrun":
+    env["MP_LAUNCHER_PID"] = str(os.getpid())
+rank = subprocess.Popen([sys.executable, "-u", "tensor_parallel.py", *sys.argv[4:]], env=env, start_new_session=True)
+print(rank.pid, flush=True)
+os._exit(0) if sys.argv[3] == "dies first" else rank.wait()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+@pytest.mark.parametrize("launcher", ["plain torchrun", "mp.tools.torchrun"])
+def test_a_rank_whose_launcher_is_killed_ends_at_once(tmp_path, launcher):
+    """The issue's rank: its agent gone, it waited in the connect to the agent's store, a C++ wait that a
+    Ctrl-C cannot interrupt, for minutes. Here the store is a socket that never answers: once the rank
+    has connected to it, its parent is killed with SIGKILL, and the rank ends within seconds."""
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen(1)
+        store.settimeout(120)
+        parent = subprocess.Popen([sys.executable, "-c", RANK_PARENT, str(store.getsockname()[1]), launcher,
+                                   "waits", *FAST, "--model", "mlp", "--timeout-s", "300"], cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True)
+        rank = int(parent.stdout.readline())
+        try:
+            conn, _ = store.accept()     # the rank is in the store's connect
+            parent.kill()
+            parent.wait()
+            assert gone_within([rank], 10) == [], "the rank outlived its killed parent"
+            conn.close()
+        finally:
+            if running(rank):
+                os.kill(rank, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_rank_whose_launcher_ended_before_it_started_ends_too(tmp_path):
+    """The launcher gone before the rank's request to end with it could take effect (killed while the
+    rank's python started): the rank sees that its launcher (MP_LAUNCHER_PID) has gone, and ends."""
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen(1)
+        parent = subprocess.run([sys.executable, "-c", RANK_PARENT, str(store.getsockname()[1]), "mp.tools.torchrun",
+                                 "dies first", *FAST, "--model", "mlp", "--timeout-s", "300"], cwd=ROOT,
+                                stdout=subprocess.PIPE, text=True, timeout=60)
+        rank = int(parent.stdout)
+        try:
+            assert gone_within([rank], 60) == [], "the rank outlived the parent that died before it asked"
+        finally:
+            if running(rank):
+                os.kill(rank, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_no_rank_outlives_a_killed_torchrun_agent(tmp_path, fork):
+    """mp.tools.torchrun killed with SIGKILL mid-run (nothing can stop its ranks then): every process it
+    started, forked ranks (a keeper and the program each) or new pythons, ends within seconds."""
+    log = str(tmp_path / "tp.jsonl")
+    agent = subprocess.Popen([sys.executable, "-m", "mp.tools.torchrun", "--standalone", "--nproc-per-node", "2",
+                              "--", "tensor_parallel.py", *FAST, "--model", "mlp", "--hidden", "16",
+                              "--steps", "100000", "--log-file", log], cwd=ROOT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1", MP_TORCHRUN_FORK=fork),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    below = []
+    try:
+        wait_for_steps(agent, log, 1)
+        below = descendants(agent.pid)
+        assert len(below) >= 2, below
+        agent.kill()
+        agent.wait()
+        assert gone_within(below, 10) == [], "processes outlived their killed torchrun agent"
+    finally:
+        agent.kill()
+        for pid in filter(running, below):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_rank_in_a_cpp_wait_takes_a_ctrl_c_at_once(tmp_path):
+    """Python runs a signal handler only between bytecodes: a rank waiting in the connect to torchrun's
+    store (C++) heard torchrun's SIGINT only when torchrun killed it 30 s later. Now: exit 130 at once."""
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen(1)
+        store.settimeout(120)
+        env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.getsockname()[1]), TORCHELASTIC_RUN_ID="none",
+                   TORCHELASTIC_RESTART_COUNT="0")
+        rank = subprocess.Popen([sys.executable, "-u", "tensor_parallel.py", *FAST, "--model", "mlp", "--timeout-s",
+                                 "300"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        conn, _ = store.accept()      # the rank is in the store's connect
+        rank.send_signal(signal.SIGINT)
+        try:
+            out, err = rank.communicate(timeout=10)
+        finally:
+            rank.kill()
+            conn.close()
+        assert rank.returncode == 130 and out + err == "", (rank.returncode, out, err)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mp.dist import awaiting
+from mp.errors import shared_cores
 from mp.pp.schedules import bubble_theory
 
 
@@ -56,7 +57,9 @@ def write_timeline(trace, path, enabled):
             json.dump(trace, f)
         os.replace(f.name, path)
         other = trace["otherData"]
-        print(f"wrote {path}: bubble measured {other['bubble_measured']:.1%}, theory {other['bubble_theory']:.1%}")
+        why = shared_cores(int(os.environ.get("LOCAL_WORLD_SIZE", other["stages"]))) if other["device"] == "cpu" else ""
+        print(f"wrote {path}: bubble measured {other['bubble_measured']:.1%}, theory {other['bubble_theory']:.1%}"
+              + (f" ({why}: a stage waiting for a core counts as idle)" if why else ""))
 
 
 def timeline_steps(args):

@@ -33,7 +33,7 @@ import subprocess
 import sys
 
 from mp.cli import PARSERS
-from mp.errors import fail
+from mp.errors import fail, note_shared_cores
 
 SEPARATOR = "::"
 
@@ -81,7 +81,7 @@ UNKNOWN = "unrecognized arguments: "
 def unknown_flags(launcher, program, reason, knobs):
     """The launcher's line for extra flags that the parallel program does not take: which program
     refused them, and the knob that a flag looks like, with the value the user gave it."""
-    typed = reason.removeprefix(UNKNOWN).removesuffix(" (see --help)")
+    typed, _, near = reason.removeprefix(UNKNOWN).removesuffix(" (see --help)").partition(": did you mean ")
     words = typed.split()
     line = (f"{launcher} passes its extra flags to {program}.py and single_baseline.py, and {program}.py does "
             f"not take {typed} (python {program}.py --help lists its flags)")
@@ -91,6 +91,8 @@ def unknown_flags(launcher, program, reason, knobs):
     if knob:
         setting = f"{knob}={value}" if value else knob
         line += f"; to set {knob.lower().replace('_', ' ')}, use the knob: {setting} bash {launcher}"
+    elif near:   # a flag of the program's, mistyped (mp.flags.OneLineParser.did_you_mean)
+        line += f"; did you mean {near}"
     return line
 
 
@@ -147,8 +149,10 @@ def main(argv=None):
         launcher, argv = argv[1], argv[2:]
     if argv[:1] == ["--knobs"]:       # the launcher's flags that have a knob, flag:KNOB:kind (launch_checks.sh)
         knobs, argv = argv[1].split(), argv[2:]
-    for world, program, args in runs(argv):
+    planned = runs(argv)
+    for world, program, args in planned:
         check(world, program, args, launcher, knobs)
+    note_shared_cores(max(world for world, _, _ in planned))   # the launcher's one word on it (MP_CORES_NOTED)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,14 @@ import signal
 import sys
 import traceback
 
-from mp.errors import say_when_interrupted
+from mp.errors import LAUNCHER_PID, end_with_launcher, say_when_interrupted
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)   # torchrun's agent sends these
 
 
 def keep(script, args):
     """The keeper: start the program, pass signals on, and end as it ended."""
+    end_with_launcher()   # killed, the agent would leave this keeper behind, and with it the program
     os.setsid()   # out of the terminal's reach, as torchrun's ranks are: a Ctrl-C reaches them through the agent only
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)   # held until the program's pid is known
     keeper = os.getpid()
@@ -79,6 +80,7 @@ def run_program(script, args, keeper):
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     die_with(keeper)
+    os.environ[LAUNCHER_PID] = str(keeper)   # the program's own request (stop_on_interrupt) names its parent
     os.setsid()                     # torchrun's Popen(start_new_session=True): each rank leads a session of its own
     faulthandler.disable()          # torchrun's error handler turned it on in the agent
     say_when_interrupted(None)      # the agent's own Ctrl-C line ("no rank had started") is not the rank's

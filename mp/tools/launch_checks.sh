@@ -12,11 +12,12 @@ launcher_error() {
 # ---- exits ---------------------------------------------------------------------------------------
 # A failed step stops the launcher with its name (STEP), before anything later is plotted. A step
 # that was interrupted (Ctrl-C reaches every process of the job; torchrun passes it to the ranks)
-# has said so in one line and exits 130: the launcher then leaves quietly with the same status. The
-# INT trap says nothing either: it is there for a Ctrl-C that lands just as a step ends well (exit 0),
-# which bash would otherwise take for a step that handled the signal, and run on to the end (seen in CI).
+# has said so in one line and exits 130: the launcher then leaves with the same status, naming only the
+# files its runs had finished (launcher_interrupted: they stay in the run's folder). The INT trap is there
+# for a Ctrl-C that lands just as a step ends well (exit 0), which bash would otherwise take for a step
+# that handled the signal, and run on to the end (seen in CI).
 launcher_stopped() {   # the ERR trap: RC
-    if [ "$1" = 130 ]; then exit 130; fi
+    if [ "$1" = 130 ]; then launcher_interrupted; fi
     local kept=""
     if [ -n "${RUN_STAGE:-}" ] && [ -d "$RUN_STAGE" ]; then
         kept="; its files so far are in $RUN_STAGE, the earlier run's untouched"
@@ -24,7 +25,22 @@ launcher_stopped() {   # the ERR trap: RC
     echo "$(basename "$0"): stopped: $STEP failed with exit status $1; nothing after it ran$kept" >&2
 }
 trap 'launcher_stopped $?' ERR
-trap 'exit 130' INT
+trap 'launcher_interrupted' INT
+
+launcher_interrupted() {   # exit 130; the files the runs finished before the Ctrl-C stay in the run's folder
+    # (moved only when every run has finished): named, since the console said they would move
+    local parked=()
+    if [ -n "${RUN_STAGE:-}" ] && [ -d "$RUN_STAGE" ]; then
+        mapfile -t parked < <(find "$RUN_STAGE/logs" "$RUN_STAGE/plots" -type f ! -name '*.partial-*' 2>/dev/null |
+                              sort)
+    fi
+    if [ ${#parked[@]} -gt 0 ]; then
+        parked=("${parked[@]#"$RUN_STAGE/"}")
+        echo "note: interrupted, so the finished ${parked[*]} stayed in $RUN_STAGE, not moved to $FINAL_LOGS:" \
+            "the same command again finishes the run (and moves the files), or delete the folder" >&2
+    fi
+    exit 130
+}
 
 # ---- starting python -----------------------------------------------------------------------------
 # Every python the launcher runs starts with SIGINT blocked. A Ctrl-C that lands while the interpreter
@@ -45,23 +61,36 @@ else
     BLOCK_SIGINT=()
 fi
 run_python() {   # ARGS...: "$PYTHON" ARGS..., started with SIGINT blocked; its status is the call's
-    if [ -z "${RUN_STAGE:-}" ]; then
-        "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" || return $?   # (the caller's ERR trap names the failed STEP)
+    # MP_LAUNCHER_PID: the python ends if this launcher is killed, and torchrun's agent stops its ranks
+    # (mp/errors.py end_with_launcher): no rank outlives the launcher
+    if [ -z "${RUN_STAGE:-}" ]; then   # (the caller's ERR trap names the failed STEP)
+        MP_LAUNCHER_PID=$$ "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" || return $?
     else   # once the run writes into its own folder: its lines name files as they will be (pipefail: python's status)
-        "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" | unstaged || return $?
+        MP_LAUNCHER_PID=$$ "${BLOCK_SIGINT[@]}" "$PYTHON" "$@" | unstaged || return $?
     fi
 }
 
 unstaged() {   # stdin to stdout; a program's `wrote FILE` of a file in RUN_STAGE names where the file will go:
                # the folder is gone once the launcher ends, and its last lines name every file it wrote
     trap '' INT    # a Ctrl-C is the program's to report: read on until it has said its line and ended
-    local line
+    local line file
     while IFS= read -r line || [ -n "$line" ]; do
         case "$line" in
-            "wrote $RUN_STAGE/"*) echo "finished: moved to $(final_name "${line#wrote }") when the launcher ends" ;;
+            "wrote $RUN_STAGE/"*)
+                file=${line#wrote } && file=${file%%: *}
+                say_staged_once
+                if [[ $line == *": "* ]]; then echo "$(basename "$file"): ${line#*: }"; fi ;;   # the timeline's bubble
             *) printf '%s\n' "$line" ;;
         esac
     done
+}
+
+say_staged_once() {   # one line a launch, at its first finished file, in place of one line a file
+    if [ ! -e "$RUN_STAGE/said-staged" ]; then
+        : > "$RUN_STAGE/said-staged"
+        echo "finished: the runs' files move together to $FINAL_LOGS (figures: $FINAL_PLOTS) when the launcher" \
+            "ends; its last lines name them"
+    fi
 }
 
 # ---- --help --------------------------------------------------------------------------------------
@@ -204,7 +233,7 @@ say_written() {   # FILE...: this run's files moved from RUN_STAGE to their name
     done
     rm -rf "${RUN_STAGE:?}"          # what is left there is superseded: this run's partial logs, an earlier attempt's
     rmdir "$FINAL_LOGS/.unfinished" 2>/dev/null || true
-    trap 'exit 130' INT
+    trap 'launcher_interrupted' INT
     if [ ${#replaced[@]} -gt 0 ]; then (IFS=,; echo "replaced the earlier run's files: ${replaced[*]}" | sed 's/,/, /g'); fi
     left_unfinished
     echo "wrote:"
@@ -296,6 +325,25 @@ refuse_knob_flags() {   # the extra arguments: a flag that has a knob is refused
     done
 }
 
+trains_the_vit() {   # WHY ARGS...: a launcher whose lesson is the vit's has no MODEL knob; an extra --model that
+                     # asks for another model would reach both programs and be refused there in terms of the
+                     # vit's flags the launcher sets (EXPERTS, TOP_K), which the user never set
+    local why=$1 args i model
+    shift
+    args=("$@")
+    for ((i = 0; i < ${#args[@]}; i++)); do
+        case "${args[i]}" in
+            --model=*) model=${args[i]#--model=} ;;
+            --model) model=${args[i + 1]:-} ;;
+            *) continue ;;
+        esac
+        if [ "$model" != vit ]; then
+            launcher_error "$(basename "$0") trains the vit, $why; drop --model $model, or train the $model with" \
+                "another launcher: MODEL=$model bash run_3d.sh (or run_pipeline.sh, run_joint.sh, run_tp.sh)"
+        fi
+    done
+}
+
 in_knob_terms() {   # stdin to stdout with the programs' flags as the knobs: --microbatches 3 -> MICROBATCHES=3
     # a flag only where it stands alone: --experts, not the tail of a --num-experts the user typed
     local script=() pair flag knob kind end='\([^a-z-]\|$\)' start='\(^\|[^a-z-]\)'
@@ -335,6 +383,7 @@ run_checks() {   # the queued runs' flags; the first refused prints its one erro
         exit "$rc"
     fi
     if [ -n "$err" ]; then printf '%s\n' "$err" >&2; fi
+    export MP_CORES_NOTED=1   # more ranks than cores: check_args said so once; each torchrun after it stays quiet
     if [ "$CHECK_ONLY" = 1 ]; then
         local runs=0 arg
         for arg in "${CHECKS[@]}"; do if [ "$arg" = :: ]; then runs=$((runs + 1)); fi; done

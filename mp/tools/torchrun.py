@@ -19,7 +19,7 @@ torchrun's own way to fork ranks from itself; forked_rank.py makes each rank loo
 `python SCRIPT` (--no-python, -m, PYTHON_EXEC), or with MP_TORCHRUN_FORK=0, the ranks are new pythons
 as before: CUDA must not be touched before a fork, and a fork is not tried where nothing tests it.
 """
-from mp.errors import say_when_interrupted, stop_on_interrupt
+from mp.errors import LAUNCHER_PID, note_shared_cores, say_when_interrupted, stop_on_interrupt
 if __name__ == "__main__":   # Ctrl-C while torch is imported (seconds): one line, exit 130; no rank has started
     say_when_interrupted(lambda: "interrupted while torchrun started: no rank had started")
     stop_on_interrupt()      # (torchrun's agent puts its own handler in place when it starts the ranks)
@@ -101,6 +101,9 @@ def main(argv=None):
     quiet_torchrun()
     args = torchrun.parse_args(argv)
     program = args.training_script   # as torchrun names it in its report
+    os.environ[LAUNCHER_PID] = str(os.getpid())   # each rank ends with this agent (mp.errors.end_with_launcher)
+    if str(args.nproc_per_node).isdigit():
+        note_shared_cores(int(args.nproc_per_node))
     if can_fork_ranks(args):
         fork_ranks(args)
     else:
