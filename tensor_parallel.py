@@ -36,10 +36,15 @@ backward split), so that the logits are whole on every rank.
 reduce-scatter after the row-parallel layer, so that LayerNorm, dropout and the residual add run
 on 1/t of the tokens, and an all-gather before the next column-parallel layer. The same bytes,
 those activations t times smaller; f, g and the layers are here, the rest in mp/tp/sequence.py.
+--model gpt splits its vocabulary (Megatron's VocabParallelEmbedding and vocab_parallel_cross_entropy): each
+rank holds V/T rows of the embedding and of the output layer (tied: the same Parameter) and computes the logits
+of its V/T bytes only; the loss reduces the max, the sum of exponentials and the target's logit over the group,
+never the [b, s, V] logits (mp/tp/vocab.py, parallel_gpt_block below).
 --hybrid (data-parallel convolutions, a tensor-parallel classifier) is mp/tp/hybrid.py; --check is
 mp/check.py, the replicated parameters mp/replicas.py.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
+    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model gpt --tie-embeddings
 """
 from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
 if __name__ == "__main__":

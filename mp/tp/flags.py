@@ -14,6 +14,12 @@ def ranks_for(degree):
 def validate_degree(args, degree, use_degree=ranks_for):
     """Every rank needs whole heads and at least one neuron of the narrowest split layer.
     use_degree(d): how to ask for degree d (here the world size; parallel_3d.py: --tp d)."""
+    if args.model == "gpt" and VOCAB % degree:   # mp.tp.vocab: my V/T rows of the embedding and the head
+        fits = [d for d in range(2, degree * 2) if VOCAB % d == 0]
+        near = [max(d for d in fits if d < degree)] + [d for d in fits if d > degree][:1]
+        fail(f"the gpt's vocabulary of {VOCAB} bytes is not divisible by the tensor-parallel degree {degree}; each "
+             f"rank holds an equal slice of the embedding and the output layer: "
+             f"use {' or '.join(map(use_degree, near))}")
     if args.model in ("vit", "gpt") and args.heads % degree:   # fixes that also keep --hidden divisible by --heads
         heads = [h for h in range(degree, args.hidden + 1, degree) if args.hidden % h == 0][:2]
         ranks = [d for d in range(2, args.heads + 1) if args.heads % d == 0][:1]
@@ -21,12 +27,6 @@ def validate_degree(args, degree, use_degree=ranks_for):
         fixes = fixes or [f"--hidden {args.hidden * degree} --heads {degree}"]
         fail(f"--heads {args.heads} is not divisible by the tensor-parallel degree {degree}; each rank "
              f"needs whole heads: use {' or '.join(fixes)}")
-    if args.model == "gpt" and VOCAB % degree:   # mp.tp.vocab: my V/T rows of the embedding and the head
-        fits = [d for d in range(2, degree * 2) if VOCAB % d == 0]
-        near = [max(d for d in fits if d < degree)] + [d for d in fits if d > degree][:1]
-        fail(f"the gpt's vocabulary of {VOCAB} bytes is not divisible by the tensor-parallel degree {degree}; each "
-             f"rank holds an equal slice of the embedding and the output layer: "
-             f"use {' or '.join(map(use_degree, near))}")
     if args.model == "cnn":
         width, what = 6, "output channels of cnn conv1"
     elif args.model == "mlp" and args.layers % 2:  # the classifier is split too: 10 outputs
