@@ -36,10 +36,15 @@ backward split), so that the logits are whole on every rank.
 reduce-scatter after the row-parallel layer, so that LayerNorm, dropout and the residual add run
 on 1/t of the tokens, and an all-gather before the next column-parallel layer. The same bytes,
 those activations t times smaller; f, g and the layers are here, the rest in mp/tp/sequence.py.
+--model gpt splits its vocabulary (Megatron's VocabParallelEmbedding and vocab_parallel_cross_entropy): each
+rank holds V/T rows of the embedding and of the output layer (tied: the same Parameter) and computes the logits
+of its V/T bytes only; the loss reduces the max, the sum of exponentials and the target's logit over the group,
+never the [b, s, V] logits (mp/tp/vocab.py, parallel_gpt_block below).
 --hybrid (data-parallel convolutions, a tensor-parallel classifier) is mp/tp/hybrid.py; --check is
 mp/check.py, the replicated parameters mp/replicas.py.
 
     torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model vit --sequence-parallel
+    torchrun --standalone --nproc-per-node 2 tensor_parallel.py --data synthetic --model gpt --tie-embeddings
 """
 from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
 if __name__ == "__main__":
@@ -60,18 +65,20 @@ from mp.data import agree_on_data, load_data, to_device
 from mp.dist import distributed, exit_now, group_timeout
 from mp.dropout import KeyedDropout
 from mp.errors import note_one_rank
+from mp.loss import loss_function
 from mp.loop import Job, Replicas, Sums, evaluate, train, whole_model_run
 from mp.mesh import Mesh
 from mp.models import Attention, build_model, num_blocks
 from mp.moe import MixtureOfExperts
 from mp.optim import make_optimizer
-from mp.sizes import split_sizes
+from mp.sizes import VIT_TOKENS, split_sizes, tokens_of
 from mp.tp.collectives import all_reduce, tp_rank, tp_size
 from mp.tp.hybrid import HybridCNN
 from mp.tp.mappings import (gather_from_sequence_parallel_region, gather_from_tp_region,
                             reduce_scatter_to_sequence_parallel_region)
 from mp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import shard_sequence, sum_sequence_parallel_grads
+from mp.tp.vocab import VocabParallelEmbed, VocabParallelHead, tp_loss_function, vocab_parallel_scores
 
 PROGRAM = "tensor_parallel"
 
@@ -209,6 +216,7 @@ class ParallelAttention(Attention):
     def __init__(self, full, group, sizes, sequence_parallel=False):
         nn.Module.__init__(self)  # not Attention.__init__: the layers are slices of `full`
         self.group, self.head_dim, self.sequence_parallel = group, full.head_dim, sequence_parallel
+        self.causal = full.causal   # the gpt's mask: my heads' scores are masked as the full layer's
         self.q, self.k, self.v = (ColumnParallelLinear(f, group, sizes, copy_input=False)
                                   for f in (full.q, full.k, full.v))
         self.proj = RowParallelLinear(full.proj, group, sizes, sequence_parallel=sequence_parallel)
@@ -263,10 +271,10 @@ def shard_dropout(block, column):
     return column
 
 
-def parallel_vit_block(i, block, group, n_blocks, sequence_parallel=False):
+def parallel_vit_block(i, block, group, n_blocks, sequence_parallel=False, tokens=VIT_TOKENS):
     """Attention split by heads, the block MLP column | row; LayerNorms, the patch embedding and the
     head are replicated (small, and the residual stream must be whole for LayerNorm anyway).
-    sequence_parallel: the residual stream, and so the LayerNorms and dropouts, on my tokens only."""
+    sequence_parallel: the residual stream, and so the LayerNorms and dropouts, on my `tokens` // T only."""
     if 0 < i < n_blocks - 1:
         heads = block.attn.q.out_features // block.attn.head_dim
         head_sizes = [n * block.attn.head_dim for n in split_sizes(heads, tp_size(group))]
@@ -275,19 +283,36 @@ def parallel_vit_block(i, block, group, n_blocks, sequence_parallel=False):
             block.mlp[0] = ColumnParallelLinear(block.mlp[0], group, sequence_parallel=sequence_parallel)
             block.mlp[2] = RowParallelLinear(block.mlp[2], group, sequence_parallel=sequence_parallel)
     if sequence_parallel:   # the embedding, the head, the norms and dropouts on my tokens (mp.tp.sequence)
-        block = shard_sequence(i, block, group, n_blocks, reduce_from_tp_region)
+        block = shard_sequence(i, block, group, n_blocks, reduce_from_tp_region, tokens)
     return block
 
 
-def parallelize_block(i, block, model_name, group, n_blocks, hybrid=False, sequence_parallel=False):
+def parallel_gpt_block(i, block, group, n_blocks, sequence_parallel=False, tokens=None):
+    """The gpt: its causal transformer blocks split as the vit's; its embedding and head split by rows of the
+    vocabulary (mp.tp.vocab), so that a rank computes the logits of its V/T bytes only, [b, s, V/T]. The
+    embedding's partial lookups are summed by g (sequence parallel: reduce-scattered to my tokens); the
+    head's input enters through f (sequence parallel: the tokens all-gathered)."""
+    if i == 0:
+        return VocabParallelEmbed(block, group, reduce_from_tp_region, sequence_parallel)
+    if i == n_blocks - 1:
+        enter = gather_from_sequence_parallel_region if sequence_parallel else copy_to_tp_region
+        return VocabParallelHead(block, group, enter, sequence_parallel)
+    return parallel_vit_block(i, block, group, n_blocks, sequence_parallel, tokens)
+
+
+def parallelize_block(i, block, model_name, group, n_blocks, hybrid=False, sequence_parallel=False,
+                      tokens=VIT_TOKENS):
     """Block i of the full model with its layers replaced, in place, by this rank's parallel layers
-    (same names); the full weights go as soon as the caller drops the full block."""
+    (same names); the full weights go as soon as the caller drops the full block. tokens: a sample's
+    (sequence parallelism's split), the vit's 64 or the gpt's --seq-len."""
     if hybrid:   # the convolutions stay whole (data-parallel), the classifier is split
         return parallel_cnn_classifier_block(i, block, group)
     if model_name == "cnn":
         return parallel_cnn_block(i, block, group)
     if model_name == "vit":
         return parallel_vit_block(i, block, group, n_blocks, sequence_parallel)
+    if model_name == "gpt":
+        return parallel_gpt_block(i, block, group, n_blocks, sequence_parallel, tokens)
     return parallel_mlp_block(i, block, group, n_blocks)
 
 
@@ -296,14 +321,14 @@ def build_parallel_model(args, group, device, hybrid=False):
     full block sliced into my shards as soon as it is built, the full one dropped before the next."""
     sequence_parallel = getattr(args, "sequence_parallel", False)
     shard = partial(parallelize_block, model_name=args.model, group=group, n_blocks=num_blocks(args), hybrid=hybrid,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, tokens=tokens_of(args))
     return summed_where_partial(build_model(args, shard, device), group, hybrid)
 
 
-def parallelize(model, model_name, group, hybrid=False, sequence_parallel=False):
+def parallelize(model, model_name, group, hybrid=False, sequence_parallel=False, tokens=VIT_TOKENS):
     """A whole model (tests and benchmarks build one) made parallel block by block, in place."""
     for i, block in enumerate(model):
-        model[i] = parallelize_block(i, block, model_name, group, len(model), hybrid, sequence_parallel)
+        model[i] = parallelize_block(i, block, model_name, group, len(model), hybrid, sequence_parallel, tokens)
     return summed_where_partial(model, group, hybrid)
 
 
@@ -332,14 +357,16 @@ def sync_tp_grads(partial_sums, replicated):
         replicated.average()
 
 
-def train_step(step, model, optimizer, data, args, device, tp_grads, norm):
+def train_step(step, model, optimizer, data, args, device, tp_grads, norm, group):
     """One optimizer step of single_baseline.py's, on this rank's shards: the same order, the
     collectives inside the layers, and the replicated parameters' gradients synchronised before the
-    norm. The logits are whole on every rank, so each computes the loss; tp rank 0 logs it."""
+    norm. The logits are whole on every rank (the gpt: my vocabulary columns, whose loss reduces the
+    whole vocabulary's max, sum and target over the group), so each computes the loss; tp rank 0 logs it."""
     x, y = (to_device(t, device) for t in data.batch(step, args.batch_size))   # the whole batch, on every rank
     optimizer.zero_grad(set_to_none=True)
+    loss_fn = tp_loss_function(args, data, step, group)   # the image models' mean; the gpt's, mp/tp/vocab.py
     with model.dropout_keys.training(step):
-        loss = F.cross_entropy(model(x), y)   # f, g and the gathers run inside the parallel layers
+        loss = loss_fn(model(x), y)   # f, g and the gathers run inside the parallel layers
     loss.backward()
     sync_tp_grads(*tp_grads)
     grad_norm = clip_global(model.parameters(), args.clip_grad_norm, *norm)   # the full model's norm
@@ -364,11 +391,12 @@ def main(argv=None):
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             what = f"tensor parallelism{' --hybrid' if args.hybrid else ''}"
-            return check_and_exit(env, args, what, model, check_step(model, tp_grads), x, y, norm=norm)
+            return check_and_exit(env, args, what, model, check_step(args, data, model, tp_grads, group), x, y,
+                                  norm=norm, loss_fn=loss_function(args, data, 0))
         optimizer = make_optimizer(model.parameters(), args)
 
         def step(k):
-            return train_step(k, model, optimizer, data, args, env.device, tp_grads, norm)
+            return train_step(k, model, optimizer, data, args, env.device, tp_grads, norm, group)
 
         # the loop (mp/loop.py) runs the steps, logs (tp rank 0 owns the loss), evaluates, saves, and at the
         # end checks that the weights every rank holds whole stayed bit-identical
@@ -376,15 +404,19 @@ def main(argv=None):
         replicas = Replicas(replicated_parameters(model), group, "replicated parameters bit-identical across the "
                             f"{env.world_size} tensor-parallel ranks")
         return train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0, sums=Sums(norm_groups=[group]),
-                                    evaluate=lambda: evaluate(data, env.device, whole_model_run(model, env.device)),
+                                    evaluate=lambda: evaluate(data, env.device, whole_model_run(model, env.device),
+                                                              scores=vocab_parallel_scores(args, group)),
                                     collectives="the tensor-parallel collectives", replicas=[replicas]))
 
 
-def check_step(model, tp_grads):
-    """--check's step (mp.check): forward and backward on the first batch, then the gradients synchronised."""
+def check_step(args, data, model, tp_grads, group):
+    """--check's step (mp.check): forward and backward on the first batch, then the gradients synchronised.
+    The gpt's logits are my vocabulary columns: gathered here, for --check's comparison only."""
     def step(x, y):
-        logits, loss = whole_model_step(model)(x, y)
+        logits, loss = whole_model_step(model, tp_loss_function(args, data, 0, group))(x, y)
         sync_tp_grads(*tp_grads)
+        if args.model == "gpt":
+            logits = gather_from_tp_region(logits.detach(), group, [logits.shape[-1]] * tp_size(group))
         return logits, loss
     return step
 

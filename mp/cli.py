@@ -87,7 +87,7 @@ def tensor_parallel_args(argv, doc):
     p.add_argument("--hybrid", action="store_true",
                    help="cnn: convolutions data-parallel on slices of the batch, fc layers tensor-parallel")
     p.add_argument("--sequence-parallel", action="store_true",
-                   help="vit: LayerNorms, dropouts and residual adds on 1/degree of the tokens per rank")
+                   help="vit, gpt: LayerNorms, dropouts and residual adds on 1/degree of the tokens per rank")
     args = p.parse_args(argv)
     validate_common(args, "tensor_parallel")
     degree = world_size()

@@ -290,7 +290,7 @@ def data_parallel_fields(env, job, steps, phases=()):
 
 
 @torch.no_grad()
-def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
+def evaluate(data, device, run, batch=EVAL_BATCH, replica=None, scores=None):
     """Mean test loss and accuracy over the whole test split (the gpt: over its tokens, each a prediction of
     the next byte; the test split leaves none out: every label counts). run(batches, score) sends a list of
     equal-size (inputs, labels) batches through the model and calls score(i, logits) with batch i's
@@ -299,6 +299,8 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     replica=(d, D, group): I am replica d of D and run my contiguous slice of every batch (as a step slices
     its batch; where D does not divide a batch, the first replicas take one sample more), and the replicas'
     sums are added over group; every member calls it, the sums of a rank that scores nothing are zeros.
+    scores(logits, labels) -> (the loss's sum, the correct answers), for logits that are not whole (tensor
+    parallelism's vocabulary columns: mp.tp.vocab); None: whole_model_scores.
     Returns [mean loss, accuracy], float64 on the device, unread: the loop reads it once its work is done
     (settle), so a peer lost on a GPU ends in one error line, not a read that waits for nccl's watchdog."""
     batches = test_batches(data, batch)
@@ -314,13 +316,19 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
 
         def score(i, logits, part=part):
             labels = part[i][1].to(device)
-            totals[0] += token_sum(logits, labels).double()   # as .item() gave it
-            totals[1] += (logits.argmax(-1) == labels).sum()
+            loss, right = (scores or whole_model_scores)(logits, labels)
+            totals[0] += loss.double()   # as .item() gave it
+            totals[1] += right
 
         run(part, score)
     if replica is not None:                   # the whole split's sums: every replica's slices added
         dist.all_reduce(totals, group=group)
     return totals / n
+
+
+def whole_model_scores(logits, labels):
+    """evaluate()'s scores of whole logits: the loss's sum over the tokens (or images), the correct answers."""
+    return token_sum(logits, labels), (logits.argmax(-1) == labels).sum()
 
 
 def whole_model_run(model, device):

@@ -28,12 +28,13 @@ def valid_tokens(targets):
     return int((targets != IGNORE).sum())
 
 
-def loss_function(args, data, step, pieces=1):
+def loss_function(args, data, step, pieces=1, sum_of=token_sum):
     """The loss of one piece of step's global batch, loss(logits, targets): the image models' mean;
     the gpt's token sum x pieces / the global batch's valid tokens, pieces being how many equal pieces
     the program averages (a pipeline's microbatches x the data-parallel replicas x the context ranks;
-    the baseline: 1)."""
+    the baseline: 1). sum_of(logits, targets): the token sum (tensor parallelism's from its vocabulary
+    columns: mp.tp.vocab)."""
     if args.model != "gpt":
         return F.cross_entropy
     scale = pieces / valid_tokens(data.labels(step, args.batch_size))
-    return lambda logits, targets: token_sum(logits, targets) * scale
+    return lambda logits, targets: sum_of(logits, targets) * scale

@@ -1,9 +1,10 @@
 """The tensor-parallel flags, checked before any collective: every rank needs whole heads and at
-least one neuron of each split layer; under --sequence-parallel an equal run of the vit's tokens;
-under --hybrid an equal slice of the batch. A bad value is one `error:` line with the fix, exit 2
-(tensor_parallel.py, and parallel_3d.py for its --tp)."""
+least one neuron of each split layer (the gpt: an equal slice of its vocabulary); under
+--sequence-parallel an equal run of the vit's or the gpt's tokens; under --hybrid an equal slice of
+the batch. A bad value is one `error:` line with the fix, exit 2 (tensor_parallel.py, and
+parallel_3d.py for its --tp)."""
 from mp.errors import fail
-from mp.sizes import VIT_TOKENS
+from mp.sizes import VIT_TOKENS, VOCAB
 
 
 def ranks_for(degree):
@@ -13,7 +14,13 @@ def ranks_for(degree):
 def validate_degree(args, degree, use_degree=ranks_for):
     """Every rank needs whole heads and at least one neuron of the narrowest split layer.
     use_degree(d): how to ask for degree d (here the world size; parallel_3d.py: --tp d)."""
-    if args.model == "vit" and args.heads % degree:   # fixes that also keep --hidden divisible by --heads
+    if args.model == "gpt" and VOCAB % degree:   # mp.tp.vocab: my V/T rows of the embedding and the head
+        fits = [d for d in range(2, degree * 2) if VOCAB % d == 0]
+        near = [max(d for d in fits if d < degree)] + [d for d in fits if d > degree][:1]
+        fail(f"the gpt's vocabulary of {VOCAB} bytes is not divisible by the tensor-parallel degree {degree}; each "
+             f"rank holds an equal slice of the embedding and the output layer: "
+             f"use {' or '.join(map(use_degree, near))}")
+    if args.model in ("vit", "gpt") and args.heads % degree:   # fixes that also keep --hidden divisible by --heads
         heads = [h for h in range(degree, args.hidden + 1, degree) if args.hidden % h == 0][:2]
         ranks = [d for d in range(2, args.heads + 1) if args.heads % d == 0][:1]
         fixes = [f"--heads {h}" for h in heads] + [use_degree(d) for d in ranks]
@@ -32,11 +39,18 @@ def validate_degree(args, degree, use_degree=ranks_for):
 
 
 def validate_sequence_parallel(args, degree, use_degree=ranks_for):
-    """--sequence-parallel: the vit only, and every rank holds an equal run of its 64 tokens.
-    use_degree(d): how to ask for degree d (here the world size; parallel_3d.py: --tp d)."""
+    """--sequence-parallel: the vit or the gpt, and every rank holds an equal run of its tokens (the vit's 64,
+    the gpt's --seq-len). use_degree(d): how to ask for degree d (here the world size; parallel_3d.py: --tp d)."""
     if getattr(args, "hybrid", False):   # parallel_3d.py has no --hybrid
         fail("--sequence-parallel shards the vit's tokens and --hybrid the cnn's batch; they do not combine: "
              "drop one of them")
+    if args.model == "gpt":
+        if args.seq_len % degree:
+            low = args.seq_len // degree * degree
+            fail(f"--seq-len {args.seq_len} is not divisible by the tensor-parallel degree {degree}; under "
+                 f"--sequence-parallel every rank holds an equal run of tokens: use a multiple of {degree}, e.g. "
+                 f"--seq-len {low + degree}" + (f" or {low}" if low else "") + ", or drop --sequence-parallel")
+        return
     if args.model != "vit":
         fail(f"--sequence-parallel shards the vit's sequence of {VIT_TOKENS} tokens, and --model {args.model} "
              f"has no sequence: use --model vit, or drop --sequence-parallel")

@@ -22,16 +22,18 @@ from mp.replicas import SummedGradients
 
 
 
-def my_tokens(group):
-    """(first, count): the run of the vit's 64 tokens this rank holds under sequence parallelism."""
-    count = VIT_TOKENS // tp_size(group)
+def my_tokens(group, tokens=VIT_TOKENS):
+    """(first, count): the run of a sample's tokens (the vit's 64, the gpt's --seq-len) this rank holds
+    under sequence parallelism."""
+    count = tokens // tp_size(group)
     return count * tp_rank(group), count
 
 
-def shard_sequence(i, block, group, n_blocks, reduce_from_tp_region):
+def shard_sequence(i, block, group, n_blocks, reduce_from_tp_region, tokens=VIT_TOKENS):
     """Block i of the vit, already tensor-parallel, on my tokens: the embedding keeps my run of them,
     the head ends the sequence, and a transformer block's norms and dropouts see my tokens only.
-    reduce_from_tp_region: the lesson's g (tensor_parallel.py), which sums the head's shares."""
+    reduce_from_tp_region: the lesson's g (tensor_parallel.py), which sums the head's shares. tokens: a
+    sample's (the gpt's transformer blocks come here too, its ends are mp.tp.vocab's)."""
     if i == 0:
         return SequenceParallelEmbed(block, group)
     if i == n_blocks - 1:
@@ -39,7 +41,7 @@ def shard_sequence(i, block, group, n_blocks, reduce_from_tp_region):
     partial_gradients(block.ln1, block.ln2)   # each rank normalises other tokens
     for drop in (block.drop1, block.drop2):
         if isinstance(drop, KeyedDropout):
-            drop.first_token = my_tokens(group)[0]   # my tokens' masks are those of these tokens in the full layer
+            drop.first_token = my_tokens(group, tokens)[0]   # my tokens' masks: theirs in the full layer
     return block
 
 
