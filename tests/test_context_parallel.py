@@ -9,6 +9,7 @@ import torch
 from torch.testing import assert_close
 
 import context_parallel as cp
+from mp.cp.blocks import my_tokens
 from helpers import (FAST, PYTHON, ROOT, assert_one_error_line, assert_same_losses, launch, run_ranks, slow,
                      written)
 
@@ -26,7 +27,7 @@ def case_attention(rank, world, group):
     q, k, v = (torch.randn(b, heads, tokens, dim, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(b, heads, tokens, dim)
     plain_attention(q, k, v).backward(grad_out)
-    first, count = cp.my_tokens(group, tokens)
+    first, count = my_tokens(group, tokens)
     mine = slice(first, first + count)
     for name, attention in cp.ATTENTION.items():
         local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
@@ -45,7 +46,7 @@ def test_ring_and_ulysses_match_plain_attention(tmp_path, world):
 def case_all_to_all(rank, world, group):
     """tokens_to_heads gives me heads rank*h/N.. of every token; heads_to_tokens undoes it exactly."""
     x = torch.arange(2 * 4 * 8 * 3, dtype=torch.float32).view(2, 4, 8, 3)   # [B, heads, tokens, dim], whole
-    first, count = cp.my_tokens(group, 8)
+    first, count = my_tokens(group, 8)
     mine = x[:, :, first:first + count]
     swapped = cp.tokens_to_heads(mine, group)
     h = 4 // world
