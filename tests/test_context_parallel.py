@@ -121,9 +121,9 @@ def test_each_rank_holds_its_tokens_and_sums_the_partial_gradients(tmp_path):
 
 
 @pytest.mark.parametrize("argv,world,message", [
-    (["--model", "cnn"], 2, "error: context parallelism splits the vit's sequence of tokens, and --model cnn has "
-                            "no sequence: use --model vit"),
-    (["--model", "mlp"], 2, "error: context parallelism splits the vit's sequence"),
+    (["--model", "cnn"], 2, "error: context parallelism splits a sequence of tokens, and --model cnn has "
+                            "no sequence: use --model vit or gpt"),
+    (["--model", "mlp"], 2, "error: context parallelism splits a sequence"),
     ([], 3, "error: the vit's 64 tokens (--patch-size 4) are not divisible by the context-parallel degree 3; every "
             "rank holds an equal run of tokens: use 2 ranks (torchrun --nproc-per-node 2) or 4 ranks"),
     (["--patch-size", "8"], 32, "error: the vit's 16 tokens (--patch-size 8) are not divisible by the "
