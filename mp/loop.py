@@ -170,7 +170,8 @@ def train(args, env, job):
             complete_routing(job.model, job.sums.routing)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
-              **activation_fields(env, job.model), **attention_fields(env, job.model), **data_parallel_fields(env, job, args.steps - first, phases),
+              **activation_fields(env, job.model), **attention_fields(env, job.model),
+              **data_parallel_fields(env, job, args.steps - first, phases),
               **expert_fields(env, job.model, args.steps - first),
               **{k: getattr(args, k) for k in ("schedule", "microbatches") if hasattr(args, k)})   # a pipeline's
     log.close()

@@ -12,8 +12,8 @@ from helpers import FAST, assert_one_error_line, launch, run_ranks, slow
 from mp.cp.zigzag import DIAGONAL, FULL, SKIP, Layout, block_rule
 from mp.models import causal_mask
 
-GPT = FAST + ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16",
-              "--batch-size", "16", "--steps", "6", "--loss-mask", "prefix", "--dropout", "0.1", "--clip-grad-norm", "1"]
+GPT = FAST + ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--batch-size",
+              "16", "--steps", "6", "--loss-mask", "prefix", "--dropout", "0.1", "--clip-grad-norm", "1"]
 ADAMW = ["--optimizer", "adamw"]
 
 
