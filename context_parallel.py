@@ -27,17 +27,15 @@ l_b = sum exp(s_b - m_b), o_b = sum exp(s_b - m_b) v. With m = max(m_run, m_b), 
 l_run <- c l_run + exp(m_b - m) l_b and o_run <- c o_run + exp(m_b - m) o_b; at the end
 out = o_run / l_run and lse = m + log l_run, all the backward needs besides q, k, v and out.
 
-The gpt is causal (--model gpt): query i sees keys 0..i. Cut into chunks, a block of queries x keys is
-full, diagonal (masked) or empty (never computed): the plan of blocks in RingAttention (mp/cp/zigzag.py).
-Contiguous shards leave rank r with r + 1 blocks of work; --cp-layout zigzag (the default) gives rank r
-chunks r and 2C-1-r of 2C, and every rank the same 2C + 1 half blocks. Each token keeps its TRUE
-position: its position embedding, dropout masks, target, and Ulysses' mask (docs/context_parallel.md).
+The gpt is causal (--model gpt): query i sees keys 0..i, so a block of queries x keys is full, diagonal
+(masked) or empty (skipped): RingAttention runs a plan of blocks (mp/cp/zigzag.py). --cp-layout zigzag (the
+default) gives rank r chunks r and 2C-1-r of 2C, so that every rank computes as much as the next (contiguous:
+rank r does r + 1 blocks); each token keeps its true position (docs/context_parallel.md).
 
 What this adds to single_baseline.py, in order: RingAttention (forward and backward written out),
-the all-to-all pair of Ulysses, the blocks on my tokens (attention, keyed dropouts; mp/cp/blocks.py: the
-embedding of my tokens, the vit head's explicit all-reduce of the pooled mean), and train_step: the
-baseline's, with the gradients of the weights every rank applied to its own tokens summed over the ranks
-before the norm (the gpt: its loss a piece, my tokens' sum over the global batch's valid tokens).
+the all-to-all pair of Ulysses, the blocks on my tokens (attention, keyed dropouts, the vit head's
+explicit all-reduce of the pooled mean), and train_step: the baseline's (the gpt's loss a piece:
+piece_loss), with the gradients every rank's tokens gave each weight summed over the ranks before the norm.
 
     torchrun --standalone --nproc-per-node 2 context_parallel.py --data synthetic
     torchrun --standalone --nproc-per-node 4 context_parallel.py --data synthetic --attention ulysses --check
@@ -57,8 +55,7 @@ import torch.nn as nn
 from mp import checkpoint
 from mp.check import check_and_exit, whole_model_step
 from mp.cli import context_parallel_args
-from mp.cp.blocks import (ContextParallelEmbed, ContextParallelHead, ContextParallelTokenEmbed, cp_rank, cp_size,
-                          sequence_run)
+from mp.cp.blocks import ContextParallelEmbed, ContextParallelTokenEmbed, cp_rank, cp_size, sequence_run
 from mp.cp.memory import SavedActivations
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
@@ -293,6 +290,34 @@ class ContextParallelAttention(Attention):
         return self.proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
+class _ReduceFromCP(torch.autograd.Function):
+    """Forward all-reduce (sum the ranks' shares of the pooled mean); backward identity (the gradient of
+    the sum with respect to each share is the sum's gradient, whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ContextParallelHead(nn.Module):
+    """The head on my tokens: LayerNorm, my tokens' share of the mean over all T, summed over the ranks
+    (explicitly: the only place the sequence is whole again), then the classifier on every rank."""
+
+    def __init__(self, full, group, tokens):
+        super().__init__()
+        self.ln, self.fc, self.group, self.tokens = full.ln, full.fc, group, tokens   # Head's names
+
+    def forward(self, x):
+        share = self.ln(x).sum(dim=1) / self.tokens
+        return self.fc(_ReduceFromCP.apply(share, self.group) if cp_size(self.group) > 1 else share)
+
+
 def context_parallel_block(i, block, group, n_blocks, layout, attention, work):
     """Block i of the model, whole weights, made to run on my tokens (in place, same parameter names)."""
     runs = layout.runs(cp_rank(group))
@@ -346,10 +371,9 @@ def sync_cp_grads(partial_sums, replicated):
 
 
 def piece_loss(args, data, step, model):
-    """The loss of my part of step's batch, loss(my logits, the whole batch's targets). The vit's logits are
-    whole on every rank (the head's all-reduce): the batch's mean. The gpt's are my tokens': their
-    cross-entropies summed over the GLOBAL batch's valid count N (mp.loss: pieces 1, since the ranks'
-    gradients are summed, not averaged; my own count would weigh my tokens wrongly, Megatron PR #7513)."""
+    """loss(my logits, the batch's targets). The vit's logits are whole on every rank: the batch's mean. The
+    gpt's are my tokens': their cross-entropies summed over the GLOBAL batch's valid count N (mp.loss: pieces
+    1, the ranks' gradients are summed, not averaged; my own count would be wrong, Megatron PR #7513)."""
     loss_fn = loss_function(args, data, step)
     if args.model != "gpt":
         return loss_fn

@@ -1,7 +1,6 @@
-"""The first and last blocks of the vit and the gpt on my tokens (context_parallel.py; the attention between
-them is the lesson's): the embedding keeps my tokens, each at its true position (mp/cp/zigzag.py), the vit's
-head pools over every rank's tokens (an explicit all-reduce), the gpt's is per token and needs no change;
-and the evaluation's run that gathers the gpt's logits whole."""
+"""The embeddings of the vit and the gpt on my tokens (context_parallel.py holds the attention and the vit
+head's all-reduce): each keeps my tokens, at their true positions (mp/cp/zigzag.py); and the evaluation's
+run that gathers the gpt's logits whole (its head is per token)."""
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -50,34 +49,6 @@ class ContextParallelEmbed(nn.Module):
         # a copy, not a view: a view would keep the whole sequence's embedding alive
         mine = PatchEmbed.forward(self, x).narrow(1, *my_tokens(self.group, self.tokens))
         return mine.clone(memory_format=torch.contiguous_format)
-
-
-class _ReduceFromCP(torch.autograd.Function):
-    """Forward all-reduce (sum the ranks' shares of the pooled mean); backward identity (the gradient of
-    the sum with respect to each share is the sum's gradient, whole on every rank)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class ContextParallelHead(nn.Module):
-    """The head on my tokens: LayerNorm, my tokens' share of the mean over all T, summed over the ranks
-    (explicitly: the only place the sequence is whole again), then the classifier on every rank."""
-
-    def __init__(self, full, group, tokens):
-        super().__init__()
-        self.ln, self.fc, self.group, self.tokens = full.ln, full.fc, group, tokens   # Head's names
-
-    def forward(self, x):
-        share = self.ln(x).sum(dim=1) / self.tokens
-        return self.fc(_ReduceFromCP.apply(share, self.group) if cp_size(self.group) > 1 else share)
 
 
 def sequence_run(model, device, group):
