@@ -278,7 +278,7 @@ class ContextParallelAttention(Attention):
     """mp.models.Attention with its whole weights, on my tokens: q, k, v and proj are per token; the
     attention between them is the ring's or Ulysses', over the layout (the gpt's: causal)."""
 
-    def __init__(self, full, group, attention, layout, work):
+    def __init__(self, full, group, attention, layout=None, work=None):   # None: the vit's shards, uncounted
         nn.Module.__init__(self)   # not Attention.__init__: the layers are the full block's own
         self.q, self.k, self.v, self.proj, self.head_dim = full.q, full.k, full.v, full.proj, full.head_dim
         self.group, self.attention, self.layout, self.work = group, ATTENTION[attention], layout, work
