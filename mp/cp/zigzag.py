@@ -97,9 +97,9 @@ def layout_of(args, degree):
 
 
 def ring_plan(layout, rank, device):
-    """For each rank s, the blocks my queries compute against s's keys and values (the ring brings s's at
-    tick r - s forward, r + s... backward): [(query rows, key rows, mask or None)], the mask True where a
-    key comes after its query (a diagonal block)."""
+    """For each rank s, the blocks my queries (rank r's) compute against s's keys and values, which the ring
+    brings at tick (r - s) mod C forward and (s - r) mod C backward: [(query rows, key rows, mask or None)],
+    the mask True where a key comes after its query (a diagonal block)."""
     diagonal = causal_mask(layout.chunk, layout.chunk, device) if layout.causal else None
     return [[(rows, cols, diagonal if masked else None) for rows, cols, masked in layout.blocks(rank, s)]
             for s in range(layout.degree)]
