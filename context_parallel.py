@@ -1,4 +1,4 @@
-"""Context parallelism: the vit's sequence split across ranks, attention included.
+"""Context parallelism: the vit's or the gpt's sequence split across ranks, attention included.
 
 The lesson (Liu et al. 2023, "Ring attention with blockwise transformers"; Jacobs et al. 2023,
 "DeepSpeed Ulysses"): every rank holds the whole (small) model but only its run of T/N tokens, so
@@ -27,14 +27,20 @@ l_b = sum exp(s_b - m_b), o_b = sum exp(s_b - m_b) v. With m = max(m_run, m_b), 
 l_run <- c l_run + exp(m_b - m) l_b and o_run <- c o_run + exp(m_b - m) o_b; at the end
 out = o_run / l_run and lse = m + log l_run, all the backward needs besides q, k, v and out.
 
+The gpt is causal (--model gpt): query i sees keys 0..i, so a block of queries x keys is full, diagonal
+(masked) or empty (skipped): RingAttention runs a plan of blocks (mp/cp/zigzag.py). --cp-layout zigzag (the
+default) gives rank r chunks r and 2C-1-r of 2C, so that every rank computes as much as the next (contiguous:
+rank r does r + 1 blocks); each token keeps its true position (docs/context_parallel.md).
+
 What this adds to single_baseline.py, in order: RingAttention (forward and backward written out),
-the all-to-all pair of Ulysses, the vit's blocks on my tokens (embedding, attention, keyed dropouts,
-the head's explicit all-reduce of the pooled mean), and train_step: the baseline's, with the
-gradients of the weights every rank applied to its own tokens summed over the ranks before the norm.
+the all-to-all pair of Ulysses, the blocks on my tokens (attention, keyed dropouts, the vit head's
+explicit all-reduce of the pooled mean), and train_step: the baseline's (the gpt's loss a piece:
+piece_loss), with the gradients every rank's tokens gave each weight summed over the ranks before the norm.
 
     torchrun --standalone --nproc-per-node 2 context_parallel.py --data synthetic
     torchrun --standalone --nproc-per-node 4 context_parallel.py --data synthetic --attention ulysses --check
     torchrun --standalone --nproc-per-node 4 context_parallel.py --data synthetic --patch-size 2
+    torchrun --standalone --nproc-per-node 4 context_parallel.py --model gpt --data synthetic --cp-layout zigzag
 """
 from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
 if __name__ == "__main__":
@@ -45,22 +51,23 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from mp import checkpoint
 from mp.check import check_and_exit, whole_model_step
 from mp.cli import context_parallel_args
+from mp.cp.blocks import ContextParallelEmbed, ContextParallelTokenEmbed, cp_rank, cp_size, sequence_run
 from mp.cp.memory import SavedActivations
 from mp.clipping import clip_global
 from mp.data import agree_on_data, load_data, to_device
 from mp.dist import distributed, exit_now, group_timeout
-from mp.dropout import KeyedDropout
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, evaluate, train, whole_model_run
 from mp.mesh import Mesh
-from mp.models import Attention, PatchEmbed, build_model, num_blocks
+from mp.cp.zigzag import (WHOLE, AttentionWork, Layout, RunsDropout, gather_sequence, layout_of, ring_plan,
+                          ulysses_plan)
+from mp.loss import loss_function
+from mp.models import Attention, LMHead, TokenEmbed, build_model, num_blocks
 from mp.optim import make_optimizer
-from mp.sizes import tokens_of
 from mp.replicas import SummedGradients, average_replicated_grads, counted_once
 
 PROGRAM = "context_parallel"
@@ -70,14 +77,6 @@ def parse_args(argv=None):
     args = context_parallel_args(argv, __doc__)   # mp/cli.py: the flags and every check they allow, without torch
     checkpoint.validate(args)                     # the checkpoint to resume from, if any: whole, and of this run
     return args
-
-
-def cp_rank(group):
-    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
-
-
-def cp_size(group):
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
 # ----------------------------------------------------------------------------- the ring: point to point
@@ -117,8 +116,8 @@ class RingAttention(torch.autograd.Function):
     attention on one block, with no communication (Ulysses' local attention)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
-        n, sqrt_d = cp_size(group), math.sqrt(q.shape[-1])   # scores: q.k / sqrt(head_dim)
+    def forward(ctx, q, k, v, group, plan, work):
+        n, me, sqrt_d = cp_size(group), cp_rank(group), math.sqrt(q.shape[-1])   # scores: q.k / sqrt(head_dim)
         prev_rank, next_rank = ring_neighbours(group) if n > 1 else (None, None)
         kv = torch.stack([k, v])                                    # one message a tick, not two
         out = torch.zeros_like(q)                                   # the running sum of exp(s - m) v
@@ -127,26 +126,34 @@ class RingAttention(torch.autograd.Function):
         for tick in range(n):
             if tick < n - 1:   # the next block (r - tick - 1's) is on its way while this one is computed
                 (next_kv,), works = ring_exchange([kv], prev_rank, next_rank, group)
-            scores = q @ kv[0].transpose(-2, -1) / sqrt_d            # [B, h, T/N, T/N]: this block only
-            new_max = torch.maximum(row_max, scores.amax(dim=-1))
-            correction = torch.exp(row_max - new_max)              # rescale what was summed under the old max
-            probs = torch.exp(scores - new_max.unsqueeze(-1))
-            row_sum = row_sum * correction + probs.sum(dim=-1)
-            out = out * correction.unsqueeze(-1) + probs @ kv[1]
-            row_max = new_max
+            # plan[s], s = the rank whose block I hold: the vit's one block, all my queries x all its keys; the
+            # gpt's causal blocks (mp/cp/zigzag.py): a diagonal one masked, one whose keys all come after its
+            # queries never computed
+            for rows, cols, mask in plan[(me - tick) % n]:
+                scores = q[..., rows, :] @ kv[0][..., cols, :].transpose(-2, -1) / sqrt_d   # this block only
+                if mask is not None:
+                    scores = scores.masked_fill(mask, -math.inf)
+                if work is not None:                                   # the summary's attention_flops
+                    work.add(q[..., rows, :], kv[0][..., cols, :])
+                new_max = torch.maximum(row_max[..., rows], scores.amax(dim=-1))
+                correction = torch.exp(row_max[..., rows] - new_max)   # rescale what was summed under the old max
+                probs = torch.exp(scores - new_max.unsqueeze(-1))
+                row_sum[..., rows] = row_sum[..., rows] * correction + probs.sum(dim=-1)
+                out[..., rows, :] = out[..., rows, :] * correction.unsqueeze(-1) + probs @ kv[1][..., cols, :]
+                row_max[..., rows] = new_max
             if tick < n - 1:
                 wait_all(works)
                 kv = next_kv
         out = out / row_sum.unsqueeze(-1)
         lse = row_max + torch.log(row_sum)                         # log of each query's softmax denominator
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
+        ctx.group, ctx.plan = group, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, n, sqrt_d = ctx.group, cp_size(ctx.group), math.sqrt(q.shape[-1])
+        group, n, me, sqrt_d = ctx.group, cp_size(ctx.group), cp_rank(ctx.group), math.sqrt(q.shape[-1])
         prev_rank, next_rank = ring_neighbours(group) if n > 1 else (None, None)
         # dL/ds = P * (dL/dP - sum_j P_j dL/dP_j), and sum_j P_j dL/dP_j = sum_j P_j (dO . v_j) = dO . O
         delta = (grad_out * out).sum(dim=-1, keepdim=True)
@@ -164,10 +171,17 @@ class RingAttention(torch.autograd.Function):
         for tick in range(n):
             sends = ([kv] if tick < n - 1 else []) + ([done] if tick > 0 else [])
             incoming, works = ring_exchange(sends, next_rank, prev_rank, group)
-            probs = torch.exp(q @ kv[0].transpose(-2, -1) / sqrt_d - lse.unsqueeze(-1))   # recomputed, exact
-            grad_scores = probs * (grad_out @ kv[1].transpose(-2, -1) - delta) / sqrt_d
-            grad_q += grad_scores @ kv[0]
-            mine = torch.stack([grad_scores.transpose(-2, -1) @ q, probs.transpose(-2, -1) @ grad_out])
+            mine = torch.zeros_like(kv)   # dK, dV of the block I hold: 0 where the plan skipped it
+            for rows, cols, mask in ctx.plan[(me + tick) % n]:   # the blocks travel the other way now
+                keys, values = kv[0][..., cols, :], kv[1][..., cols, :]
+                scores = q[..., rows, :] @ keys.transpose(-2, -1) / sqrt_d
+                if mask is not None:
+                    scores = scores.masked_fill(mask, -math.inf)
+                probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))   # recomputed, exact (masked: 0)
+                grad_scores = probs * (grad_out[..., rows, :] @ values.transpose(-2, -1) - delta[..., rows, :]) / sqrt_d
+                grad_q[..., rows, :] += grad_scores @ keys
+                mine[0][..., cols, :] += grad_scores.transpose(-2, -1) @ q[..., rows, :]
+                mine[1][..., cols, :] += probs.transpose(-2, -1) @ grad_out[..., rows, :]
             wait_all(works)   # the transfers overlapped the compute above
             if tick < n - 1:
                 kv, incoming = incoming[0], incoming[1:]
@@ -175,17 +189,20 @@ class RingAttention(torch.autograd.Function):
         # the last hop: each block's gradient, complete, goes home (the previous rank held it last)
         (grad_kv,), works = ring_exchange([done], next_rank, prev_rank, group) if n > 1 else ((done,), [])
         wait_all(works)
-        return grad_q, grad_kv[0], grad_kv[1], None
+        return grad_q, grad_kv[0], grad_kv[1], None, None, None
 
 
-def ring_attention(q, k, v, group):
-    return RingAttention.apply(q, k, v, group)
+def ring_attention(q, k, v, group, layout=None, work=None):
+    """layout (mp/cp/zigzag.py): which tokens each rank holds and, causal, which blocks it computes
+    (None: the contiguous shards, every block whole)."""
+    layout = layout or Layout(cp_size(group), q.shape[2] * cp_size(group))
+    return RingAttention.apply(q, k, v, group, ring_plan(layout, cp_rank(group), q.device), work)
 
 
-def local_attention(q, k, v):
+def local_attention(q, k, v, plan=WHOLE, work=None):
     """Attention over the tokens this rank holds, no communication: the ring's arithmetic on one block
-    (so it saves lse, never a T x T matrix of probabilities)."""
-    return RingAttention.apply(q, k, v, None)
+    (so it saves lse, never a T x T matrix of probabilities); plan: that block's mask, if any."""
+    return RingAttention.apply(q, k, v, None, plan, work)
 
 
 # ----------------------------------------------------------------------------- Ulysses: two all-to-alls
@@ -201,10 +218,10 @@ def all_to_all(x, group):
 
 def tokens_to_heads(x, group):
     """[..., heads, T/N, d] (all heads, my tokens) -> [..., heads/N, T, d] (my heads, all tokens)."""
-    n, (*lead, heads, my_tokens, d) = cp_size(group), x.shape
-    parts = x.reshape(-1, n, heads // n, my_tokens, d).transpose(0, 1)    # [N, batch, heads/N, T/N, d]
+    n, (*lead, heads, mine, d) = cp_size(group), x.shape
+    parts = x.reshape(-1, n, heads // n, mine, d).transpose(0, 1)    # [N, batch, heads/N, T/N, d]
     got = all_to_all(parts, group)                 # part i went to rank i; got[j]: rank j's tokens of my heads
-    return got.permute(1, 2, 0, 3, 4).reshape(*lead, heads // n, n * my_tokens, d)
+    return got.permute(1, 2, 0, 3, 4).reshape(*lead, heads // n, n * mine, d)
 
 
 def heads_to_tokens(x, group):
@@ -241,53 +258,36 @@ class _HeadsToTokens(torch.autograd.Function):
         return tokens_to_heads(grad, ctx.group), None
 
 
-def ulysses_attention(q, k, v, group):
+def ulysses_attention(q, k, v, group, layout=None, work=None):
     """One all-to-all takes q, k and v (stacked) to my h/N heads of all T tokens, attention runs there
-    with no more communication, and a second all-to-all takes the output back to all heads of my tokens."""
+    with no more communication, and a second all-to-all takes the output back to all heads of my tokens.
+    The tokens arrive in rank order, each rank's in its layout's order: causal, the mask is built from
+    their true positions (mp.cp.zigzag.ulysses_plan)."""
     q, k, v = _TokensToHeads.apply(torch.stack([q, k, v]), group)
-    return _HeadsToTokens.apply(local_attention(q, k, v), group)
+    plan = ulysses_plan(layout, q.device) if layout is not None else WHOLE
+    return _HeadsToTokens.apply(local_attention(q, k, v, plan, work), group)
 
 
 ATTENTION = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
-# ----------------------------------------------------------------------------- the vit on my tokens
-
-
-def my_tokens(group, tokens):
-    """(first, count): my run of the sequence's tokens, equal contiguous shards in rank order."""
-    count = tokens // cp_size(group)
-    return count * cp_rank(group), count
+# ----------------------------------------------------------------------------- the vit and the gpt on my tokens
 
 
 class ContextParallelAttention(Attention):
     """mp.models.Attention with its whole weights, on my tokens: q, k, v and proj are per token; the
-    attention between them is the ring's or Ulysses'."""
+    attention between them is the ring's or Ulysses', over the layout (the gpt's: causal)."""
 
-    def __init__(self, full, group, attention):
+    def __init__(self, full, group, attention, layout=None, work=None):   # None: the vit's shards, uncounted
         nn.Module.__init__(self)   # not Attention.__init__: the layers are the full block's own
         self.q, self.k, self.v, self.proj, self.head_dim = full.q, full.k, full.v, full.proj, full.head_dim
-        self.group, self.attention = group, ATTENTION[attention]
+        self.group, self.attention, self.layout, self.work = group, ATTENTION[attention], layout, work
 
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        return self.proj(self.attention(q, k, v, self.group).transpose(1, 2).reshape(b, t, -1))
-
-
-class ContextParallelEmbed(nn.Module):
-    """The patch embedding, then my run of tokens: every rank embeds the whole image (the input is
-    whole everywhere, and the embedding is not saved for backward) and keeps a copy of its tokens."""
-
-    def __init__(self, full, group):
-        super().__init__()
-        self.conv, self.pos, self.group = full.conv, full.pos, group   # PatchEmbed's names
-        self.tokens = full.pos.shape[1]
-
-    def forward(self, x):
-        # a copy, not a view: a view would keep the whole sequence's embedding alive
-        mine = PatchEmbed.forward(self, x).narrow(1, *my_tokens(self.group, self.tokens))
-        return mine.clone(memory_format=torch.contiguous_format)
+        out = self.attention(q, k, v, self.group, self.layout, self.work)
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class _ReduceFromCP(torch.autograd.Function):
@@ -318,29 +318,39 @@ class ContextParallelHead(nn.Module):
         return self.fc(_ReduceFromCP.apply(share, self.group) if cp_size(self.group) > 1 else share)
 
 
-def context_parallel_block(i, block, group, n_blocks, tokens, attention):
-    """Block i of the vit, whole weights, made to run on my tokens (in place, same parameter names)."""
+def context_parallel_block(i, block, group, n_blocks, layout, attention, work):
+    """Block i of the model, whole weights, made to run on my tokens (in place, same parameter names)."""
+    runs = layout.runs(cp_rank(group))
+    if isinstance(block, TokenEmbed):
+        return ContextParallelTokenEmbed(block, layout.positions(cp_rank(group)))
+    if isinstance(block, LMHead):
+        return block   # per token: my tokens' logits, no pooling (the vit's head pools over all tokens)
     if i == 0:
         return ContextParallelEmbed(block, group)
     if i == n_blocks - 1:
-        return ContextParallelHead(block, group, tokens)
-    block.attn = ContextParallelAttention(block.attn, group, attention)
-    for drop in (block.drop1, block.drop2):
-        if isinstance(drop, KeyedDropout):   # my tokens' masks: those of these tokens in the full layer
-            drop.first_token = my_tokens(group, tokens)[0]
+        return ContextParallelHead(block, group, layout.tokens)
+    block.attn = ContextParallelAttention(block.attn, group, attention, layout, work)
+    # my tokens' masks: those of these tokens in the full layer, keyed by their true positions
+    if len(runs) == 1:
+        block.drop1.first_token = block.drop2.first_token = runs[0][0]
+    else:   # the zigzag's two runs: a dropout each (mp.cp.zigzag.RunsDropout)
+        block.drop1, block.drop2 = RunsDropout(block.drop1, runs), RunsDropout(block.drop2, runs)
     return block
 
 
 def build_context_parallel_model(args, group, device):
-    """The whole vit on every rank (context parallelism shards activations, not weights), block by
-    block from --seed, each block made to run on my tokens."""
-    n_blocks, tokens = num_blocks(args), tokens_of(args)
-    model = build_model(args, lambda i, block: context_parallel_block(i, block, group, n_blocks, tokens,
-                                                                      args.attention), device)
-    head_fc = {id(p) for p in model[n_blocks - 1].fc.parameters()}
-    # every weight before the head's all-reduce saw my tokens only: its gradient is my tokens' share
-    model.partial_grads = SummedGradients([p for p in model.parameters() if id(p) not in head_fc], group)
+    """The whole model on every rank (context parallelism shards activations, not weights), block by
+    block from --seed, each block made to run on my tokens (mp/cp/zigzag.py: which, and where they sit)."""
+    n_blocks, layout, work = num_blocks(args), layout_of(args, cp_size(group)), AttentionWork()
+    model = build_model(args, lambda i, block: context_parallel_block(i, block, group, n_blocks, layout,
+                                                                      args.attention, work), device)
+    whole = {id(p) for p in model[n_blocks - 1].fc.parameters()} if args.model == "vit" else set()
+    # every weight before the vit head's all-reduce saw my tokens only: its gradient is my tokens' share
+    # (the gpt's head is per token: every weight's gradient is a share, the tied embedding's too)
+    model.partial_grads = SummedGradients([p for p in model.parameters() if id(p) not in whole], group)
     model.saved_activations = SavedActivations(model)   # what the backward keeps of my tokens: the summary's
+    model.attention_work = work                         # the attention each rank computes: the summary's
+    model.layout, model.cp_rank = layout, cp_rank(group)
     return model
 
 
@@ -360,14 +370,25 @@ def sync_cp_grads(partial_sums, replicated):
         replicated.average()
 
 
+def piece_loss(args, data, step, model):
+    """loss(my logits, the batch's targets). The vit's logits are whole on every rank: the batch's mean. The
+    gpt's are my tokens': their cross-entropies summed over the GLOBAL batch's valid count N (mp.loss: pieces
+    1, the ranks' gradients are summed, not averaged; my own count would be wrong, Megatron PR #7513)."""
+    loss_fn = loss_function(args, data, step)
+    if args.model != "gpt":
+        return loss_fn
+    return lambda logits, y: loss_fn(logits, model.layout.take(y, model.cp_rank))   # my tokens' targets
+
+
 def train_step(step, model, optimizer, data, args, device, cp_grads, norm):
     """One optimizer step of single_baseline.py's, on my tokens: the same order, the ring (or the
-    all-to-alls) inside attention, the head's all-reduce, and the partial gradients summed before the
-    norm. The logits are whole on every rank, so each computes the loss; cp rank 0 logs it."""
+    all-to-alls) inside attention, the vit head's all-reduce, and the partial gradients summed before the
+    norm. The vit's logits are whole on every rank, the gpt's loss is a piece (mp.loop.Sums adds them up)."""
     x, y = (to_device(t, device) for t in data.batch(step, args.batch_size))   # the whole batch, on every rank
     optimizer.zero_grad(set_to_none=True)
-    with model.dropout_keys.training(step), model.saved_activations.counting():   # activation_mb (mp.cp.memory)
-        loss = F.cross_entropy(model(x), y)   # attention's communication runs inside the model
+    loss_fn = piece_loss(args, data, step, model)
+    with model.dropout_keys.training(step), model.saved_activations.counting(), model.attention_work.counting():
+        loss = loss_fn(model(x), y)   # attention's communication runs inside the model
     loss.backward()
     sync_cp_grads(*cp_grads)
     grad_norm = clip_global(model.parameters(), args.clip_grad_norm, *norm)   # the full model's norm
@@ -391,7 +412,8 @@ def main(argv=None):
         if args.check:
             x, y = (t.to(env.device) for t in data.batch(0, args.batch_size))
             return check_and_exit(env, args, f"context parallelism --attention {args.attention}", model,
-                                  check_step(model, cp_grads), x, y, norm=norm)
+                                  check_step(model, cp_grads, piece_loss(args, data, 0, model), group), x, y,
+                                  norm=norm, loss_fn=loss_function(args, data, 0))
         optimizer = make_optimizer(model.parameters(), args)
 
         def step(k):
@@ -399,19 +421,27 @@ def main(argv=None):
 
         # the loop (mp/loop.py) runs the steps, logs (cp rank 0 owns the loss), evaluates (every rank: attention
         # communicates), saves, and at the end checks that the weights stayed bit-identical on every rank
-        layout = checkpoint.layout_of(PROGRAM, env, cp=env.world_size, attention=args.attention)
+        layout = checkpoint.layout_of(PROGRAM, env, cp=env.world_size, attention=args.attention,
+                                      **({"cp_layout": args.cp_layout} if args.model == "gpt" else {}))
+        # the gpt's loss is a piece on each rank (its tokens'), summed for the log; its logits too, gathered
+        sums = Sums(norm_groups=[group], pieces=group if args.model == "gpt" else None)
+        run = sequence_run(model, env.device, group) if args.model == "gpt" else whole_model_run(model, env.device)
         replicas = Replicas(list(model.parameters()), group, "weights bit-identical across the "
                             f"{env.world_size} context-parallel ranks")
-        return train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0, sums=Sums(norm_groups=[group]),
-                                    evaluate=lambda: evaluate(data, env.device, whole_model_run(model, env.device)),
+        return train(args, env, Job(step, model, optimizer, layout, owner=env.rank == 0, sums=sums,
+                                    evaluate=lambda: evaluate(data, env.device, run),
                                     collectives="the context-parallel exchanges", replicas=[replicas]))
 
 
-def check_step(model, cp_grads):
-    """--check's step (mp.check): forward and backward on the first batch, then the gradients summed."""
+def check_step(model, cp_grads, loss_fn, group):
+    """--check's step (mp.check): forward and backward on the first batch, then the gradients summed; the
+    gpt's logits gathered whole and its loss's pieces summed, to compare with the full model's."""
     def step(x, y):
-        logits, loss = whole_model_step(model)(x, y)
+        logits, loss = whole_model_step(model, loss_fn)(x, y)
         sync_cp_grads(*cp_grads)
+        if model.layout.causal:
+            logits, loss = gather_sequence(logits.detach(), model.layout, group), loss.detach().clone()
+            dist.all_reduce(loss, group=group)
         return logits, loss
     return step
 

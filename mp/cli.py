@@ -10,7 +10,7 @@ import argparse
 import os
 from functools import partial
 
-from mp.cp.flags import validate_context_parallel
+from mp.cp.flags import add_cp_layout_flag, validate_context_parallel
 from mp.ep.flags import validate_expert_parallel
 from mp.errors import fail
 from mp.flags import add_bucket_flag, base_parser, validate_common
@@ -99,12 +99,13 @@ def tensor_parallel_args(argv, doc):
 
 
 def context_parallel_args(argv, doc):
-    """context_parallel.py: the vit only; --attention, --check; the degree is the world size."""
+    """context_parallel.py: the vit or the gpt; --attention, --cp-layout, --check; the degree is the world size."""
     p = base_parser(doc)
-    p.set_defaults(model="vit")   # the one model with a sequence to split
+    p.set_defaults(model="vit")   # the image model with a sequence to split (the gpt: --model gpt)
     p.add_argument("--attention", choices=["ring", "ulysses"], default="ring",
                    help="ring: key/value blocks passed around the ranks (isend/irecv); ulysses: all-to-all from a "
                         "token shard to a head shard and back")
+    add_cp_layout_flag(p)
     add_check_flag(p)
     args = p.parse_args(argv)
     validate_common(args, "context_parallel")

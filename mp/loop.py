@@ -41,6 +41,8 @@ class Sums:
     norm_groups: list = None      # the groups the squares are summed over (None: the step's norm is whole)
     routing: object = None        # the pipeline group over which the stages' routing records are gathered for
                                   # the summary, after the last step (parallel_5d.py; None: mine is whole)
+    pieces: object = None         # a group whose ranks' losses are pieces of one loss, summed (the gpt under
+                                  # context parallelism: each rank's tokens' sum / the batch's count; None: whole)
 
 
 @dataclass
@@ -124,6 +126,8 @@ def finish(losses, norms, sums, args, rank):
         if losses is not None and sums.replicas is not None:   # nccl reduces GPU tensors only: they are
             dist.all_reduce(losses, group=sums.replicas)
             losses = losses / dist.get_world_size(sums.replicas)
+        if losses is not None and sums.pieces is not None:
+            dist.all_reduce(losses, group=sums.pieces)
         if sums.norm_groups is not None:
             norms = finish_norms(norms, sums.norm_groups, args.clip_grad_norm is not None)
     return losses, norms
@@ -170,7 +174,8 @@ def train(args, env, job):
             complete_routing(job.model, job.sums.routing)
     log.write("summary", steps=args.steps, median_step_time_s=progress.median_step_time(),
               **memory_fields(env, held(job), job.model.full_param_mb), **optimizer_fields(env, job.model, optimizer),
-              **activation_fields(env, job.model), **data_parallel_fields(env, job, args.steps - first, phases),
+              **activation_fields(env, job.model), **attention_fields(env, job.model),
+              **data_parallel_fields(env, job, args.steps - first, phases),
               **expert_fields(env, job.model, args.steps - first), **traffic_fields(env, args.steps - first),
               **{k: getattr(args, k) for k in ("schedule", "microbatches") if hasattr(args, k)})   # a pipeline's
     log.close()
@@ -246,6 +251,13 @@ def activation_fields(env, model):
     mp.cp.memory.SavedActivations: context_parallel.py): the bytes autograd saved for one step's backward."""
     saved = getattr(model, "saved_activations", None)
     return {} if saved is None else {"activation_mb": gather_per_rank(env, saved.mb(), digits=4)}
+
+
+def attention_fields(env, model):
+    """The summary's attention_flops, where the program counts them (model.attention_work, a
+    mp.cp.zigzag.AttentionWork: context_parallel.py): the attention's multiply-adds in a step's forward, per rank."""
+    work = getattr(model, "attention_work", None)
+    return {} if work is None else {"attention_flops": gather_per_rank(env, work.last, digits=0)}
 
 
 def optimizer_fields(env, model, optimizer):

@@ -9,6 +9,7 @@ import torch
 from torch.testing import assert_close
 
 import context_parallel as cp
+from mp.cp.blocks import my_tokens
 from helpers import (FAST, PYTHON, ROOT, assert_one_error_line, assert_same_losses, launch, run_ranks, slow,
                      written)
 
@@ -26,7 +27,7 @@ def case_attention(rank, world, group):
     q, k, v = (torch.randn(b, heads, tokens, dim, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(b, heads, tokens, dim)
     plain_attention(q, k, v).backward(grad_out)
-    first, count = cp.my_tokens(group, tokens)
+    first, count = my_tokens(group, tokens)
     mine = slice(first, first + count)
     for name, attention in cp.ATTENTION.items():
         local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
@@ -45,7 +46,7 @@ def test_ring_and_ulysses_match_plain_attention(tmp_path, world):
 def case_all_to_all(rank, world, group):
     """tokens_to_heads gives me heads rank*h/N.. of every token; heads_to_tokens undoes it exactly."""
     x = torch.arange(2 * 4 * 8 * 3, dtype=torch.float32).view(2, 4, 8, 3)   # [B, heads, tokens, dim], whole
-    first, count = cp.my_tokens(group, 8)
+    first, count = my_tokens(group, 8)
     mine = x[:, :, first:first + count]
     swapped = cp.tokens_to_heads(mine, group)
     h = 4 // world
@@ -120,9 +121,9 @@ def test_each_rank_holds_its_tokens_and_sums_the_partial_gradients(tmp_path):
 
 
 @pytest.mark.parametrize("argv,world,message", [
-    (["--model", "cnn"], 2, "error: context parallelism splits the vit's sequence of tokens, and --model cnn has "
-                            "no sequence: use --model vit"),
-    (["--model", "mlp"], 2, "error: context parallelism splits the vit's sequence"),
+    (["--model", "cnn"], 2, "error: context parallelism splits a sequence of tokens, and --model cnn has "
+                            "no sequence: use --model vit or gpt"),
+    (["--model", "mlp"], 2, "error: context parallelism splits a sequence"),
     ([], 3, "error: the vit's 64 tokens (--patch-size 4) are not divisible by the context-parallel degree 3; every "
             "rank holds an equal run of tokens: use 2 ranks (torchrun --nproc-per-node 2) or 4 ranks"),
     (["--patch-size", "8"], 32, "error: the vit's 16 tokens (--patch-size 8) are not divisible by the "
