@@ -8,6 +8,7 @@
 #   bash run_cp.sh                                    # the vit, 2 ranks, ring and Ulysses, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_cp.sh           # no network
 #   NPROC=4 PATCH_SIZE=2 DATA=synthetic bash run_cp.sh --hidden 64   # 256 tokens, 64 a rank
+#   MODEL=gpt NPROC=4 DATA=synthetic bash run_cp.sh --loss-mask prefix   # causal: the zigzag ring, causal Ulysses
 #
 # At its defaults (DATA=synthetic, 300 steps) it took about 8 minutes on 2 CPU cores shared with other
 # jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
@@ -19,11 +20,12 @@ cd "$(dirname "$0")"
 source ./mp/tools/launch_checks.sh   # knobs, the checks, the files' names, the exits: shared
 STEP="the argument check"
 
+knob MODEL "vit"                       # vit | gpt (a causal language model on bytes: --cp-layout zigzag by default)
 knob NPROC "2"                         # context-parallel degree = number of ranks
 knob ATTENTION "ring ulysses"          # a list: ring and/or ulysses (ulysses: --heads divisible by NPROC)
-knob PATCH_SIZE "4"                    # the vit's patch: 4 = 64 tokens, 2 = 256, 1 = 1024
+knob PATCH_SIZE "4"                    # the vit's patch: 4 = 64 tokens, 2 = 256, 1 = 1024 (the gpt: --seq-len)
 knob STEPS "300"
-knob DATA "auto"                       # auto | cifar10 | synthetic
+knob DATA "auto"                       # auto | cifar10 | synthetic (the gpt: auto | shakespeare | synthetic)
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"
 shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
@@ -33,7 +35,7 @@ require_python
 check_environment
 ATTENTION_LIST=$ATTENTION              # the loops below name each attention ATTENTION in turn
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
-KNOBS=(--steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n --eval-every:EVAL_EVERY:n
+KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n --eval-every:EVAL_EVERY:n
        --backend:BACKEND:w --attention:ATTENTION:w --patch-size:PATCH_SIZE:n --log-file:LOGS:-
        --activation:ACTIVATION:w --optimizer:OPTIMIZER:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
@@ -41,16 +43,21 @@ check_count NPROC "$NPROC"
 if [ -z "$ATTENTION_LIST" ]; then launcher_error "ATTENTION is empty: name ring, ulysses or both"; fi
 for ATTENTION in $ATTENTION_LIST; do check_knob ATTENTION "$ATTENTION" ring ulysses; done
 ATTENTION=$ATTENTION_LIST                # the whole list again, for the plot's name
+check_knob MODEL "$MODEL" vit gpt
 refuse_knob_flags "$@"
-trains_the_vit "the one model with a sequence of tokens to split over the ranks" "$@"
+if [ "$MODEL" = gpt ] && [ "$PATCH_SIZE" != 4 ]; then
+    launcher_error "PATCH_SIZE=$PATCH_SIZE is the vit's; the gpt's sequence is --seq-len (e.g. --seq-len 128)"
+fi
+SEQUENCE=(--patch-size "$PATCH_SIZE")  # the vit's tokens; the gpt's come from --seq-len (its own default: 64)
+if [ "$MODEL" = gpt ]; then SEQUENCE=(); fi
 
-COMMON=(--model vit --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
-        --eval-every "$EVAL_EVERY" --patch-size "$PATCH_SIZE" "$@")
+COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
+        --eval-every "$EVAL_EVERY" "${SEQUENCE[@]}" "$@")
 EXTRA=$(flags_tag "$@")$(settings_tag PATCH_SIZE)   # e.g. _layers6_patchsize2: other sizes keep their own logs
 run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
-BASELINE_LOG="$LOGS/single_baseline_vit${EXTRA}_b${BATCH_SIZE}.jsonl"
+BASELINE_LOG="$LOGS/single_baseline_${MODEL}${EXTRA}_b${BATCH_SIZE}.jsonl"
 # the plot's name: every knob off its default (the default run's plot keeps the README's name)
-PLOT="$PLOTS/cp_loss$(settings_tag NPROC ATTENTION BATCH_SIZE)$EXTRA.png"
+PLOT="$PLOTS/cp_loss$(settings_tag MODEL NPROC ATTENTION BATCH_SIZE)$EXTRA.png"
 
 # the parallel program's arguments at its world size, for every attention, before anything trains
 checkpoint_flags "$LOGS/any.jsonl"     # with CHECKPOINT_DIR, checked as the runs will take it
@@ -67,7 +74,7 @@ run_python single_baseline.py "${COMMON[@]}" --log-file "$BASELINE_LOG"
 
 LOGS_TO_PLOT=("$BASELINE_LOG")
 for ATTENTION in $ATTENTION_LIST; do
-    LOG="$LOGS/context_parallel_vit${EXTRA}_cp${NPROC}_${ATTENTION}_b${BATCH_SIZE}.jsonl"
+    LOG="$LOGS/context_parallel_${MODEL}${EXTRA}_cp${NPROC}_${ATTENTION}_b${BATCH_SIZE}.jsonl"
     STEP="the $ATTENTION run (context_parallel.py on $NPROC ranks)"
     echo "== context parallel: $ATTENTION attention, the sequence over $NPROC ranks"
     # "--" ends torchrun's own options, so that every later flag reaches the program

@@ -21,12 +21,13 @@ cd "$(dirname "$0")"
 source ./mp/tools/launch_checks.sh   # knobs, the checks, the files' names, the exits: shared
 STEP="the argument check"
 
+knob MODEL "vit"                       # vit | gpt (a causal language model on bytes)
 knob NPROC "2"                         # ranks; each holds EXPERTS/NPROC experts and trains BATCH_SIZE/NPROC samples
 knob EXPERTS "4"                       # experts in each feed-forward block (divisible by NPROC)
 knob TOP_K "1"                         # 1 | 2: experts per token
 knob CAPACITY ""                       # capacity factor C: an expert runs at most ceil(C*K*tokens/E) (empty: dropless)
 knob STEPS "300"
-knob DATA "auto"                       # auto | cifar10 | synthetic
+knob DATA "auto"                       # auto | cifar10 | synthetic (the gpt: auto | shakespeare | synthetic)
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"
 shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DROPOUT CLIP CHECKPOINT_DIR
@@ -35,27 +36,27 @@ shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DR
 require_python
 check_environment
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
-KNOBS=(--steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n --eval-every:EVAL_EVERY:n
+KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n --eval-every:EVAL_EVERY:n
        --backend:BACKEND:w --experts:EXPERTS:n --top-k:TOP_K:n --capacity-factor:CAPACITY:n --log-file:LOGS:-
        --activation:ACTIVATION:w --optimizer:OPTIMIZER:w --dropout:DROPOUT:n --clip-grad-norm:CLIP:n
        --checkpoint-dir:CHECKPOINT_DIR:w --save-every:SAVE_EVERY:n)
 check_count NPROC "$NPROC"
 check_count EXPERTS "$EXPERTS"
 check_knob TOP_K "$TOP_K" 1 2
+check_knob MODEL "$MODEL" vit gpt
 refuse_knob_flags "$@"
-trains_the_vit "the one model whose feed-forward blocks become experts" "$@"
 
 MOE=(--experts "$EXPERTS" --top-k "$TOP_K")
 MOE_TAG="_e${EXPERTS}_k${TOP_K}"       # always in the names: a mixture's logs never take a dense run's name
 if [ -n "$CAPACITY" ]; then MOE+=(--capacity-factor "$CAPACITY") MOE_TAG+="_c${CAPACITY}"; fi
-COMMON=(--model vit --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
+COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" "${MOE[@]}" "$@")
 EXTRA=$(flags_tag "$@")                # e.g. _hidden64: other sizes keep their own logs
 run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
-BASELINE_LOG="$LOGS/single_baseline_vit${MOE_TAG}${EXTRA}_b${BATCH_SIZE}.jsonl"
-LOG="$LOGS/expert_parallel_vit${MOE_TAG}${EXTRA}_ep${NPROC}_b${BATCH_SIZE}.jsonl"
+BASELINE_LOG="$LOGS/single_baseline_${MODEL}${MOE_TAG}${EXTRA}_b${BATCH_SIZE}.jsonl"
+LOG="$LOGS/expert_parallel_${MODEL}${MOE_TAG}${EXTRA}_ep${NPROC}_b${BATCH_SIZE}.jsonl"
 # the plot's name: every knob off its default (the default run's plot keeps the README's name)
-PLOT="$PLOTS/ep_loss$(settings_tag NPROC EXPERTS TOP_K CAPACITY BATCH_SIZE)$EXTRA.png"
+PLOT="$PLOTS/ep_loss$(settings_tag MODEL NPROC EXPERTS TOP_K CAPACITY BATCH_SIZE)$EXTRA.png"
 
 # both programs' arguments, the parallel one's at its world size, before anything trains
 checkpoint_flags "$LOG"                # with CHECKPOINT_DIR, checked as the run will take it

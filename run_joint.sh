@@ -26,9 +26,9 @@ knob BALANCE ""                        # blocks per stage, e.g. 1,1,3, or auto (
 knob SCHEDULE "1f1b"                   # gpipe | 1f1b | interleaved (2 chunks per stage: more blocks than the cnn's 5,
                                        #   e.g. SCHEDULE=interleaved MODEL=vit bash run_joint.sh --layers 4) | zb | zbv
                                        #   | 2bw (PipeDream-2BW; the baseline then runs --delay 1, its reference)
-knob MODEL "cnn"                       # cnn | mlp | vit
+knob MODEL "cnn"                       # cnn | mlp | vit | gpt (a causal language model on bytes)
 knob STEPS "300"
-knob DATA "auto"                       # auto | cifar10 | synthetic
+knob DATA "auto"                       # auto | cifar10 | synthetic (the gpt: auto | shakespeare | synthetic)
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "72"                   # global: a multiple of DP x MICROBATCHES
 knob ZERO "0"                          # 1: --zero 1, ZeRO-1 (each replica keeps the optimizer state of 1/DP of

@@ -30,9 +30,9 @@ if [ -n "${SCHEDULES:-}" ]; then       # SCHEDULE's old name here; every launche
 fi
 
 knob NPROC "4"                         # pipeline stages = number of ranks
-knob MODEL "cnn"                       # cnn | mlp | vit
+knob MODEL "cnn"                       # cnn | mlp | vit | gpt (a causal language model on bytes)
 knob STEPS "300"
-knob DATA "auto"                       # auto | cifar10 | synthetic
+knob DATA "auto"                       # auto | cifar10 | synthetic (the gpt: auto | shakespeare | synthetic)
 knob MICROBATCHES "4"
 knob SCHEDULE "gpipe 1f1b 2bw"        # a list: any of gpipe 1f1b interleaved zb zbv 2bw (2bw: MICROBATCHES >= NPROC)
 knob RECOMPUTE "0"                     # 1: --recompute (keep only stage inputs, re-run forwards before B)

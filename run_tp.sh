@@ -20,9 +20,9 @@ source ./mp/tools/launch_checks.sh   # knobs, the checks, the files' names, the 
 STEP="the argument check"
 
 knob NPROC "2"                         # tensor-parallel degree = number of ranks
-knob MODEL "cnn"                       # cnn | mlp | vit
+knob MODEL "cnn"                       # cnn | mlp | vit | gpt (a causal language model on bytes)
 knob STEPS "300"
-knob DATA "auto"                       # auto | cifar10 | synthetic
+knob DATA "auto"                       # auto | cifar10 | synthetic (the gpt: auto | shakespeare | synthetic)
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob HYBRID "0"                        # 1: also run --hybrid (cnn: data-parallel convolutions, tensor-parallel fc)
 knob BATCH_SIZE "64"

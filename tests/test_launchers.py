@@ -291,3 +291,16 @@ def test_the_bubble_line_says_why_it_exceeds_the_theory_when_ranks_share_cores(t
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     timeline.write_timeline(trace, str(tmp_path / "t.json"), True)
     assert capsys.readouterr().out.endswith("theory 42.9%\n")
+
+
+def test_the_cp_and_ep_launchers_take_model_gpt_and_refuse_the_vits_patch_for_it(tmp_path):
+    """MODEL=gpt: the causal language model through run_cp.sh and run_ep.sh (checked, nothing trains);
+    PATCH_SIZE is the vit's, the gpt's sequence is --seq-len; a model neither lesson runs is one line."""
+    for script in ("run_cp.sh", "run_ep.sh"):
+        run = launcher(script, tmp_path, ["--seq-len", "32", "--loss-mask", "prefix"], MODEL="gpt", CHECK_ONLY="1")
+        assert run.returncode == 0 and "nothing trained" in run.stdout, (script, run.stderr[-2000:])
+    run = launcher("run_cp.sh", tmp_path, [], MODEL="gpt", PATCH_SIZE="2", CHECK_ONLY="1")
+    assert run.returncode == 2 and "PATCH_SIZE=2 is the vit's; the gpt's sequence is --seq-len" in run.stderr
+    run = launcher("run_ep.sh", tmp_path, [], MODEL="cnn", CHECK_ONLY="1")
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and "MODEL" in lines[0] and "gpt" in lines[0], run.stderr

@@ -145,7 +145,8 @@ def window_maxima(pairs, windows=40):
 def title_of(runs, mismatches, verdicts=None):
     args = (config_of(runs[0][1]) or {}).get("args", {})
     data = args.get("data", "?")
-    data = "SYNTHETIC data (not CIFAR-10)" if data == "synthetic" else str(data).upper()
+    real = "tiny Shakespeare" if args.get("model") == "gpt" else "CIFAR-10"
+    data = f"SYNTHETIC data (not {real})" if data == "synthetic" else str(data).upper()
     activation = args.get("activation", OFF["activation"])
     model = args.get("model", "?") + ("" if activation == OFF["activation"] else f" ({activation})")
     title = (f"model {model}, {data}; baseline batch {args.get('batch_size', '?')}, "
@@ -194,6 +195,7 @@ def draw(paths, out, beside=()):
     panels += ["acc"] if any(series(recs, "eval", "test_acc")[0] for _, recs in runs) else []
     panels += ["experts"] if expert_loads(runs) else []
     note = few_evaluations(runs) if "acc" in panels else None
+    text = (config_of(runs[0][1]) or {}).get("args", {}).get("model") == "gpt"   # its accuracy: of the next byte
     rows = 2 if len(panels) == 4 else 1     # four panels as two rows of two: legible at the README's width
     cols = len(panels) // rows
     fig, axes = plt.subplots(rows, cols, squeeze=False,
@@ -208,7 +210,7 @@ def draw(paths, out, beside=()):
             ax["acc"].plot(*series(records, "eval", "test_acc"), marker="x", ls=":", color="tab:grey", label=shown)
         gap = max((d for _, d in differences(runs[0][1], records)), default=float("nan"))
         print(f"drawn beside, not compared: {label}: largest |loss - {runs[0][0]}| {gap:.3g}")
-    label_axes(ax, note)
+    label_axes(ax, note, text)
     broken = mismatches or any(not v.holds for v in verdicts)
     fig.suptitle(title_of(runs, mismatches, verdicts), color="red" if broken else "black")
     diffs = largest_differences(runs)
@@ -322,21 +324,23 @@ def few_evaluations(runs):
         note = f"1 evaluation (step {base[0]['step']}): a single point, no trend."
     else:
         note = (f"{len(base)} evaluations (steps {', '.join(str(r['step']) for r in base)}): too few to show "
-                f"a trend,\ndrawn as points, not a line. Accuracy counts each test image's\ntop guess only; "
+                f"a trend,\ndrawn as points, not a line. Accuracy counts each test sample's\ntop guess only; "
                 f"the test loss also weighs how sure the model is,\nso the two can move apart between "
                 f"nearby evaluations.\nbaseline: test loss {base[0]['test_loss']:.3g} -> {base[-1]['test_loss']:.3g}, "
                 f"accuracy {base[0]['test_acc']:.1%} -> {base[-1]['test_acc']:.1%}")
     return note + "\nFor a curve: more --steps or a smaller --eval-every (EVAL_EVERY)."
 
 
-def label_axes(ax, note=None):
+def label_axes(ax, note=None, text=False):
     """Titles, axes, and each panel's legend below it, outside the data: inside, "best" dodges the
     lines but not a note, and at some --steps no corner is free of both. The accuracy panel's note
-    heads its legend, so nothing can cover it (tests/test_plots.py checks the boxes)."""
-    ax["loss"].set(xlabel="step", ylabel="training loss", title="training loss")
+    heads its legend, so nothing can cover it (tests/test_plots.py checks the boxes). text (the gpt): the
+    accuracy is of each held-out byte's prediction of the next, chance 1/256; its loss is per byte."""
+    ax["loss"].set(xlabel="step", ylabel="training loss" + (" (nats per byte)" if text else ""), title="training loss")
     if "acc" in ax:
-        ax["acc"].axhline(0.1, color="grey", lw=1, ls=":", label="chance")
-        ax["acc"].set(xlabel="step", ylabel="test accuracy", title="test accuracy", ylim=(0, 1))
+        what = "next-byte accuracy (held-out text)" if text else "test accuracy"
+        ax["acc"].axhline(1 / 256 if text else 0.1, color="grey", lw=1, ls=":", label="chance")
+        ax["acc"].set(xlabel="step", ylabel=what, title=what, ylim=(0, 1))
     for name, a in ax.items():
         if name != "loss":      # one step axis in every panel (a run equal to the baseline draws no difference)
             a.set_xlim(ax["loss"].get_xlim())
