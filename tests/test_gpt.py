@@ -82,7 +82,7 @@ def test_every_piece_scales_by_the_global_count_and_a_per_piece_mean_would_not()
     args = gpt_args("--loss-mask", "prefix:12", "--batch-size", "8")
     data = TextData(synthetic_text(0, 20_000), "synthetic", args.seed, 16, 12)
     x, y = data.batch(0, 8)
-    logits = torch.randn(8, 16, 256)
+    logits = 3 * torch.randn(8, 16, 256, generator=torch.Generator().manual_seed(0))   # a model's scale: far apart
     whole = loss_function(args, data, 0)(logits, y)
     torch.testing.assert_close(whole, token_sum(logits, y) / valid_tokens(y))
     piece = loss_function(args, data, 0, pieces=4)
