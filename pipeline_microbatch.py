@@ -19,9 +19,11 @@ GPipe, the default, per clock tick on 4 stages x 4 microbatches (F2: forward of 
 In order: the stage (each rank keeps only its blocks), the four point-to-point cases over
 isend/irecv, the executor that plays a schedule's actions (F, B and the exchanges between them),
 the training step, train_step (the batch, zero_grad, the schedule, clip, update; only the last stage
-sees labels). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a student
-may skip has one name each: the split backward (mp.pp.zero_bubble: zb's W), 2bw's two weight versions
-(mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check, the
+sees labels). The gpt: its token ids enter stage 0, its loss leaves the last, over the GLOBAL batch's
+valid tokens (mp.loss), and a tied embedding's two copies, first and last stage, sum their gradients
+(mp.pp.tied). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a
+student may skip has one name each: the split backward (mp.pp.zero_bubble: zb's W), 2bw's two weight
+versions (mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check, the
 waits' timeouts and gloo's receives posted ahead (mp.pp.p2p).
 
 No deadlock on gloo, whose send completes only once the peer posts the receive: a rank posts the
@@ -47,21 +49,23 @@ from mp import checkpoint
 from mp.cli import pipeline_args
 from mp.clipping import clip_global
 from mp.data import StreamedInputs, agree_on_data, load_data
-from mp.dist import awaiting, distributed, exit_now, one_work_per_op, torchrun_env
+from mp.dist import awaiting, distributed, exit_now, group_timeout, one_work_per_op, torchrun_env
 from mp.dropout import DropoutKeys
 from mp.errors import note_one_rank
 from mp.loop import Job, Sums, train
-from mp.models import build_model, num_blocks
+from mp.loss import loss_function
+from mp.mesh import Mesh
+from mp.models import build_model, num_blocks, zero_sample
 from mp.optim import make_optimizer
-from mp.pp.balance import resolve_balance
+from mp.pp.balance import partition, resolve_balance   # partition: the stages' blocks (parallel_3d.py too)
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, sends_at_once, sends_kept, wait_message, wait_sends
 from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
-from mp.pp.training import pipeline_check, stage_batch
+from mp.pp.tied import tie_embeddings, tied_part, tied_stages
+from mp.pp.training import Saved, pipeline_check, stage_batch
 from mp.pp.zero_bubble import bucket_plan, final_after, run_weight_grads, split_for, split_weight_grads
-from mp.sizes import split_sizes
 
 PROGRAM = "pipeline_microbatch"
 
@@ -106,26 +110,18 @@ class PipelineRank:
         return peer_of(self, chunk, step)     # p*V virtual stages, in a ring or a V (mp.pp.schedules)
 
 
-def partition(n_blocks, n_chunks, balance=None):
-    """Block ranges [start, end) of each chunk: --balance's counts (mp.pp.flags has resolved auto
-    into counts), else as even as possible, earlier chunks one larger (tensor_split's sizes)."""
-    sizes = [int(b) for b in balance.split(",")] if balance else split_sizes(n_blocks, n_chunks)
-    starts = [sum(sizes[:i]) for i in range(n_chunks + 1)]
-    return list(zip(starts[:-1], starts[1:]))
-
-
 def build_stage_model(args, pos, device, shard=None):
     """This rank's blocks and nothing else (the memory contract): the model is built block by block
     from --seed in the baseline's order; each block (parallel_3d.py: its tensor-parallel shard,
     shard(i, block)) takes one zero sample through it, which gives the per-sample shape entering
-    every virtual stage, known to both sides of each cut up front (no message carries a shape);
-    then the block is kept if it is in one of my chunks and dropped at once if not. Returns
-    (my blocks, named as in the full model; my chunks: virtual stages pp_rank, pp_rank + p, ... (zbv's
-    V: pp_rank, 2p-1-pp_rank); the shapes entering each virtual stage)."""
+    every virtual stage, known to both sides of each cut up front (no message carries a shape); then
+    the block is kept if it is in one of my chunks and dropped at once if not (a tied gpt's head keeps
+    block 0's token embedding, mp.pp.tied). Returns (my blocks, named as in the full model; my chunks:
+    virtual stages pp_rank, pp_rank + p, ... (zbv's V: pp_rank, 2p-1-pp_rank); the shapes entering each)."""
     bounds = partition(num_blocks(args), pos.pp_size * pos.virtual, args.balance)
     mine = [range(*bounds[virtual_stage(c, pos.pp_rank, pos.pp_size, pos.placement)]) for c in range(pos.virtual)]
-    starts = [start for start, _ in bounds]
-    shapes, x = [], torch.zeros(1, 3, 32, 32, device=device)
+    starts, holds_head = [start for start, _ in bounds], bounds[-1][1] - 1 in mine[-1]   # the model's last block
+    shapes, x = [], zero_sample(args, device)       # an image, or the gpt's token ids
 
     def keep(i, block):
         nonlocal x
@@ -134,7 +130,7 @@ def build_stage_model(args, pos, device, shard=None):
             shapes.append(tuple(x.shape[1:]))
         with torch.no_grad():                 # a sharded block runs its tp collectives: my shard's shape
             x = block(x)
-        return block if any(i in blocks for blocks in mine) else None
+        return block if any(i in blocks for blocks in mine) else tied_part(args, i, block, holds_head)
 
     model = build_model(args, keep, device)
     chunks = [nn.Sequential(*(model.get_submodule(str(i)) for i in blocks)) for blocks in mine]
@@ -228,15 +224,6 @@ class Messenger:
 # ----------------------------------------------------------------------------- the executor
 
 
-@dataclass
-class Saved:
-    """What a microbatch's forward leaves for its backward on one chunk, until B (W, when split)."""
-    input: torch.Tensor           # the chunk's input; B sends its .grad upstream
-    output: torch.Tensor = None   # what B differentiates on a middle chunk (None under --recompute)
-    logits: torch.Tensor = None   # the last chunk's output, under --recompute (the loss's graph starts there)
-    loss: torch.Tensor = None     # the last chunk's scaled loss: B differentiates it
-
-
 class StageRunner(TimelineRecorder):
     """Runs one rank's action list for one global batch. Saved activations live only between a
     microbatch's forward and its backward, and sent tensors only until their send completes.
@@ -255,6 +242,7 @@ class StageRunner(TimelineRecorder):
         self.w_inside_b = self.fused and pos.pp_size == 1   # a stage alone: nobody waits for B's dx, W inside B
         self.keys = keys or DropoutKeys(seed=0)   # the model's (setup_stage): its dropout layers read them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
+        self.tied = None                      # the gpt's tied embedding weight (mp.pp.tied.tie_embeddings)
         self.final_after = final_after(chunks, self.stashes, split)   # whose gradients a last B (W) makes final
 
     def run(self, actions, inputs, head, mb_size, first_sample=0, grads=None):
@@ -312,7 +300,8 @@ class StageRunner(TimelineRecorder):
 
     def parameters(self):
         """What the backwards differentiate and the optimizer steps (2bw: one of the two versions)."""
-        return self.versions.trained() if self.versions else [p for c in self.chunks for p in c.parameters()]
+        # each once: a tied gpt's first and last chunk, both zbv's rank 0's, share the embedding's weight
+        return self.versions.trained() if self.versions else list(nn.ModuleList(self.chunks).parameters())
 
     def update(self, optimizer):
         self.versions.step(optimizer) if self.versions else optimizer.step()
@@ -356,16 +345,18 @@ class StageRunner(TimelineRecorder):
         return start
 
 
-def forward_backward(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None, grads=None):
+def forward_backward(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None, grads=None,
+                     loss_fn=F.cross_entropy):
     """One global batch (or this replica's slice) through the schedule, accumulating the batch-mean
     gradient. x: inputs (first stage), y: labels (last stage), samples: the batch size (every stage
     must know it), first_sample: the slice's offset in the global batch, outputs: a dict to keep each
-    microbatch's logits in (--check), grads: the data-parallel buckets (StageRunner.run tells them
-    when each gradient is final). Returns the mean loss on the last stage, else None."""
+    microbatch's logits in (--check), grads: the data-parallel buckets (StageRunner.run tells them when
+    each gradient is final), loss_fn: mp.loss.loss_function's (the gpt's: its tokens over the GLOBAL
+    batch's valid-token count, never the microbatch's). Returns the mean loss on the last stage, else None."""
     losses = []
 
     def head(mb, logits):
-        loss = F.cross_entropy(logits, y_mb[mb]) / m      # mean of m equal microbatch means
+        loss = loss_fn(logits, y_mb[mb]) / m      # mean of m equal microbatch means (the gpt's: sum / N)
         losses.append(loss.detach())
         if outputs is not None:
             outputs[mb] = logits.detach()
@@ -392,10 +383,11 @@ def train_step(step, runner, optimizer, actions, data, args, timeline):
     if runner.versions:                   # 2bw: its first step warms up, its last drains
         actions = runner.versions.actions(step)
     with runner.keys.training(step):      # the dropout masks of this step's samples (mp.dropout)
-        loss = forward_backward(runner, actions, x, y, args.microbatches, args.batch_size)   # every stage: its size
-    # one pipeline: nothing to synchronise (pipeline_dp_joint.py averages the replicas' gradients here)
+        loss = forward_backward(runner, actions, x, y, args.microbatches, args.batch_size,   # every stage: its size
+                                loss_fn=loss_function(args, data, step, pieces=args.microbatches))
+    runner.tied.sum_grads()   # one pipeline: only a tied weight's two parts (first, last stage) to sum
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
-        norm = clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups)   # over all stages
+        norm = clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups, runner.counted)   # all stages
     runner.update(optimizer)              # 2bw: W(t+1) into the older version's buffer, then they swap
     timeline.end(step)
     return loss, norm
@@ -425,7 +417,8 @@ def train_pipeline(args, env, pos, model, runner, data):
                 timeline=timeline),
         model, optimizer, layout, owner=pos.is_last_stage,     # the last stage holds the loss
         evaluate=lambda: evaluate_pipeline(runner, pos, data, env.device),
-        sums=Sums(norm_groups=runner.norm_groups), versions=runner.versions.weights if runner.versions else None))
+        sums=Sums(norm_groups=runner.norm_groups), versions=runner.versions.weights if runner.versions else None,
+        replicas=runner.tied.replicas()))   # a tied gpt: its first and last stage's copies compared at the end
     timeline.write()                      # the recorded steps' trace (--timeline), gathered once training is over
     return status
 
@@ -436,11 +429,15 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages,
-                           placement=placement_of(args.schedule))
+        placement = placement_of(args.schedule)
+        # the one mesh (mp/mesh.py): every rank one stage of one pipeline; a tied gpt's embedding group too
+        mesh = Mesh.build(env.rank, env.world_size, timeout=group_timeout(env, args.timeout_s),
+                          tied=tied_stages(args, env.world_size, args.virtual_stages, placement))
+        pos = PipelineRank(mesh.pp_rank, mesh.pp_size, mesh.peers("pp"), args.virtual_stages, mesh.pp_group, placement)
         model, runner = setup_stage(args, env, pos)
+        tie_embeddings(args, model, runner, mesh)   # runner.tied: the gpt's first and last stage (mp.pp.tied)
         if args.check:   # one step against the full model in this process (mp.check)
-            status = pipeline_check(env, args, model, runner, data, forward_backward)
+            status = pipeline_check(env, args, model, runner, data, forward_backward, sum_first=runner.tied.sum_grads)
         else:            # a PipelineError (mp.pp.p2p) ends the run in distributed(), which reports it
             status = train_pipeline(args, env, pos, model, runner, data)
     exit_now(status)

@@ -26,13 +26,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mp.dropout import DropoutKeys
-from mp.models import model_blocks
+from mp.models import model_blocks, zero_sample
+from mp.sizes import split_sizes
 
 
 def block_flops(args):
     """Forward + backward flops of each block for one sample, in order. The blocks are built one at
     a time from --seed and dropped after their count, so no more than one is ever held."""
-    costs, x = [], torch.zeros(1, 3, 32, 32)
+    costs, x = [], zero_sample(args)
     for i, block in enumerate(model_blocks(args, DropoutKeys(args.seed))):
         x = x.detach().requires_grad_(i > 0)
         with FlopCounterMode(display=False) as counter:
@@ -41,6 +42,14 @@ def block_flops(args):
         costs.append(counter.get_total_flops())
         x = y
     return costs
+
+
+def partition(n_blocks, n_chunks, balance=None):
+    """Block ranges [start, end) of each chunk: --balance's counts (resolve_balance has resolved auto
+    into counts), else as even as possible, earlier chunks one larger (tensor_split's sizes)."""
+    sizes = [int(b) for b in balance.split(",")] if balance else split_sizes(n_blocks, n_chunks)
+    starts = [sum(sizes[:i]) for i in range(n_chunks + 1)]
+    return list(zip(starts[:-1], starts[1:]))
 
 
 def best_split(costs, stages):
