@@ -201,15 +201,14 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         # every group of the mesh, made once and in the same order on every rank (mp/mesh.py); here
-        # dp pipelines of world / dp stages, the cp and tp axes of size 1
-        # (a tied gpt: one group more, each pipeline's first and last stage, mp.pp.tied)
-        placement = placement_of(args.schedule)
+        # dp pipelines of world / dp stages, the cp and tp axes of size 1 (a tied gpt: one group more, each
+        # pipeline's first and last stage, mp.pp.tied)
         mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, timeout=group_timeout(env, args.timeout_s),
-                          tied=tied_stages(args, env.world_size // args.dp, args.virtual_stages, placement))
+                          tied=tied_stages(args, env.world_size // args.dp))
         if env.rank == 0:
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n"
                   f"{mesh.ranks.view(mesh.dp_size, mesh.pp_size)}", flush=True)
-        pos = pipeline(mesh, args.virtual_stages, placement)   # 1 outside interleaved and zbv
+        pos = pipeline(mesh, args.virtual_stages, placement_of(args.schedule))   # 1 outside interleaved and zbv
         model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
         tied = tie_embeddings(args, model, runner, mesh)   # the gpt's tied weight: first and last stage (mp.pp.tied)
         grads, shards = data_parallel_buckets(model, runner, mesh, args, late=tied.late)

@@ -19,12 +19,11 @@ GPipe, the default, per clock tick on 4 stages x 4 microbatches (F2: forward of 
 In order: the stage (each rank keeps only its blocks), the four point-to-point cases over
 isend/irecv, the executor that plays a schedule's actions (F, B and the exchanges between them),
 the training step, train_step (the batch, zero_grad, the schedule, clip, update; only the last stage
-sees labels). The gpt: its token ids enter stage 0, its loss leaves the last, over the GLOBAL batch's
-valid tokens (mp.loss), and a tied embedding's two copies, first and last stage, sum their gradients
-(mp.pp.tied). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a
+sees labels; the gpt's loss over the GLOBAL batch's valid tokens, mp.loss, and its tied embedding's two
+copies, mp.pp.tied). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a
 student may skip has one name each: the split backward (mp.pp.zero_bubble: zb's W), 2bw's two weight
-versions (mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check, the
-waits' timeouts and gloo's receives posted ahead (mp.pp.p2p).
+versions (mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check,
+the waits' timeouts and gloo's receives posted ahead (mp.pp.p2p).
 
 No deadlock on gloo, whose send completes only once the peer posts the receive: a rank posts the
 send of what it just computed together with the receive its next action needs, as one batch
@@ -57,7 +56,7 @@ from mp.loss import loss_function
 from mp.mesh import Mesh
 from mp.models import build_model, num_blocks, zero_sample
 from mp.optim import make_optimizer
-from mp.pp.balance import partition, resolve_balance   # partition: the stages' blocks (parallel_3d.py too)
+from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, sends_at_once, sends_kept, wait_message, wait_sends
 from mp.pp.pipedream import TwoVersions
@@ -66,6 +65,7 @@ from mp.pp.timeline import Timeline, TimelineRecorder
 from mp.pp.tied import tie_embeddings, tied_part, tied_stages
 from mp.pp.training import Saved, pipeline_check, stage_batch
 from mp.pp.zero_bubble import bucket_plan, final_after, run_weight_grads, split_for, split_weight_grads
+from mp.sizes import split_sizes
 
 PROGRAM = "pipeline_microbatch"
 
@@ -108,6 +108,14 @@ class PipelineRank:
 
     def peer(self, chunk, step):              # global rank and chunk of the virtual stage `step` (+-1) away
         return peer_of(self, chunk, step)     # p*V virtual stages, in a ring or a V (mp.pp.schedules)
+
+
+def partition(n_blocks, n_chunks, balance=None):
+    """Block ranges [start, end) of each chunk: --balance's counts (mp.pp.flags has resolved auto
+    into counts), else as even as possible, earlier chunks one larger (tensor_split's sizes)."""
+    sizes = [int(b) for b in balance.split(",")] if balance else split_sizes(n_blocks, n_chunks)
+    starts = [sum(sizes[:i]) for i in range(n_chunks + 1)]
+    return list(zip(starts[:-1], starts[1:]))
 
 
 def build_stage_model(args, pos, device, shard=None):
@@ -225,15 +233,15 @@ class Messenger:
 
 
 class StageRunner(TimelineRecorder):
-    """Runs one rank's action list for one global batch. Saved activations live only between a
-    microbatch's forward and its backward, and sent tensors only until their send completes.
+    """Runs one rank's action list for one global batch. Saved activations live only between a microbatch's
+    forward and its backward, and sent tensors only until their send completes.
 
-    split (mp.pp.zero_bubble): "W" (zb, zbv), the Linear and Conv2d layers' weight gradients in W
-    actions of their own; "B" (the others but 2bw), the large Linear layers' added in place after
-    each B, once the next exchange has sent B's gradient upstream (gradient-accumulation fusion:
-    the stage before waits for dx, not for W). recompute (GPipe's re-materialisation): F runs
-    without autograd, keeping only the chunk's input; B re-runs the forward first. versions (2bw):
-    mp.pp.pipedream.TwoVersions, which weights a forward runs with, what is stepped and left in flight."""
+    split (mp.pp.zero_bubble): "W" (zb, zbv), the Linear and Conv2d layers' weight gradients in W actions of
+    their own; "B" (the others but 2bw), the large Linear layers' added in place after each B, once the next
+    exchange has sent B's gradient upstream (gradient-accumulation fusion: the stage before waits for dx, not
+    for W). recompute (GPipe's re-materialisation): F runs without autograd, keeping only the chunk's input;
+    B re-runs the forward first. versions (2bw): mp.pp.pipedream.TwoVersions, which weights a forward runs
+    with, what is stepped and left in flight."""
 
     def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None, keys=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
@@ -242,7 +250,6 @@ class StageRunner(TimelineRecorder):
         self.w_inside_b = self.fused and pos.pp_size == 1   # a stage alone: nobody waits for B's dx, W inside B
         self.keys = keys or DropoutKeys(seed=0)   # the model's (setup_stage): its dropout layers read them
         self.norm_groups, self.counted = [pos.group], None   # the gradient norm's sums (mp.clipping)
-        self.tied = None                      # the gpt's tied embedding weight (mp.pp.tied.tie_embeddings)
         self.final_after = final_after(chunks, self.stashes, split)   # whose gradients a last B (W) makes final
 
     def run(self, actions, inputs, head, mb_size, first_sample=0, grads=None):
@@ -299,9 +306,8 @@ class StageRunner(TimelineRecorder):
         return self.versions.run(chunk, x, mb, training) if self.versions else self.chunks[chunk](x)
 
     def parameters(self):
-        """What the backwards differentiate and the optimizer steps (2bw: one of the two versions)."""
-        # each once: a tied gpt's first and last chunk, both zbv's rank 0's, share the embedding's weight
-        return self.versions.trained() if self.versions else list(nn.ModuleList(self.chunks).parameters())
+        """What the backwards differentiate and the optimizer steps (2bw: one of the two versions), each once."""
+        return self.versions.trained() if self.versions else list(nn.ModuleList(self.chunks).parameters())  # zbv: tied
 
     def update(self, optimizer):
         self.versions.step(optimizer) if self.versions else optimizer.step()
@@ -345,18 +351,16 @@ class StageRunner(TimelineRecorder):
         return start
 
 
-def forward_backward(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None, grads=None,
-                     loss_fn=F.cross_entropy):
+def forward_backward(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None, grads=None, loss_fn=None):
     """One global batch (or this replica's slice) through the schedule, accumulating the batch-mean
     gradient. x: inputs (first stage), y: labels (last stage), samples: the batch size (every stage
     must know it), first_sample: the slice's offset in the global batch, outputs: a dict to keep each
-    microbatch's logits in (--check), grads: the data-parallel buckets (StageRunner.run tells them when
-    each gradient is final), loss_fn: mp.loss.loss_function's (the gpt's: its tokens over the GLOBAL
-    batch's valid-token count, never the microbatch's). Returns the mean loss on the last stage, else None."""
+    microbatch's logits in (--check), grads: the data-parallel buckets (StageRunner.run tells them when each
+    gradient is final), loss_fn: mp.loss's (the gpt's: over the GLOBAL batch's count). Returns the loss, or None."""
     losses = []
 
     def head(mb, logits):
-        loss = loss_fn(logits, y_mb[mb]) / m      # mean of m equal microbatch means (the gpt's: sum / N)
+        loss = (loss_fn or F.cross_entropy)(logits, y_mb[mb]) / m   # mean of m equal microbatch means (gpt: sum / N)
         losses.append(loss.detach())
         if outputs is not None:
             outputs[mb] = logits.detach()
@@ -429,11 +433,10 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        placement = placement_of(args.schedule)
-        # the one mesh (mp/mesh.py): every rank one stage of one pipeline; a tied gpt's embedding group too
-        mesh = Mesh.build(env.rank, env.world_size, timeout=group_timeout(env, args.timeout_s),
-                          tied=tied_stages(args, env.world_size, args.virtual_stages, placement))
-        pos = PipelineRank(mesh.pp_rank, mesh.pp_size, mesh.peers("pp"), args.virtual_stages, mesh.pp_group, placement)
+        mesh = Mesh.build(env.rank, env.world_size, timeout=group_timeout(env, args.timeout_s),   # one pipeline;
+                          tied=tied_stages(args, env.world_size))   # a tied gpt: its embedding group (mp.pp.tied)
+        pos = PipelineRank(mesh.pp_rank, mesh.pp_size, mesh.peers("pp"), args.virtual_stages, mesh.pp_group,
+                           placement_of(args.schedule))
         model, runner = setup_stage(args, env, pos)
         tie_embeddings(args, model, runner, mesh)   # runner.tied: the gpt's first and last stage (mp.pp.tied)
         if args.check:   # one step against the full model in this process (mp.check)

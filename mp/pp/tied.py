@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from mp.dist import awaiting
 from mp.loop import Replicas
-from mp.pp.schedules import stage_owner
+from mp.pp.schedules import placement_of, stage_owner
 
 TIED = "0.tok.weight"      # the tied weight's name in the baseline (block 0's embedding, listed first)
 
@@ -28,12 +28,13 @@ def is_tied(args):
     return args.model == "gpt" and getattr(args, "tie_embeddings", False)
 
 
-def tied_stages(args, pp_size, virtual, placement):
-    """The pp coordinates of the stages that hold the tied weight: the first virtual stage's and the last's
-    (one where they coincide); None when nothing is tied (Mesh.build makes no embedding group then)."""
+def tied_stages(args, pp_size):
+    """The pp coordinates of the stages that hold the tied weight, of pp_size stages: the first virtual
+    stage's and the last's (one where they coincide, zbv's V); None when nothing is tied (Mesh.build then
+    makes no embedding group)."""
     if not is_tied(args):
         return None
-    return (0, stage_owner(pp_size * virtual - 1, pp_size, placement)[0])
+    return (0, stage_owner(pp_size * args.virtual_stages - 1, pp_size, placement_of(args.schedule))[0])
 
 
 class TiedCopy(nn.Module):
@@ -102,7 +103,7 @@ class TiedEmbedding:
 
 
 def tie_embeddings(args, model, runner, mesh):
-    """The runner's TiedEmbedding (runner.tied: its sum_grads() a no-op where nothing is tied or shared), over
+    """Sets the runner's TiedEmbedding (runner.tied: its sum_grads() a no-op where nothing is tied or shared), over
     the mesh's embedding group, and the gradient norm's rule counting the tied weight once; returns it."""
     runner.tied = TiedEmbedding(args, model, runner, mesh.groups.get("embed"))
     if runner.tied.shared:
