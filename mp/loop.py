@@ -280,7 +280,8 @@ def evaluate(data, device, run, batch=EVAL_BATCH, replica=None):
     (settle), so a peer lost on a GPU ends in one error line, not a read that waits for nccl's watchdog."""
     batches = test_batches(data, batch)
     totals = torch.zeros(2, dtype=torch.float64, device=device)   # the loss's sum, the correct answers
-    n = sum(valid_tokens(y) for _, y in batches)
+    # what counts: every label (an image's), or the valid tokens (read off the host's targets, not the device)
+    n = sum(len(y) if y.dim() == 1 else valid_tokens(y) for _, y in batches)
     if replica is not None:
         d, parts, group = replica
         batches = [(x.tensor_split(parts)[d], y.tensor_split(parts)[d]) for x, y in batches]
