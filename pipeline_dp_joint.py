@@ -59,7 +59,7 @@ from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.schedules import placement_of, schedule_actions
-from mp.pp.tied import tie_embeddings, tied_stages
+from mp.pp.tied import tie_embeddings, tied_replicas, tied_stages
 from mp.pp.timeline import Timeline
 from mp.pp.training import pipeline_check, stage_batch
 from mp.zero import ZeroOptimizer
@@ -183,7 +183,7 @@ def train_job(args, env, mesh, runner, model, data, grads, shards, program, step
         # after the run: the replicas of every stage bit-identical (under --zero the same bytes by
         # construction: nothing to gather or compare, and the line says so)
         replicas=[Replicas(list(model.parameters()), mesh.dp_group, "parameters bit-identical across the "
-                           f"{mesh.dp_size} replicas of every stage", args.zero)] + runner.tied.replicas())
+                           f"{mesh.dp_size} replicas of every stage", args.zero)] + tied_replicas(runner))
 
 
 def evaluate_replica(runner, mesh, data, env, optimizer):

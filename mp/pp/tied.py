@@ -110,3 +110,10 @@ def tie_embeddings(args, model, runner, mesh):
         assert runner.counted is None, "the tied weight's rule would replace another counted rule"
         runner.counted = runner.tied.counted
     return runner.tied
+
+
+def tied_replicas(runner):
+    """The tied weight's end-of-run report (TiedEmbedding.replicas) where the program tied it (tie_embeddings);
+    none for a runner without (parallel_3d.py shares pipeline_dp_joint.py's Job, and takes no gpt)."""
+    tied = getattr(runner, "tied", None)
+    return tied.replicas() if tied is not None else []
