@@ -27,7 +27,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mp.dropout import DropoutKeys
 from mp.models import model_blocks, zero_sample
-from mp.sizes import split_sizes
 
 
 def block_flops(args):
@@ -42,14 +41,6 @@ def block_flops(args):
         costs.append(counter.get_total_flops())
         x = y
     return costs
-
-
-def partition(n_blocks, n_chunks, balance=None):
-    """Block ranges [start, end) of each chunk: --balance's counts (resolve_balance has resolved auto
-    into counts), else as even as possible, earlier chunks one larger (tensor_split's sizes)."""
-    sizes = [int(b) for b in balance.split(",")] if balance else split_sizes(n_blocks, n_chunks)
-    starts = [sum(sizes[:i]) for i in range(n_chunks + 1)]
-    return list(zip(starts[:-1], starts[1:]))
 
 
 def best_split(costs, stages):
