@@ -52,12 +52,14 @@ from mp.data import agree_on_data, load_data
 from mp.dist import all_reduce_flat, awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
+from mp.loss import loss_function
 from mp.mesh import Mesh
 from mp.optim import make_optimizer, runs_on_every_replica, whole_params
 from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.schedules import placement_of, schedule_actions
+from mp.pp.tied import tie_embeddings, tied_replicas, tied_stages
 from mp.pp.timeline import Timeline
 from mp.pp.training import pipeline_check, stage_batch
 from mp.zero import ZeroOptimizer
@@ -124,12 +126,18 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, timeli
         optimizer.zero_grad(set_to_none=True)
     if runner.versions:                   # 2bw: its first step warms up, its last drains
         actions = runner.versions.actions(step)
+    # the gpt: each microbatch's tokens over the global batch's valid-token count, times M x D, so that the
+    # 1/M and the replicas' average leave each token weighing 1/N (mp.loss); a per-replica count would not
+    loss_fn = loss_function(args, data, step, pieces=args.microbatches * mesh.dp_size)
     with runner.keys.training(step):      # buckets start during the backward, as the executor says
-        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, mesh.dp_rank * samples, grads=grads)
+        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, mesh.dp_rank * samples, grads=grads,
+                                loss_fn=loss_fn)
     if shards:
         shards.release()                  # --zero 3: the whole weights gathered for this step go
+    runner.tied.sum_grads()               # a tied gpt: its first and last stage's parts summed, once (mp.pp.tied)
     # data parallelism: each replica's gradient is its slice's mean; the batch's is their average
     if grads:
+        grads.final_late()                # the tied weight's bucket starts only now, on the summed gradient
         grads.wait()                      # every bucket's all-reduce (or reduce-scatter), then / D
     elif mesh.dp_size > 1:                # 2bw: one flat all-reduce after the backward
         with awaiting(*waiting(mesh, args)):
@@ -175,7 +183,7 @@ def train_job(args, env, mesh, runner, model, data, grads, shards, program, step
         # after the run: the replicas of every stage bit-identical (under --zero the same bytes by
         # construction: nothing to gather or compare, and the line says so)
         replicas=[Replicas(list(model.parameters()), mesh.dp_group, "parameters bit-identical across the "
-                           f"{mesh.dp_size} replicas of every stage", args.zero)])
+                           f"{mesh.dp_size} replicas of every stage", args.zero)] + tied_replicas(runner))
 
 
 def evaluate_replica(runner, mesh, data, env, optimizer):
@@ -193,17 +201,21 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         # every group of the mesh, made once and in the same order on every rank (mp/mesh.py); here
-        # dp pipelines of world / dp stages, the cp and tp axes of size 1
-        mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, timeout=group_timeout(env, args.timeout_s))
+        # dp pipelines of world / dp stages, the cp and tp axes of size 1 (a tied gpt: one group more, each
+        # pipeline's first and last stage, mp.pp.tied)
+        mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, timeout=group_timeout(env, args.timeout_s),
+                          tied=tied_stages(args, env.world_size // args.dp))
         if env.rank == 0:
             print(f"grid (rows: pipelines, columns: data-parallel groups of one stage):\n"
                   f"{mesh.ranks.view(mesh.dp_size, mesh.pp_size)}", flush=True)
         pos = pipeline(mesh, args.virtual_stages, placement_of(args.schedule))   # 1 outside interleaved and zbv
         model, runner = setup_stage(args, env, pos)   # 2bw: every pipeline runs it on its slice
-        grads, shards = data_parallel_buckets(model, runner, mesh, args)
+        tied = tie_embeddings(args, model, runner, mesh)   # the gpt's tied weight: first and last stage (mp.pp.tied)
+        grads, shards = data_parallel_buckets(model, runner, mesh, args, late=tied.late)
         if args.check:   # each replica checks its slice of the first batch
             status = pipeline_check(env, args, model, runner, data, forward_backward, (mesh.dp_rank, mesh.dp_size),
-                                    grads, optimizer=ZeroOptimizer(grads, args, shards) if args.zero else None)
+                                    grads, tied.sum_grads,
+                                    optimizer=ZeroOptimizer(grads, args, shards) if args.zero else None)
         else:
             timeline, job = train_job(args, env, mesh, runner, model, data, grads, shards, PROGRAM)
             status = train(args, env, job)   # the loop (mp/loop.py), then the replicas compared

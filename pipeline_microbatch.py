@@ -19,10 +19,11 @@ GPipe, the default, per clock tick on 4 stages x 4 microbatches (F2: forward of 
 In order: the stage (each rank keeps only its blocks), the four point-to-point cases over
 isend/irecv, the executor that plays a schedule's actions (F, B and the exchanges between them),
 the training step, train_step (the batch, zero_grad, the schedule, clip, update; only the last stage
-sees labels). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a student
-may skip has one name each: the split backward (mp.pp.zero_bubble: zb's W), 2bw's two weight versions
-(mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check, the
-waits' timeouts and gloo's receives posted ahead (mp.pp.p2p).
+sees labels; the gpt's loss over the GLOBAL batch's valid tokens, mp.loss, and its tied embedding's two
+copies, mp.pp.tied). Schedules are data (mp/pp/schedules.py, with zbv's V: chunk to rank, peers); what a
+student may skip has one name each: the split backward (mp.pp.zero_bubble: zb's W), 2bw's two weight
+versions (mp.pp.pipedream), --recompute, a stage's batch (mp.pp.training.stage_batch), the loop, --check,
+the waits' timeouts and gloo's receives posted ahead (mp.pp.p2p).
 
 No deadlock on gloo, whose send completes only once the peer posts the receive: a rank posts the
 send of what it just computed together with the receive its next action needs, as one batch
@@ -47,11 +48,13 @@ from mp import checkpoint
 from mp.cli import pipeline_args
 from mp.clipping import clip_global
 from mp.data import StreamedInputs, agree_on_data, load_data
-from mp.dist import awaiting, distributed, exit_now, one_work_per_op, torchrun_env
+from mp.dist import awaiting, distributed, exit_now, group_timeout, one_work_per_op, torchrun_env
 from mp.dropout import DropoutKeys
 from mp.errors import note_one_rank
 from mp.loop import Job, Sums, train
-from mp.models import build_model, num_blocks
+from mp.loss import loss_function
+from mp.mesh import Mesh
+from mp.models import build_model, num_blocks, zero_sample
 from mp.optim import make_optimizer
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
@@ -59,7 +62,8 @@ from mp.pp.p2p import EXCHANGES_AHEAD, EarlyReceives, sends_at_once, sends_kept,
 from mp.pp.pipedream import TwoVersions
 from mp.pp.schedules import flow_name, is_mine, peer_of, placement_of, schedule_actions, stage_owner, virtual_stage
 from mp.pp.timeline import Timeline, TimelineRecorder
-from mp.pp.training import pipeline_check, stage_batch
+from mp.pp.tied import tie_embeddings, tied_part, tied_stages
+from mp.pp.training import Saved, pipeline_check, stage_batch
 from mp.pp.zero_bubble import bucket_plan, final_after, run_weight_grads, split_for, split_weight_grads
 from mp.sizes import split_sizes
 
@@ -118,14 +122,14 @@ def build_stage_model(args, pos, device, shard=None):
     """This rank's blocks and nothing else (the memory contract): the model is built block by block
     from --seed in the baseline's order; each block (parallel_3d.py: its tensor-parallel shard,
     shard(i, block)) takes one zero sample through it, which gives the per-sample shape entering
-    every virtual stage, known to both sides of each cut up front (no message carries a shape);
-    then the block is kept if it is in one of my chunks and dropped at once if not. Returns
-    (my blocks, named as in the full model; my chunks: virtual stages pp_rank, pp_rank + p, ... (zbv's
-    V: pp_rank, 2p-1-pp_rank); the shapes entering each virtual stage)."""
+    every virtual stage, known to both sides of each cut up front (no message carries a shape); then
+    the block is kept if it is in one of my chunks and dropped at once if not (a tied gpt's head keeps
+    block 0's token embedding, mp.pp.tied). Returns (my blocks, named as in the full model; my chunks:
+    virtual stages pp_rank, pp_rank + p, ... (zbv's V: pp_rank, 2p-1-pp_rank); the shapes entering each)."""
     bounds = partition(num_blocks(args), pos.pp_size * pos.virtual, args.balance)
     mine = [range(*bounds[virtual_stage(c, pos.pp_rank, pos.pp_size, pos.placement)]) for c in range(pos.virtual)]
-    starts = [start for start, _ in bounds]
-    shapes, x = [], torch.zeros(1, 3, 32, 32, device=device)
+    starts, holds_head = [start for start, _ in bounds], bounds[-1][1] - 1 in mine[-1]   # the model's last block
+    shapes, x = [], zero_sample(args, device)       # an image, or the gpt's token ids
 
     def keep(i, block):
         nonlocal x
@@ -134,7 +138,7 @@ def build_stage_model(args, pos, device, shard=None):
             shapes.append(tuple(x.shape[1:]))
         with torch.no_grad():                 # a sharded block runs its tp collectives: my shard's shape
             x = block(x)
-        return block if any(i in blocks for blocks in mine) else None
+        return block if any(i in blocks for blocks in mine) else tied_part(args, i, block, holds_head)
 
     model = build_model(args, keep, device)
     chunks = [nn.Sequential(*(model.get_submodule(str(i)) for i in blocks)) for blocks in mine]
@@ -228,25 +232,16 @@ class Messenger:
 # ----------------------------------------------------------------------------- the executor
 
 
-@dataclass
-class Saved:
-    """What a microbatch's forward leaves for its backward on one chunk, until B (W, when split)."""
-    input: torch.Tensor           # the chunk's input; B sends its .grad upstream
-    output: torch.Tensor = None   # what B differentiates on a middle chunk (None under --recompute)
-    logits: torch.Tensor = None   # the last chunk's output, under --recompute (the loss's graph starts there)
-    loss: torch.Tensor = None     # the last chunk's scaled loss: B differentiates it
-
-
 class StageRunner(TimelineRecorder):
-    """Runs one rank's action list for one global batch. Saved activations live only between a
-    microbatch's forward and its backward, and sent tensors only until their send completes.
+    """Runs one rank's action list for one global batch. Saved activations live only between a microbatch's
+    forward and its backward, and sent tensors only until their send completes.
 
-    split (mp.pp.zero_bubble): "W" (zb, zbv), the Linear and Conv2d layers' weight gradients in W
-    actions of their own; "B" (the others but 2bw), the large Linear layers' added in place after
-    each B, once the next exchange has sent B's gradient upstream (gradient-accumulation fusion:
-    the stage before waits for dx, not for W). recompute (GPipe's re-materialisation): F runs
-    without autograd, keeping only the chunk's input; B re-runs the forward first. versions (2bw):
-    mp.pp.pipedream.TwoVersions, which weights a forward runs with, what is stepped and left in flight."""
+    split (mp.pp.zero_bubble): "W" (zb, zbv), the Linear and Conv2d layers' weight gradients in W actions of
+    their own; "B" (the others but 2bw), the large Linear layers' added in place after each B, once the next
+    exchange has sent B's gradient upstream (gradient-accumulation fusion: the stage before waits for dx, not
+    for W). recompute (GPipe's re-materialisation): F runs without autograd, keeping only the chunk's input;
+    B re-runs the forward first. versions (2bw): mp.pp.pipedream.TwoVersions, which weights a forward runs
+    with, what is stepped and left in flight."""
 
     def __init__(self, chunks, pos, messenger, split=False, recompute=False, versions=None, keys=None):
         self.chunks, self.pos, self.messenger, self.recompute = chunks, pos, messenger, recompute
@@ -311,8 +306,8 @@ class StageRunner(TimelineRecorder):
         return self.versions.run(chunk, x, mb, training) if self.versions else self.chunks[chunk](x)
 
     def parameters(self):
-        """What the backwards differentiate and the optimizer steps (2bw: one of the two versions)."""
-        return self.versions.trained() if self.versions else [p for c in self.chunks for p in c.parameters()]
+        """What the backwards differentiate and the optimizer steps (2bw: one of the two versions), each once."""
+        return self.versions.trained() if self.versions else list(nn.ModuleList(self.chunks).parameters())  # zbv: tied
 
     def update(self, optimizer):
         self.versions.step(optimizer) if self.versions else optimizer.step()
@@ -356,16 +351,16 @@ class StageRunner(TimelineRecorder):
         return start
 
 
-def forward_backward(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None, grads=None):
+def forward_backward(runner, actions, x, y, m, samples=None, first_sample=0, outputs=None, grads=None, loss_fn=None):
     """One global batch (or this replica's slice) through the schedule, accumulating the batch-mean
     gradient. x: inputs (first stage), y: labels (last stage), samples: the batch size (every stage
     must know it), first_sample: the slice's offset in the global batch, outputs: a dict to keep each
-    microbatch's logits in (--check), grads: the data-parallel buckets (StageRunner.run tells them
-    when each gradient is final). Returns the mean loss on the last stage, else None."""
+    microbatch's logits in (--check), grads: the data-parallel buckets (StageRunner.run tells them when each
+    gradient is final), loss_fn: mp.loss's (the gpt's: over the GLOBAL batch's count). Returns the loss, or None."""
     losses = []
 
     def head(mb, logits):
-        loss = F.cross_entropy(logits, y_mb[mb]) / m      # mean of m equal microbatch means
+        loss = (loss_fn or F.cross_entropy)(logits, y_mb[mb]) / m   # mean of m equal microbatch means (gpt: sum / N)
         losses.append(loss.detach())
         if outputs is not None:
             outputs[mb] = logits.detach()
@@ -392,10 +387,11 @@ def train_step(step, runner, optimizer, actions, data, args, timeline):
     if runner.versions:                   # 2bw: its first step warms up, its last drains
         actions = runner.versions.actions(step)
     with runner.keys.training(step):      # the dropout masks of this step's samples (mp.dropout)
-        loss = forward_backward(runner, actions, x, y, args.microbatches, args.batch_size)   # every stage: its size
-    # one pipeline: nothing to synchronise (pipeline_dp_joint.py averages the replicas' gradients here)
+        loss = forward_backward(runner, actions, x, y, args.microbatches, args.batch_size,   # every stage: its size
+                                loss_fn=loss_function(args, data, step, pieces=args.microbatches))
+    runner.tied.sum_grads()   # one pipeline: only a tied weight's two parts (first, last stage) to sum
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
-        norm = clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups)   # over all stages
+        norm = clip_global(runner.parameters(), args.clip_grad_norm, runner.norm_groups, runner.counted)   # all stages
     runner.update(optimizer)              # 2bw: W(t+1) into the older version's buffer, then they swap
     timeline.end(step)
     return loss, norm
@@ -425,7 +421,8 @@ def train_pipeline(args, env, pos, model, runner, data):
                 timeline=timeline),
         model, optimizer, layout, owner=pos.is_last_stage,     # the last stage holds the loss
         evaluate=lambda: evaluate_pipeline(runner, pos, data, env.device),
-        sums=Sums(norm_groups=runner.norm_groups), versions=runner.versions.weights if runner.versions else None))
+        sums=Sums(norm_groups=runner.norm_groups), versions=runner.versions.weights if runner.versions else None,
+        replicas=runner.tied.replicas()))   # a tied gpt: its first and last stage's copies compared at the end
     timeline.write()                      # the recorded steps' trace (--timeline), gathered once training is over
     return status
 
@@ -436,11 +433,14 @@ def main(argv=None):
     data = load_data(args)
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
-        pos = PipelineRank(env.rank, env.world_size, list(range(env.world_size)), args.virtual_stages,
-                           placement=placement_of(args.schedule))
+        mesh = Mesh.build(env.rank, env.world_size, timeout=group_timeout(env, args.timeout_s),   # one pipeline;
+                          tied=tied_stages(args, env.world_size))   # a tied gpt: its embedding group (mp.pp.tied)
+        pos = PipelineRank(mesh.pp_rank, mesh.pp_size, mesh.peers("pp"), args.virtual_stages, mesh.pp_group,
+                           placement_of(args.schedule))
         model, runner = setup_stage(args, env, pos)
+        tie_embeddings(args, model, runner, mesh)   # runner.tied: the gpt's first and last stage (mp.pp.tied)
         if args.check:   # one step against the full model in this process (mp.check)
-            status = pipeline_check(env, args, model, runner, data, forward_backward)
+            status = pipeline_check(env, args, model, runner, data, forward_backward, sum_first=runner.tied.sum_grads)
         else:            # a PipelineError (mp.pp.p2p) ends the run in distributed(), which reports it
             status = train_pipeline(args, env, pos, model, runner, data)
     exit_now(status)

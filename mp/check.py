@@ -127,15 +127,17 @@ def check_and_exit(env, args, what, model, step, x, y, **options):
     return 1 if any(error for *_, error in every) else 0
 
 
-def report_replicas(params, group, what, env, timeout_s, zero=0):
+def report_replicas(params, group, what, env, timeout_s, zero=0, uneven=False):
     """End of a run: the tensors that several ranks hold (data-parallel replicas of a stage, tensors
     every tensor-parallel rank holds whole) must be bit-identical across `group`: same start, same
     gradient, same update. what: the claim rank 0 prints, answered yes or NO. Returns 0 if so, else 1.
     zero (--zero 1-3 on a data-parallel group): each replica's weights are all-gathered from the slices
     the replicas updated, the same bytes everywhere whatever the update did, so a yes could not be a
     no: nothing is compared, and the line says so (the check is the baseline's losses, tests/test_zero.py).
-    A group of one rank (--dp 1, --tp 1) holds its tensors alone: nothing to compare, and no line."""
-    if dist.get_world_size(group) == 1:
+    A group of one rank (--dp 1, --tp 1) holds its tensors alone: nothing to compare, and no line. uneven: the
+    groups of this name differ in size (a pipeline's embedding group: the first and last stage, each middle
+    stage alone), so a rank alone still joins the verdict's world-wide collective."""
+    if dist.get_world_size(group) == 1 and not uneven:
         return 0
     if zero:
         if env.rank == 0:

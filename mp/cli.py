@@ -14,7 +14,8 @@ from mp.cp.flags import add_cp_layout_flag, validate_context_parallel
 from mp.ep.flags import validate_expert_parallel
 from mp.errors import fail
 from mp.flags import add_bucket_flag, base_parser, validate_common
-from mp.pp.flags import add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_zero
+from mp.pp.flags import (add_pipeline_flags, near_multiples, refuse_pipedream, validate_pipeline, validate_tied_zero,
+                         validate_zero)
 from mp.sizes import tokens_of
 from mp.tp.flags import validate_degree, validate_hybrid, validate_sequence_parallel
 
@@ -78,6 +79,7 @@ def joint_args(argv, doc):
              f"use {' or '.join(fixes)}")
     validate_pipeline(args, stages=world // args.dp, replicas=args.dp)
     validate_zero(args, args.dp)
+    validate_tied_zero(args)
     return args
 
 

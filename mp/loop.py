@@ -72,6 +72,7 @@ class Replicas:
     group: object
     claim: str                    # "replicated parameters bit-identical across the 2 tensor-parallel ranks"
     zero: int = 0                 # --zero on a data-parallel group: the same bytes by construction, not compared
+    uneven: bool = False          # groups of this name differ in size: every rank joins (mp.check.report_replicas)
 
 
 class StepScalars:
@@ -182,8 +183,8 @@ def train(args, env, job):
     if job.owner:
         print(f"wrote {args.log_file}", flush=True)
     with every_param_whole(optimizer):    # --zero 3: the weights gathered whole for the comparison (collectives)
-        return max([report_replicas(r.params, r.group, r.claim, env, args.timeout_s, r.zero) for r in job.replicas],
-                   default=0)
+        return max([report_replicas(r.params, r.group, r.claim, env, args.timeout_s, r.zero, r.uneven)
+                    for r in job.replicas], default=0)
 
 
 def report_evaluation(log, args, step, loss, accuracy):

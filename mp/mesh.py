@@ -97,6 +97,18 @@ def lines(ranks, ep=1):
     return {name: found[name] for name in GROUPS}
 
 
+def embedding_lines(pp_lines, stages):
+    """Megatron's embedding group: in each pipeline, the ranks of the stages that hold the tied embedding (its
+    first stage and its last; one rank where they coincide, zbv's V), their weight's gradients summed over it.
+    Every other rank gets a group of its own, so that the lines cover every rank once (as a split asks)."""
+    stages = sorted(set(stages))
+    found = []
+    for line in pp_lines:
+        found.append([line[s] for s in stages])
+        found += [[r] for s, r in enumerate(line) if s not in stages]
+    return found
+
+
 def along(ranks, axis):
     """The lines of the tensor along one axis, in row-major order of the other coordinates."""
     return ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
@@ -174,17 +186,22 @@ class Mesh:
     timeout: object = None     # what every group was made with (mp.dist.group_timeout)
 
     @classmethod
-    def build(cls, rank, world, dp=1, cp=1, tp=1, ep=1, timeout=None):
+    def build(cls, rank, world, dp=1, cp=1, tp=1, ep=1, timeout=None, tied=None):
         """Lay the world out and make my group along every axis (every rank calls it, with the same sizes):
         one axis at a time, in the order of GROUPS on every rank. timeout: the default group's; new_group's
         own default is 30 minutes, so a rank waiting on a stopped peer would hang that long. Bad sizes
-        raise ValueError before any group is made."""
+        raise ValueError before any group is made. tied (the gpt's --tie-embeddings under a pipeline): the
+        pp coordinates of the stages that hold the tied embedding (its first and its last), which get one
+        more group, "embed", made after the others (embedding_lines)."""
         ranks = layout(world, dp, cp, tp)
         members = lines(ranks, ep)
+        names = GROUPS
+        if tied is not None:
+            members["embed"], names = embedding_lines(members["pp"], tied), GROUPS + ("embed",)
         make = split_axis if world_splits() else my_line
-        groups = {name: make(rank, members[name], timeout, f"mesh_{name}") for name in GROUPS}
+        groups = {name: make(rank, members[name], timeout, f"mesh_{name}") for name in names}
         mesh = cls(rank, ranks, members, groups, timeout)
-        METER.name_groups(groups, {name: mesh.peers(name) for name in GROUPS})   # the summary's bytes, by axis
+        METER.name_groups(groups, {name: mesh.peers(name) for name in names})   # the summary's bytes, by axis
         return mesh
 
     def peers(self, name):
@@ -205,6 +222,7 @@ class Mesh:
     dp_cp_group = property(lambda self: self.groups["dp_cp"])   # every rank holding my dense weights
     ep_group = property(lambda self: self.groups["ep"])         # the ranks my tokens' experts are spread over
     edp_group = property(lambda self: self.groups["edp"])       # the ranks holding my experts
+    embed_group = property(lambda self: self.groups["embed"])   # the stages holding the tied embedding (Mesh.build)
 
     dp_rank = property(lambda self: self.coordinate("dp"))
     pp_rank = property(lambda self: self.coordinate("pp"))

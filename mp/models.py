@@ -222,6 +222,14 @@ def build_model(args, keep=None, device="cpu"):
     return model
 
 
+def zero_sample(args, device="cpu"):
+    """One sample of the model's input, zeros, batch of one: an image, or the gpt's --seq-len byte ids (what a
+    pipeline runs through the blocks for the shapes between them, and --balance auto for their flops)."""
+    if args.model == "gpt":
+        return torch.zeros(1, args.seq_len, dtype=torch.long, device=device)
+    return torch.zeros(1, 3, 32, 32, device=device)
+
+
 def param_mb(params):
     return sum(p.numel() * p.element_size() for p in params) / 2**20
 

@@ -26,13 +26,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mp.dropout import DropoutKeys
-from mp.models import model_blocks
+from mp.models import model_blocks, zero_sample
 
 
 def block_flops(args):
     """Forward + backward flops of each block for one sample, in order. The blocks are built one at
     a time from --seed and dropped after their count, so no more than one is ever held."""
-    costs, x = [], torch.zeros(1, 3, 32, 32)
+    costs, x = [], zero_sample(args)
     for i, block in enumerate(model_blocks(args, DropoutKeys(args.seed))):
         x = x.detach().requires_grad_(i > 0)
         with FlopCounterMode(display=False) as counter:

@@ -108,8 +108,8 @@ def too_few_blocks(args, stages, replicas):
     else:   # fewer ranks would break the interleaved microbatch rule: change the chunks instead
         fixes = [f"--virtual-stages {n // stages}" if n // stages >= 2
                  else "--schedule 1f1b (without --virtual-stages)"]
-    depth = {"cnn": "--model vit --layers", "mlp": "--layers", "vit": "--layers"}[args.model]
-    fixes.append(f"{depth} {stages * v - (0 if args.model == 'mlp' else 2)}")   # the vit adds 2 blocks
+    depth = {"cnn": "--model vit --layers", "mlp": "--layers", "vit": "--layers", "gpt": "--layers"}[args.model]
+    fixes.append(f"{depth} {stages * v - (0 if args.model == 'mlp' else 2)}")   # the vit and the gpt add 2 blocks
     return (f"{what} but the {args.model} has only {n} blocks (one chunk needs at least one); "
             f"use {' or '.join(fixes)}")
 
@@ -127,3 +127,13 @@ def validate_zero(args, dp):
         fail(f"{z} does not run with --schedule 2bw (2bw steps two weight versions in turn, each with its own "
              "buckets of state, and averages its gradients after the backward, not in buckets); use --schedule 1f1b, "
              "or drop --zero")
+
+
+def validate_tied_zero(args):
+    """--tie-embeddings with --zero 3 under zbv, whose rank 0 holds the embedding and the head in two chunks: --zero 3
+    gathers a block's weights as one flat tensor and frees them after the block, and one weight in two blocks'
+    tensors has no such home (mp.pp.tied). (Every chunk on one stage, the other way to hold both, is refused.)"""
+    if args.model == "gpt" and args.tie_embeddings and getattr(args, "zero", 0) == 3 and args.schedule == "zbv":
+        fail("--tie-embeddings with --zero 3 and --schedule zbv: zbv's rank 0 holds the embedding and the head in two "
+             "chunks, which share the tied weight, and --zero 3 gathers each block's weights apart; use --zero 2, or "
+             "--schedule 1f1b (the first and the last stage then sum the weight's gradients)")
