@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import ROOT, assert_one_error_line, launch
+from mp import flags
 from mp.cli import baseline_args, pipeline_args
 from mp.loss import loss_function, token_sum, valid_tokens
 from mp.models import build_model
@@ -120,9 +121,11 @@ def test_bad_gpt_flags_are_one_error_line(argv, message, monkeypatch, capsys):
     assert_one_error_line(lambda a: baseline_args(a, ""), argv, 1, message, monkeypatch, capsys)
 
 
-def test_a_program_without_the_gpt_yet_says_so(monkeypatch, capsys):
-    assert_one_error_line(lambda a: pipeline_args(a, ""), GPT, 4, "error: --model gpt: pipeline_microbatch.py does not train",
-                          monkeypatch, capsys)
+def test_a_program_without_the_gpt_says_so(monkeypatch, capsys):
+    """A program that has not learned the gpt (mp.flags.GPT_PROGRAMS) refuses it in one line."""
+    monkeypatch.setattr(flags, "GPT_PROGRAMS", ("single_baseline",))
+    assert_one_error_line(lambda a: pipeline_args(a, ""), GPT, 4,
+                          "error: --model gpt: pipeline_microbatch.py does not train", monkeypatch, capsys)
 
 
 def test_a_text_shorter_than_one_batch_or_missing_is_one_error_line(tmp_path):

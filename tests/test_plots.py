@@ -383,19 +383,19 @@ def assert_legends_clear(fig):
 
 
 def expert_log(path, program, shift=0.0, parted_at=None, breach_at=None, world=1, steps=300, evals=range(49, 300, 50),
-               **more):
+               drift=0.0, **more):
     """A mixture of experts' log by hand: the routing record (tokens per expert, per block, per step) in
     the summary; parted_at: from that step on, one token goes to another expert and the losses part;
-    breach_at: one loss moved by 1e-3 there (a doctored log: the routing still the baseline's); more: the
-    program's other flags."""
+    breach_at: one loss moved by 1e-3 there (a doctored log: the routing still the baseline's); drift: after
+    parted_at the loss moves away by this much more a step (a run that trains off); more: the program's other flags."""
     p = fake_log(path, steps=steps, evals=evals, program=program, **{"model": "vit", "experts": 4, "top_k": 1, **more})
     records = [json.loads(line) for line in open(p)]
     for r in records:
         if r["event"] == "config":
             r["world_size"] = world
         if r["event"] == "train":
-            r["loss"] += shift + (1e-5 * (r["step"] - parted_at + 1) if parted_at is not None and r["step"] >= parted_at
-                                  else 0) + (1e-3 if r["step"] == breach_at else 0)
+            r["loss"] += shift + ((1e-5 + drift) * (r["step"] - parted_at + 1) if parted_at is not None
+                                  and r["step"] >= parted_at else 0) + (1e-3 if r["step"] == breach_at else 0)
         if r["event"] == "summary":
             r["tokens_per_expert"] = [[[40 + (s * 7 + e * 3) % 11 + (s >= (parted_at or steps) and e < 2) * (1 - 2 * e)
                                         for e in range(4)] for _ in range(2)] for s in range(steps)]
@@ -420,7 +420,7 @@ def test_a_run_that_breaks_the_contract_is_named_with_its_step_and_exits_1(tmp_p
     assert e.value.code == 1 and (tmp_path / "x.png").exists(), err          # drawn, then refused
     assert err.splitlines()[-1].startswith("contract broken: tensor_parallel (batch 32) logged |loss - baseline| "
                                            "= 1.0e-3 at step 17, over the 1e-4 of the equivalence contract"), err
-    assert png_record(str(tmp_path / "x.png"))[0].splitlines()[-1].startswith("CONTRACT BROKEN")
+    assert png_record(str(tmp_path / "x.png"))[0].splitlines()[0].startswith("CONTRACT BROKEN")   # the verdict first
     # a mixture of experts: held to the contract before its routing first differs, not after
     eb = expert_log(tmp_path / "eb.jsonl", "single_baseline")
     plot_curves.main([eb, expert_log(tmp_path / "ep.jsonl", "expert_parallel", 3e-7, parted_at=219, world=2),
@@ -428,7 +428,13 @@ def test_a_run_that_breaks_the_contract_is_named_with_its_step_and_exits_1(tmp_p
     out = capsys.readouterr().out
     assert "3.0e-7 until routing first differs at step 219: the contract (1e-4) holds there" in out, out
     title = png_record(str(tmp_path / "ep.png"))[0]
-    assert "exact to 3.0e-7 (contract 1e-4) until routing first differs at step 219" in title, title
+    assert title.startswith("PASS: exact to 3.0e-7 (contract 1e-4) until routing first differs at step 219"), title
+    assert "train alike (20-step means within 7.2e-4, band 0.01)" in title, title
+    # after the routing parts the runs are held to the band of their running means: one that trains off leaves it
+    with pytest.raises(SystemExit) as e:
+        plot_curves.main([eb, expert_log(tmp_path / "ep3.jsonl", "expert_parallel", 3e-7, parted_at=219, world=2,
+                                         drift=0.05), "-o", str(tmp_path / "ep3.png")])
+    assert e.value.code == 1 and "running mean of the loss is" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         plot_curves.main([eb, expert_log(tmp_path / "ep2.jsonl", "expert_parallel", 3e-7, parted_at=219,
                                          breach_at=100, world=2), "-o", str(tmp_path / "ep2.png")])

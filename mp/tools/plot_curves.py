@@ -50,7 +50,8 @@ import textwrap
 
 import matplotlib.ticker
 
-from mp.tools.contract import LIMIT, TOLERANCE, breach_line, differences, headline, judge, sentence, series
+from mp.tools.contract import (BAND, LIMIT, TOLERANCE, WINDOW, breach_line, differences, headline, judge,
+                               running_differences, sentence, series)
 from mp.tools.expert_panel import draw_expert_load, expert_loads
 from mp.tools.figure import fail, plt, read_text, save
 from mp.tools.plot_timeline import plot_timelines
@@ -157,9 +158,9 @@ def title_of(runs, mismatches, verdicts=None):
     if mismatches:
         title += "\nNOT COMPARABLE, the settings differ: " + "; ".join(mismatches[:3]) + (
             f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
-    elif len(runs) > 1:
+    elif len(runs) > 1:   # the verdict first: what a grader reads in ten seconds
         verdict = headline(verdicts_of(runs, mismatches) if verdicts is None else verdicts)
-        title += f"\n{verdict}" if verdict else ""
+        title = f"{verdict}\n{title}" if verdict else title
     return title
 
 
@@ -287,6 +288,11 @@ def draw_runs(ax, runs, verdicts=()):
             draw_differences(ax["diff"], differences(runs[0][1], records), shown, style, i, len(runs))
             if parted.get(label) is not None:
                 mark_parting(ax["diff"], parted[label], style["color"])
+                after = running_differences(runs[0][1], records, parted[label])
+                ax["diff"].plot(*zip(*after), color=style["color"], lw=1.5, ls="--",
+                                label=f"after step {parted[label]}: |{WINDOW}-step running means' difference|")
+    if "diff" in ax and len(runs) > 1:
+        draw_limits(ax["diff"], runs, [p for p in parted.values() if p is not None])
 
 
 def accuracy_style(style, i, few):
@@ -382,10 +388,20 @@ def draw_differences(ax, pairs, label, style, i, count):
     ax.set_ylim(1e-10, 1)   # before the curve: a curve of gaps only would leave no range to scale
     ax.plot(steps, [d if d > 0 else float("nan") for d in worst], label=label,
                 markevery=marks(i, count, len(steps)), **{**style, "lw": 1.2})
-    ax.axhline(TOLERANCE, color="red", lw=1, ls=":")
     ax.set(xlabel="step",
            ylabel="|loss - baseline loss|" + (f", largest per {size} steps" if size > 1 else ""),
            title=f"difference from the baseline\n(red: the contract, {LIMIT}; a gap: exactly equal)")
+
+
+def draw_limits(ax, runs, parted):
+    """The contract's red line over the steps it covers: every step, or up to where a run's routing first
+    differs; from there the band its running means must stay in (orange)."""
+    last = max(max(series(records, "train", "loss")[0], default=0) for _, records in runs)
+    end = min(parted) if parted else last
+    ax.hlines(TOLERANCE, 0, end, color="red", lw=1, ls=":")
+    if parted:
+        ax.hlines(BAND, end, last, color="tab:orange", lw=1.2, ls=":",
+                  label=f"from step {end}: the band ({BAND:g}) the running means keep")
 
 
 def main(argv=None):
