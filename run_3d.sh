@@ -10,7 +10,7 @@
 #   DATA=synthetic DROPOUT=0.1 CLIP=1 bash run_3d.sh   # dropout and clipping, exact in every layout
 #   DATA=synthetic CHECKPOINT_DIR=ck RESTARTS=1 bash run_3d.sh   # checkpoints; a killed rank resumes
 #
-# At its defaults (DATA=synthetic, 300 steps) it took about 1.5 minutes on 2 CPU cores shared with other
+# At DATA=synthetic and the other defaults (300 steps) it took about 1.5 minutes on 2 CPU cores shared with other
 # jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags

@@ -11,7 +11,7 @@
 #   NPROC=16 DP=2 EP=4 EXPERTS=8 SCHEDULE=interleaved DATA=synthetic bash run_5d.sh
 #   EXPERTS=0 EP=1 DP=2 ZERO=3 CP=2 TP=1 NPROC=8 DATA=synthetic bash run_5d.sh   # dense, ZeRO-3 over dp x cp
 #
-# At its defaults (DATA=synthetic, 300 steps, 8 ranks) it took about 13 minutes on 2 CPU cores shared
+# At DATA=synthetic and the other defaults (300 steps, 8 ranks) it took about 13 minutes on 2 CPU cores shared
 # with other jobs (measured 2026-11-28: the baseline's steps 6 minutes, the 8 ranks' 5); CIFAR-10 adds
 # its download once.
 #

@@ -10,7 +10,7 @@
 #   NPROC=4 PATCH_SIZE=2 DATA=synthetic bash run_cp.sh --hidden 64   # 256 tokens, 64 a rank
 #   MODEL=gpt NPROC=4 DATA=synthetic bash run_cp.sh --loss-mask prefix   # causal: the zigzag ring, causal Ulysses
 #
-# At its defaults (DATA=synthetic, 300 steps) it took about 8 minutes on 2 CPU cores shared with other
+# At DATA=synthetic and the other defaults (300 steps) it took about 8 minutes on 2 CPU cores shared with other
 # jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags

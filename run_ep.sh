@@ -11,7 +11,7 @@
 #   DATA=synthetic STEPS=100 bash run_ep.sh               # no network
 #   NPROC=4 EXPERTS=8 TOP_K=2 CAPACITY=1.25 DATA=synthetic bash run_ep.sh --hidden 64   # capacity drops tokens
 #
-# At its defaults (DATA=synthetic, 300 steps) it took about 6 minutes on 2 CPU cores shared with other
+# At DATA=synthetic and the other defaults (300 steps) it took about 6 minutes on 2 CPU cores shared with other
 # jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags

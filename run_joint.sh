@@ -9,7 +9,7 @@
 #   DP=3 NPROC=6 MICROBATCHES=2 SCHEDULE=gpipe DATA=synthetic bash run_joint.sh
 #   SCHEDULE=2bw DATA=synthetic bash run_joint.sh      # PipeDream-2BW in each pipeline, on its --delay 1 reference
 #
-# At its defaults (DATA=synthetic, 300 steps) it took about 1 minute on 2 CPU cores shared with other
+# At DATA=synthetic and the other defaults (300 steps) it took about 1 minute on 2 CPU cores shared with other
 # jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags

@@ -11,7 +11,7 @@
 #   SCHEDULE="1f1b 2bw" DATA=synthetic bash run_pipeline.sh    # PipeDream-2BW on its --delay 1 reference
 #   BALANCE=auto DATA=synthetic bash run_pipeline.sh                       # stages split by counted cost
 #
-# At its defaults (DATA=synthetic, 300 steps) it took about 3 minutes on 2 CPU cores shared with other
+# At DATA=synthetic and the other defaults (300 steps) it took about 3 minutes on 2 CPU cores shared with other
 # jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags

@@ -9,7 +9,7 @@
 #   NPROC=4 MODEL=vit DATA=synthetic bash run_tp.sh --heads 4 --hidden 64
 #   HYBRID=1 DATA=synthetic bash run_tp.sh            # cnn: also --hybrid, drawn on the same plot
 #
-# At its defaults (DATA=synthetic, 300 steps) it took about 2 minutes with HYBRID=1 (less without) on
+# At DATA=synthetic and the other defaults (300 steps) it took about 2 minutes with HYBRID=1 (less without) on
 # 2 CPU cores shared with other jobs (measured 2026-11-28: docs/results.md); CIFAR-10 adds its download once.
 #
 # Knobs (environment, with defaults); extra arguments go to both programs, so they must be flags
