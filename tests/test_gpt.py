@@ -2,16 +2,15 @@
 tiny Shakespeare download (from a mirror on 127.0.0.1), and the baseline that trains it."""
 import argparse
 import hashlib
-import http.server
 import math
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
 
+import cifar_mirror as cm
 from helpers import ROOT, assert_one_error_line, launch
 from mp import flags
 from mp.cli import baseline_args, pipeline_args
@@ -138,38 +137,11 @@ def test_a_text_shorter_than_one_batch_or_missing_is_one_error_line(tmp_path):
     assert run.returncode == 2 and "no such file" in run.stderr
 
 
-class TextMirror:
-    """An HTTP server on 127.0.0.1 serving one text; counts the requests."""
-
-    def __init__(self, body):
-        self.body, self.requests = body, 0
-        mirror = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                mirror.requests += 1
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(mirror.body)))
-                self.end_headers()
-                self.wfile.write(mirror.body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/input.txt"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def shakespeare(monkeypatch):
     """A stand-in for tiny Shakespeare on 127.0.0.1, named by MP_TEXT_MIRROR in every child process."""
     body = b"First Citizen:\nBefore we proceed any further, hear me speak.\n\n" * 800
-    server = TextMirror(body)
+    server = cm.Mirror(body)             # CIFAR-10's loopback mirror serves any bytes
     monkeypatch.setenv("MP_TEXT_MIRROR", f"{server.url} {hashlib.sha256(body).hexdigest()}")
     yield server
     server.close()
