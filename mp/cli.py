@@ -151,7 +151,7 @@ def grid_args(argv, doc):
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per stage (the innermost axis)")
     p.add_argument("--timeline", default=None, help="replica 0, tp rank 0's measured schedule of the last step")
     p.add_argument("--sequence-parallel", action="store_true",
-                   help="vit: LayerNorms, dropouts, residual adds and the pipeline cuts on 1/tp of the tokens per rank")
+                   help="vit, gpt: LayerNorms, dropouts, residual adds and the pipeline cuts on 1/tp of the tokens per rank")
     p.add_argument("--scatter-gather", action=argparse.BooleanOptionalAction, default=True,
                    help="a cut whose activation is whole on every tp rank: each sends 1/tp of it, the receivers "
                         "all-gather (Narayanan et al. 2021, section 4.1)")
@@ -165,6 +165,7 @@ def grid_args(argv, doc):
         validate_sequence_parallel(args, args.tp, use_degree=partial(tp_fix, args, world))
     validate_pipeline(args, stages=world // (args.dp * args.tp), replicas=args.dp, tp=args.tp)
     validate_zero(args, args.dp)
+    validate_tied_zero(args)
     return args
 
 
