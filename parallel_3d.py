@@ -49,7 +49,8 @@ valid tokens, times M x D (mp/loss.py). --tie-embeddings: tp rank t of the first
 last hold the same V/T rows of the tied weight, and sum their two gradients over the mesh's embed group
 ({0,2} {1,3} {4,6} {5,7} above: a pp line, the same dp and tp coordinates), as pipeline_dp_joint.py does.
 
-    torchrun --standalone --nproc-per-node 8 -- parallel_3d.py --data synthetic --dp 2 --tp 2 --model gpt --tie-embeddings
+    torchrun --standalone --nproc-per-node 8 -- parallel_3d.py --data synthetic --dp 2 --tp 2 \\
+        --model gpt --tie-embeddings
 """
 from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
 if __name__ == "__main__":

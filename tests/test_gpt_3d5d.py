@@ -1,9 +1,12 @@
 """The gpt on the composed meshes: parallel_3d.py (dp x pp x tp: the vocabulary-parallel embedding on the first
-stage, head and cross-entropy on the last, the tied rows summed between them over the embed group) against the
-baseline step by step with the loss mask, dropout, clipping and AdamW; its --check; the bad input."""
+stage, head and cross-entropy on the last, the tied rows summed between them over the embed group) and
+parallel_5d.py (and cp's causal layouts, each token at its true position, and the experts folded over
+dp x cp x tp) against the baseline step by step with the loss mask, dropout, clipping and AdamW; --check; the
+bad input."""
 import pytest
 
 import parallel_3d
+import parallel_5d
 from helpers import FAST, assert_one_error_line, launch, slow
 from mp.mesh import embedding_lines, layout, lines
 
@@ -90,3 +93,48 @@ def test_bad_3d_gpt_input_is_one_error_line(argv, world, message, monkeypatch, c
     argv = ["--data", "synthetic", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4",
             "--seq-len", "16", "--batch-size", "16"] + argv
     assert_one_error_line(parallel_3d.parse_args, argv, world, message, monkeypatch, capsys)
+
+
+# ----------------------------------------------------------------------------- parallel_5d.py
+
+MOE = ["--experts", "4", "--top-k", "2", "--microbatches", "2"]   # the baseline routes each microbatch too
+
+
+@pytest.mark.parametrize("flags", [
+    ["--cp", "2", "--tp", "2", "--ep", "2"],                              # pp 2 x cp 2 x tp 2: the zigzag ring
+    slow(["--cp", "2", "--tp", "2", "--ep", "2", "--attention", "ulysses"]),
+    slow(["--cp", "2", "--tp", "2", "--ep", "2", "--cp-layout", "contiguous", "--sequence-parallel"]),
+    slow(["--dp", "2", "--cp", "2", "--tp", "2", "--ep", "4", "--zero", "1"]),
+    slow(["--cp", "2", "--tp", "2", "--ep", "2", "--zero", "3", "--schedule", "1f1b", "--sequence-parallel"])])
+def test_the_gpt_in_5d_matches_the_baseline(tmp_path, tmp_path_factory, flags):
+    args = GPT + ADAMW + TIED + MOE + ["--eval-every", "3"]
+    run = launch("parallel_5d.py", args + flags, tmp_path, nproc=8)
+    assert_exact(run, baseline(args, tmp_path_factory))
+    assert "the tied embedding weight bit-identical on the first and last stage: yes" in run.stdout or "--dp" in flags
+
+
+@pytest.mark.parametrize("flags", [
+    ["--dp", "2", "--cp", "2", "--tp", "2", "--ep", "2", "--attention", "ulysses", "--sequence-parallel"],
+    slow(["--cp", "2", "--tp", "2", "--ep", "2", "--zero", "1", "--cp-layout", "contiguous"])])
+def test_the_gpt_5d_check_matches_the_full_model(tmp_path, flags):
+    run = launch("parallel_5d.py", GPT + TIED + MOE + ["--check"] + flags, tmp_path, nproc=8)   # SGD: see above
+    assert run.returncode == 0 and "all tensors match the full model" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--cp", "2", "--seq-len", "18"], 4, "error: --seq-len 18 is not divisible by 4: --cp-layout zigzag"),
+    (["--cp", "2", "--seq-len", "15", "--cp-layout", "contiguous"], 4,
+     "error: --seq-len 15 is not divisible by 2: --cp-layout contiguous"),
+    (["--cp", "2", "--tp", "4", "--seq-len", "20", "--sequence-parallel"], 8,
+     "error: --seq-len 20 is not divisible by --cp 2 x --tp 4 = 8 (--sequence-parallel)"),
+    (["--tp", "3", "--hidden", "48", "--heads", "3"], 3,
+     "error: the gpt's vocabulary of 256 bytes is not divisible by the tensor-parallel degree 3"),
+    (["--cp", "2", "--experts", "4", "--capacity-factor", "1"], 4,
+     "error: --capacity-factor with --cp 2 --cp-layout zigzag"),
+    (["--model", "vit", "--cp", "2", "--cp-layout", "zigzag"], 4,
+     "error: --cp-layout zigzag balances causal attention")])
+def test_bad_5d_gpt_input_is_one_error_line(argv, world, message, monkeypatch, capsys):
+    gpt = [] if "vit" in argv else ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len",
+                                    "16", "--batch-size", "16"]
+    assert_one_error_line(parallel_5d.parse_args, ["--data", "synthetic"] + gpt + argv, world, message, monkeypatch,
+                          capsys)

@@ -81,7 +81,8 @@ def pipeline_check(env, args, model, runner, data, forward_backward, replica=(0,
                                sends_at_once=runner.messenger.sends_at_once)
     pieces = args.microbatches * replica[1]   # the equal pieces the step averages: microbatches x replicas
     vocab_group = vocab_group if args.model == "gpt" else None
-    loss_fn = tp_loss_function(args, data, 0, vocab_group, pieces) if vocab_group else loss_function(args, data, 0, pieces)
+    loss_fn = tp_loss_function(args, data, 0, vocab_group, pieces) if vocab_group else \
+        loss_function(args, data, 0, pieces)
     step = check_step(runner, actions, args.microbatches, forward_backward, replica, grads, sum_first, loss_fn,
                       getattr(optimizer, "shards", None), vocab_group)
     groups = runner.norm_groups + ([optimizer.grads.group] if optimizer is not None else [])
