@@ -41,6 +41,16 @@ What crosses a pipeline cut is what the sending rank holds there, and never the 
 
 In backward each gradient goes back the same way. Both sides know every shape up front, per rank:
 build_stage_model() runs one zero sample through the tensor-parallel blocks as they are built.
+
+--model gpt: the first stage's embedding and the last stage's head are split by rows of the vocabulary
+(mp/tp/vocab.py), so the last stage's tp ranks each hold the logits of V/T bytes and reduce the loss's
+max, sum and target over their tp group; the loss is each microbatch's token sum over the global batch's
+valid tokens, times M x D (mp/loss.py). --tie-embeddings: tp rank t of the first stage and tp rank t of the
+last hold the same V/T rows of the tied weight, and sum their two gradients over the mesh's embed group
+({0,2} {1,3} {4,6} {5,7} above: a pp line, the same dp and tp coordinates), as pipeline_dp_joint.py does.
+
+    torchrun --standalone --nproc-per-node 8 -- parallel_3d.py --data synthetic --dp 2 --tp 2 \\
+        --model gpt --tie-embeddings
 """
 from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
 if __name__ == "__main__":
@@ -60,13 +70,15 @@ from mp.errors import note_one_rank
 from mp.loop import Replicas, train
 from mp.mesh import Mesh
 from mp.models import num_blocks
+from mp.pp.tied import tie_embeddings, tied_stages
 from mp.pp.balance import resolve_balance
 from mp.pp.schedules import placement_of
 from mp.pp.training import pipeline_check, stage_batch
-from mp.sizes import split_sizes
+from mp.sizes import split_sizes, tokens_of
 from mp.tp.collectives import all_gather, tp_rank, tp_size
 from mp.replicas import average_replicated_grads, counted_once, replicated_parameters
 from mp.tp.sequence import sum_sequence_parallel_grads
+from mp.tp.vocab import tp_loss_function, vocab_parallel_scores
 from mp.zero import ZeroOptimizer
 # the three programs it composes: the grid's replicas, a pipeline's stages, the tensor-parallel layers
 from pipeline_dp_joint import clip, data_parallel_buckets, pipeline, train_job
@@ -99,7 +111,7 @@ def build_stage(args, env, mesh):
     to average over it: each None where there are none))."""
     pos = pipeline(mesh, args.virtual_stages, placement_of(args.schedule))   # zbv: its V (pipeline_dp_joint.py)
     shard = partial(parallelize_block, model_name=args.model, group=mesh.tp_group, n_blocks=num_blocks(args),
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel, tokens=tokens_of(args))
     scattered = set()   # the cuts whose activation is whole on every tp rank: filled while the blocks are built
     if args.scatter_gather and not args.sequence_parallel:   # sequence-parallel cuts are token shards already
         shard = note_whole_cuts(shard, args, pos, mesh.tp_group, scattered)
@@ -110,10 +122,21 @@ def build_stage(args, env, mesh):
     partial_sums = sum_sequence_parallel_grads(model, mesh.tp_group)
     # on a GPU, keep TP-replicated parameters identical (CPU gradients already are): once a step
     replicated = average_replicated_grads(model, mesh.tp_group, env.device)
+    tied = tie_embeddings(args, model, runner, mesh)   # the gpt's tied rows: first and last stage (mp.pp.tied)
     # the gradient norm (mp.clipping): summed over my stage's tp shards (its replicated tensors
-    # counted by tp rank 0 only), then over the stages; not over replicas, whose gradients are averaged
-    runner.norm_groups, runner.counted = [mesh.tp_group, mesh.pp_group], counted_once(model, mesh.tp_group)
+    # counted by tp rank 0 only; the tied rows on the first stage only), then over the stages; not over
+    # replicas, whose gradients are averaged
+    once = counted_once(model, mesh.tp_group)
+    runner.norm_groups = [mesh.tp_group, mesh.pp_group]
+    runner.counted = (lambda p: once(p) and tied.counted(p)) if tied.shared else once
     return pos, model, runner, (partial_sums, replicated)
+
+
+def sync_grads(runner, tp_sums):
+    """After the step's last backward, before the data-parallel buckets' late start: the tensor-parallel sums,
+    then a tied gpt's first and last stage's parts of my vocabulary rows (over the embed group)."""
+    sync_tp_grads(*tp_sums)
+    runner.tied.sum_grads()
 
 
 def train_step(step, runner, optimizer, actions, data, args, mesh, grads, timeline, tp_sums, shards=None):
@@ -123,12 +146,15 @@ def train_step(step, runner, optimizer, actions, data, args, mesh, grads, timeli
     samples = args.batch_size // mesh.dp_size     # my replica's contiguous slice of the global batch
     x, y = stage_batch(data, step, args, runner, runner.messenger.device, (mesh.dp_rank, mesh.dp_size))
     grads.zero_grad(step)                 # the buckets zeroed, each .grad a view into its bucket again
+    # the gpt: my vocabulary columns' token sums over the global batch's valid tokens, x M x D (mp.tp.vocab)
+    loss_fn = tp_loss_function(args, data, step, mesh.tp_group, pieces=args.microbatches * mesh.dp_size)
     with runner.keys.training(step):      # tp collectives inside every layer; dp buckets start in the backward
-        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, mesh.dp_rank * samples, grads=grads)
+        loss = forward_backward(runner, actions, x, y, args.microbatches, samples, mesh.dp_rank * samples, grads=grads,
+                                loss_fn=loss_fn)
     if shards:
         shards.release()                  # --zero 3: the whole weights gathered for this step go
-    sync_tp_grads(*tp_sums)               # tensor parallelism first: its partial gradients made whole,
-    grads.final_late()                    # then their buckets start too
+    sync_grads(runner, tp_sums)           # tensor parallelism first: its partial gradients made whole (and the
+    grads.final_late()                    # tied rows summed), then their buckets start too
     grads.wait()                          # data parallelism: every bucket's all-reduce, then / D
     with awaiting(f"rank {dist.get_rank()} waited for the gradient norm's sums of step {step}", args.timeout_s):
         norm = clip(runner, optimizer, args, mesh)   # over tp shards, stages (--zero 1, 2, 3: and replicas)
@@ -223,7 +249,9 @@ def describe(mesh, messenger):
     what = {"tp": "one stage's layers split, collectives in every layer",
             "pp": "one pipeline, point-to-point between neighbouring stages",
             "dp": "same stage and tp rank, the gradient sync: a collective per bucket, M a step under --zero 2/3"}
-    for name in ("tp", "pp", "dp"):
+    if "embed" in mesh.lines:
+        what["embed"] = "a tied gpt's first and last stage, same dp and tp rank: the tied rows' gradient sum"
+    for name in what:
         lines.append(f"{name} groups ({what[name]}): " + " ".join(map(str, mesh.lines[name])))
     cuts = ", ".join(str(messenger.message_shape(c)) for c in range(1, len(messenger.shapes))) or "none (one stage)"
     lines.append(f"per-sample message at each cut, on tp rank 0: {cuts}")
@@ -240,22 +268,25 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         # every group of the mesh, made once and in the same order on every rank (mp/mesh.py): the dp, pp
-        # and tp axes here, cp of 1
-        mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, tp=args.tp, timeout=group_timeout(env, args.timeout_s))
+        # and tp axes here, cp of 1 (a tied gpt: the embed group, each pipeline's first and last stage, mp.pp.tied)
+        mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, tp=args.tp, timeout=group_timeout(env, args.timeout_s),
+                          tied=tied_stages(args, env.world_size // (args.dp * args.tp)))
         pos, model, runner, tp_sums = build_stage(args, env, mesh)
         if env.rank == 0:
             print(describe(mesh, runner.messenger), flush=True)
         # the data-parallel buckets of the 2-D program over the ranks with my (pp, tp) coordinates; the
-        # gradients the tp sums complete start their buckets after those sums (late)
-        late = [p for sums in tp_sums if sums for p in sums.params]
+        # gradients the tp sums (and the tied sum) complete start their buckets after those sums (late)
+        late = [p for sums in tp_sums if sums for p in sums.params] + runner.tied.late
         grads, shards = data_parallel_buckets(model, runner, mesh, args, late)
         if args.check:   # my shards against the matching slices of a full model in this process
             status = pipeline_check(env, args, model, runner, data, forward_backward, (mesh.dp_rank, mesh.dp_size),
-                                    grads, sum_first=partial(sync_tp_grads, *tp_sums),
-                                    optimizer=ZeroOptimizer(grads, args, shards) if args.zero else None)
+                                    grads, sum_first=partial(sync_grads, runner, tp_sums),
+                                    optimizer=ZeroOptimizer(grads, args, shards) if args.zero else None,
+                                    vocab_group=mesh.tp_group)
         else:   # the loss is logged by tp rank 0 of replica 0's last stage
             timeline, job = train_job(args, env, mesh, runner, model, data, grads, shards, PROGRAM,
-                                      step=partial(train_step, tp_sums=tp_sums))
+                                      step=partial(train_step, tp_sums=tp_sums),
+                                      scores=vocab_parallel_scores(args, mesh.tp_group))
             # two kinds of replica to compare after the run: the stage's over dp (train_job's), and the
             # tensors every tp rank holds whole
             job.replicas.append(Replicas(replicated_parameters(model), mesh.tp_group, "replicated parameters "

@@ -36,6 +36,9 @@ The data: microbatch m of the baseline is samples m*B/M .. (m+1)*B/M - 1; replic
 of them as its microbatch m, and cp rank c embeds those samples and keeps tokens c*S/C .. (c+1)*S/C - 1.
 So the tokens a microbatch routes are the baseline's microbatch's, and its experts' counts (the load-
 balancing loss's f_i, the capacity and its order) are gathered over every rank holding a part of them.
+--model gpt (mp/cp/gpt_mesh.py): cp rank c holds the causal layout's tokens (zigzag: chunks c and 2C-1-c of 2C) at
+their true positions, the ends split by the vocabulary over tp (mp/tp/vocab.py), the loss my tokens' sum x M D C / N,
+a tied embedding's rows summed over the embed group (first and last stage, same dp, cp, tp: mp.pp.tied).
 """
 from mp.errors import stop_on_interrupt   # first: a Ctrl-C during the imports below says one line too
 if __name__ == "__main__":
@@ -51,6 +54,8 @@ from mp.buckets import BucketSets, GradBuckets
 from mp.check import check_and_exit
 from mp.cli import parallel_5d_args
 from mp.clipping import clip_global
+from mp.cp.gpt_mesh import gpt_on_my_tokens, mesh_scores, whole_outputs
+from mp.cp.zigzag import layout_of
 from mp.data import agree_on_data, load_data
 from mp.dist import awaiting, distributed, exit_now, group_timeout, torchrun_env
 from mp.dropout import KeyedDropout
@@ -59,6 +64,7 @@ from mp.ep.routing import WithAuxLoss, aux_loss_total
 from mp.ep.order import from_order, gather_blocks, in_order, kept_mask_blocks, per_rank, sample_counts
 from mp.errors import note_one_rank
 from mp.loop import Job, Replicas, Sums, train
+from mp.loss import loss_function
 from mp.mesh import Mesh
 from mp.mesh_picture import start_up
 from mp.models import PatchEmbed, num_blocks
@@ -69,6 +75,7 @@ from mp.param_shards import ParamShards, weights_by_block
 from mp.pp.balance import resolve_balance
 from mp.pp.evaluate import evaluate_pipeline
 from mp.pp.schedules import placement_of, schedule_actions
+from mp.pp.tied import tie_embeddings, tied_replicas, tied_stages
 from mp.pp.timeline import Timeline
 from mp.replicas import average_replicated_grads, counted_once, not_tp_replicas
 from mp.sizes import tokens_of
@@ -76,7 +83,8 @@ from mp.split import MicrobatchMajorKeys, my_microbatches, my_sample_indices
 from mp.tp.mappings import (gather_from_sequence_parallel_region, gather_from_tp_region,
                              split_to_sequence_parallel_region)
 from mp.tp.sequence import partial_gradients, sum_sequence_parallel_grads
-from mp.ep.zero import dense_units, expert_units, mesh_optimizer
+from mp.tp.vocab import tp_loss_function
+from mp.ep.zero import ExpertGrads, dense_units, mesh_optimizer   # ExpertGrads: the experts' sync over edp
 # the lessons it composes
 from context_parallel import ContextParallelAttention, ContextParallelEmbed, ContextParallelHead
 from expert_parallel import AllToAll, ExpertParallelMoE
@@ -100,10 +108,11 @@ def parse_args(argv=None):
 
 class TensorContextAttention(ContextParallelAttention):
     """tensor_parallel.ParallelAttention's sliced q, k, v (my h/T heads) and row-parallel proj (its f and
-    g on the tp group), with context_parallel.py's ring or Ulysses between them on the cp group."""
+    g on the tp group), with context_parallel.py's ring or Ulysses between them on the cp group (the gpt's:
+    causal, over the layout's blocks, mp/cp/zigzag.py)."""
 
-    def __init__(self, tp_attention, group, attention):
-        super().__init__(tp_attention, group, attention)   # takes q, k, v, proj: the tp slices
+    def __init__(self, tp_attention, group, attention, layout=None):
+        super().__init__(tp_attention, group, attention, layout)   # takes q, k, v, proj: the tp slices
         self.tp_group = tp_attention.group
         # sequence parallelism: my tp rank's tokens gathered into my cp rank's (proj reduce-scatters back)
         self.enter = gather_from_sequence_parallel_region if tp_attention.sequence_parallel else copy_to_tp_region
@@ -156,11 +165,17 @@ class TokenShardEmbed(ContextParallelEmbed):
         return mine.clone(memory_format=torch.contiguous_format)
 
 
-def on_my_tokens(i, block, mesh, n_blocks, tokens, attention, sequence_parallel):
+def on_my_tokens(i, block, mesh, n_blocks, tokens, attention, sequence_parallel, layout):
     """Block i (already tensor-parallel) on my cp rank's S/C tokens (under sequence parallelism, my tp
     rank's S/(C*T) of them): context_parallel.context_parallel_block, with the attention on my tp heads
-    and the head's sum that keeps the dp x cp average exact."""
+    and the head's sum that keeps the dp x cp average exact. The gpt (layout causal): its tokens at their
+    true positions and its per-token head (mp.cp.gpt_mesh), the attention causal over the layout."""
     if mesh.cp_size == 1:   # the 3-D block as it is
+        return block
+    if layout.causal:
+        block = gpt_on_my_tokens(i, block, layout, mesh.cp_rank, mesh.tp_group, sequence_parallel)
+        if hasattr(block, "attn"):
+            block.attn = TensorContextAttention(block.attn, mesh.cp_group, attention, layout)
         return block
     per_cp = tokens // mesh.cp_size
     count = per_cp // mesh.tp_size if sequence_parallel else per_cp
@@ -233,10 +248,11 @@ class FoldedMoE(ExpertParallelMoE):
         return WithAuxLoss.apply(y, self.aux_loss * self.scale)
 
 
-def shard_block(i, block, args, mesh, n_blocks, traffic):
-    """Block i of the vit as built from --seed: my tp slices, on my tokens, with my experts."""
-    block = parallelize_block(i, block, "vit", mesh.tp_group, n_blocks, sequence_parallel=args.sequence_parallel)
-    block = on_my_tokens(i, block, mesh, n_blocks, tokens_of(args), args.attention, args.sequence_parallel)
+def shard_block(i, block, args, mesh, n_blocks, traffic, layout):
+    """Block i of the vit or the gpt as built from --seed: my tp slices, on my tokens, with my experts."""
+    block = parallelize_block(i, block, args.model, mesh.tp_group, n_blocks, sequence_parallel=args.sequence_parallel,
+                              tokens=tokens_of(args))
+    block = on_my_tokens(i, block, mesh, n_blocks, tokens_of(args), args.attention, args.sequence_parallel, layout)
     if isinstance(getattr(block, "mlp", None), MixtureOfExperts):
         block.mlp = FoldedMoE(block.mlp, mesh, args, traffic)
     return block
@@ -249,8 +265,8 @@ def build_stage(args, env, mesh):
     """My stage's blocks, each sliced (shard_block), measured by one zero sample as parallel_3d.py's are
     (so every pipeline message has my token shard's shape, [S/C, H]), and the runner of my chunks."""
     pos = pipeline(mesh, args.virtual_stages, placement_of(args.schedule))
-    traffic = Traffic()
-    shard = partial(shard_block, args=args, mesh=mesh, n_blocks=num_blocks(args), traffic=traffic)
+    traffic, layout = Traffic(), layout_of(args, mesh.cp_size)   # the gpt's tokens over cp (mp/cp/zigzag.py)
+    shard = partial(shard_block, args=args, mesh=mesh, n_blocks=num_blocks(args), traffic=traffic, layout=layout)
     scattered = set()   # the cuts whose activation is whole on every tp rank (parallel_3d.py)
     if args.scatter_gather and not args.sequence_parallel:
         shard = note_whole_cuts(shard, args, pos, mesh.tp_group, scattered)
@@ -261,39 +277,9 @@ def build_stage(args, env, mesh):
             m.keys = keys
     model.dropout_keys = runner.keys = keys
     model.all_to_all = traffic
+    tie_embeddings(args, model, runner, mesh)   # the gpt's tied rows: first and last stage (mp.pp.tied)
+    runner.layout = layout if layout.causal else None   # the gpt's: my targets, scores and --check's logits
     return pos, model, runner
-
-
-class ExpertGrads:
-    """The experts' gradients, in buckets over the expert-data-parallel group (mp.buckets: all-reduced,
-    --zero 1, 2: reduce-scattered, and divided by the edp size D*C*T/N), then by N/T: the all-to-all's backward
-    summed each expert's gradient over the N ep ranks' tokens and the T tp ranks hold disjoint runs of them, so
-    the mean over the D*C ranks is the sum over edp / (D*C). / edp size only counts the ep sum twice (Megatron
-    #5956, torchtitan #1551); tests/test_5d.py puts it back."""
-
-    def __init__(self, params, mesh, args, runner, late, direct):
-        waiting = (f"rank {dist.get_rank()} waited for the experts' all-reduce, ranks {mesh.peers('edp')}",
-                   args.timeout_s)
-        self.params, self.ep_sum, self.buckets, self.shards = params, mesh.ep_size / mesh.tp_size, None, None
-        if params:   # --zero 3: a bucket an expert, gathered over edp before it runs (mp/ep/zero.py)
-            units = expert_units(runner.chunks)
-            self.buckets = GradBuckets(params, mesh.edp_group, waiting, shard=args.zero >= 1, recorder=runner,
-                                       bucket_mb=args.bucket_mb, late=late, direct=direct, free=args.zero >= 2,
-                                       groups=weights_by_block(units) if args.zero == 3 else None)
-            self.shards = ParamShards(units, self.buckets, args.zero3_gather) if args.zero == 3 else None
-
-    def zero_grad(self, step):
-        if self.buckets:
-            self.buckets.zero_grad(step)
-
-    def average(self):
-        """After the backward (and the tp sums): every bucket started (the runner told them as it told the
-        dense ones: BucketSets), the late ones now, all waited, / N."""
-        if self.buckets:
-            self.buckets.final_late()
-            self.buckets.wait()   # my slices (--zero 1-3), or every whole bucket
-            for g in self.buckets.shard_grads if self.buckets.sharded else [b.grad for b in self.buckets.buckets]:
-                g /= self.ep_sum
 
 
 def gradient_syncs(model, runner, mesh, args):
@@ -309,7 +295,7 @@ def gradient_syncs(model, runner, mesh, args):
                average_replicated_grads(model, mesh.tp_group, next(model.parameters()).device))
     # every gradient a tp sum completes after the backward starts its bucket after that sum (late), so that no
     # two collectives ever read and write one buffer at once (and --zero 2 lets none of them go before it)
-    late = [p for sums in tp_sums if sums for p in sums.params]
+    late = [p for sums in tp_sums if sums for p in sums.params] + runner.tied.late   # (and the tied sum completes)
     direct = [w for stash in runner.stashes or [] for w in stash.weights]   # W writes these in place itself
     waiting = (f"rank {dist.get_rank()} waited for the dp x cp all-reduce, ranks {mesh.peers('dp_cp')}", args.timeout_s)
     # --zero 1: reduce-scattered, my 1/(D*C) stepped, all-gathered; 2: in every microbatch; 3: a bucket a block,
@@ -323,7 +309,8 @@ def gradient_syncs(model, runner, mesh, args):
     expert_grads = ExpertGrads(experts, mesh, args, runner, late, direct)
     if expert_grads.buckets:
         expert_grads.buckets.name_params(model.named_parameters())
-    on_tp, first_dp_cp, first_edp = counted_once(model, mesh.tp_group), mesh.dp_cp_rank == 0, mesh.edp_rank == 0
+    tp_once, tied = counted_once(model, mesh.tp_group), runner.tied   # a tied gpt's rows: on the first stage
+    on_tp, first_dp_cp, first_edp = lambda p: tp_once(p) and tied.counted(p), mesh.dp_cp_rank == 0, mesh.edp_rank == 0
     if not args.zero:   # whole gradients: each tensor counted on one rank of the stage, summed over tp, dp x cp, pp
         runner.counted = lambda p: on_tp(p) and (first_edp if id(p) in expert_ids else first_dp_cp)
         runner.norm_groups = [mesh.tp_group, mesh.dp_cp_group, mesh.pp_group]
@@ -338,17 +325,21 @@ def gradient_syncs(model, runner, mesh, args):
 def train_step(step, runner, optimizer, actions, data, args, mesh, grads, expert_grads, tp_sums, shards, timeline):
     """One optimizer step on the 5-D mesh, in the order it runs."""
     timeline.begin(step)
-    x, y = my_microbatches(data, step, args, mesh, runner.pos, runner.messenger.device)   # 1. my tokens' batch
+    x, y = my_microbatches(data, step, args, mesh, runner.pos, runner.messenger.device, runner.layout)   # 1. my tokens
     grads.zero_grad(step)                 # 2. the dense buckets zeroed, each .grad a view into its bucket;
     expert_grads.zero_grad(step)          #    the experts' too
+    # the gpt: my tokens' sum over the global batch's valid tokens, x M x D x C (the 1/M and the dp x cp average
+    # undo it: mp.loss), from my vocabulary columns (mp.tp.vocab)
+    loss_fn = tp_loss_function(args, data, step, mesh.tp_group, pieces=args.microbatches * mesh.dp_cp_size)
     with runner.keys.training(step):      # 3. the schedule: cp, tp and ep collectives inside the blocks,
         loss = forward_backward(runner, actions, x, y, args.microbatches,   # pp messages between stages;
                                 samples=args.batch_size // mesh.dp_size,   # both sets of buckets start as the
-                                grads=BucketSets(grads, expert_grads.buckets))   # backward finishes theirs
+                                grads=BucketSets(grads, expert_grads.buckets), loss_fn=loss_fn)   # backward ends
     for held in (shards, expert_grads.shards):
         if held:
             held.release()                #    --zero 3: the whole weights gathered for this step go
-    sync_tp_grads(*tp_sums)               # 4. tp: sequence-parallel partial gradients summed (tp group)
+    sync_tp_grads(*tp_sums)               # 4. tp: sequence-parallel partial gradients summed (tp group);
+    runner.tied.sum_grads()               #    a tied gpt's rows, first and last stage (embed group);
     grads.final_late()                    #    then their buckets start too
     grads.wait()                          # 5. dp x cp: every dense bucket all-reduced (--zero: reduce-scattered),
                                           #    / (D*C)
@@ -373,27 +364,34 @@ def check_step(runner, actions, data, args, mesh, grads, expert_grads, tp_sums):
     """--check's step (mp.check): step 0 as train_step runs it, up to the gradients synchronised; mp.check
     compares my microbatches' outputs, in order, with the full model's at my samples (my_sample_indices)."""
     def step(x, y):
-        x, y, outputs = *my_microbatches(data, 0, args, mesh, runner.pos, runner.messenger.device), {}
+        x, y, outputs = *my_microbatches(data, 0, args, mesh, runner.pos, runner.messenger.device, runner.layout), {}
         grads.zero_grad(0)
         expert_grads.zero_grad(0)
+        loss_fn = tp_loss_function(args, data, 0, mesh.tp_group, pieces=args.microbatches * mesh.dp_cp_size)
         with runner.keys.training(0):
             loss = forward_backward(runner, actions, x, y, args.microbatches, args.batch_size // mesh.dp_size,
-                                    outputs=outputs, grads=BucketSets(grads, expert_grads.buckets))
+                                    outputs=outputs, grads=BucketSets(grads, expert_grads.buckets), loss_fn=loss_fn)
         sync_tp_grads(*tp_sums)
+        runner.tied.sum_grads()
         grads.final_late()
         grads.wait()
         expert_grads.average()
-        return (torch.cat([outputs[i] for i in range(args.microbatches)]), loss) if outputs else (None, None)
+        logits = torch.cat([outputs[i] for i in range(args.microbatches)]) if outputs else None
+        return whole_outputs(logits, loss, runner.layout, mesh.cp_group, mesh.tp_group)   # the gpt's: gathered
     return step
 
 
-def evaluate_all(runner, mesh, data, env, optimizer):
+def evaluate_all(runner, mesh, data, env, optimizer, args):
     """Every replica runs its slice of each test batch, as a step runs its slice of the batch (D need not
     divide it: the counts are padded, mp.ep.order.gather_blocks): the experts' counts, gathered over dp x cp,
     are then the test batch's, and the capacity drops what the baseline's evaluation drops; the replicas'
-    sums are added. --zero 3: a block's weights gathered as it runs. The owner's figures are logged."""
+    sums are added. --zero 3: a block's weights gathered as it runs. The owner's figures are logged. The gpt: each
+    cp rank scores its tokens' vocabulary columns (mp.cp.gpt_mesh), the sums added over dp x cp."""
+    gpt = runner.layout is not None
+    scores = mesh_scores(args, runner.layout, mesh.cp_rank, mesh.tp_group) if gpt else None
     with whole_params(optimizer):
-        result = evaluate_pipeline(runner, runner.pos, data, env.device, (mesh.dp_rank, mesh.dp_size, mesh.dp_group))
+        result = evaluate_pipeline(runner, runner.pos, data, env.device,
+                                   (mesh.dp_rank, mesh.dp_size, mesh.dp_cp_group if gpt else mesh.dp_group), scores)
     return result if mesh.dp_rank == 0 else None
 
 
@@ -404,8 +402,9 @@ def main(argv=None):
     with distributed(args) as env:
         data = agree_on_data(data, args, env)   # --data auto: the same data on every rank
         # every group of the mesh, made once and in the same order on every rank (mp/mesh.py)
-        mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep,
-                          timeout=group_timeout(env, args.timeout_s))
+        mesh = Mesh.build(env.rank, env.world_size, dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep,   # a tied gpt:
+                          timeout=group_timeout(env, args.timeout_s),   # its embed group (mp.pp.tied)
+                          tied=tied_stages(args, env.world_size // (args.dp * args.cp * args.tp)))
         pos, model, runner = build_stage(args, env, mesh)
         runner.model = model
         if env.rank == 0:   # the mesh by axis, my groups, what a pipeline message carries (mp/mesh_picture.py)
@@ -418,17 +417,20 @@ def main(argv=None):
             exit_now(check_and_exit(env, args, f"5-D {args.schedule}", model, check_step(
                 runner, actions, data, args, mesh, grads, expert_grads, tp_sums), x, y,
                 samples=my_sample_indices(args.batch_size, args.microbatches, mesh.dp_rank, mesh.dp_size),
-                norm=(runner.norm_groups, runner.counted), optimizer=optimizer if args.zero else None))
+                norm=(runner.norm_groups, runner.counted), optimizer=optimizer if args.zero else None,
+                # the gpt's: my replica's samples' tokens over the global count, x D x C (check_step sums over cp)
+                loss_fn=loss_function(args, data, 0), piece_loss=loss_function(args, data, 0, mesh.dp_cp_size)))
         owner = pos.is_last_stage and mesh.dp_cp_rank == 0 and mesh.tp_rank == 0   # logs the loss
         timeline = Timeline(args, runner, pos, owner)
         layout = checkpoint.layout_of(PROGRAM, env, dp=mesh.dp_size, pp=mesh.pp_size, cp=mesh.cp_size,
-                                      tp=mesh.tp_size, ep=mesh.ep_size, schedule=args.schedule)
+                                      tp=mesh.tp_size, ep=mesh.ep_size, schedule=args.schedule,
+                                      **({"cp_layout": args.cp_layout} if args.model == "gpt" else {}))
         step = partial(train_step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args,
                        mesh=mesh, grads=grads, expert_grads=expert_grads, tp_sums=tp_sums, shards=shards,
                        timeline=timeline)
         dense = [p for p in model.parameters() if id(p) not in {id(q) for q in expert_grads.params}]
         job = Job(step, model, optimizer, layout, owner,
-                  evaluate=partial(evaluate_all, runner, mesh, data, env, optimizer),
+                  evaluate=partial(evaluate_all, runner, mesh, data, env, optimizer, args),
                   # logged: the loss averaged over dp x cp (every cp rank holds its replica's), the norm's squares
                   # summed as clip_global sums them; after the last step, every stage's routing record gathered
                   # over the pipeline for the summary
@@ -438,7 +440,7 @@ def main(argv=None):
                   replicas=[Replicas(dense, mesh.dp_cp_group, "dense weights bit-identical across the "
                                      f"{mesh.dp_cp_size} dp x cp ranks of every stage", args.zero),
                             Replicas(expert_grads.params, mesh.edp_group, "experts bit-identical across their "
-                                     f"{mesh.edp_size} expert-data-parallel ranks", args.zero)])
+                                     f"{mesh.edp_size} expert-data-parallel ranks", args.zero)] + tied_replicas(runner))
         status = train(args, env, job)
         timeline.write()
     exit_now(status)

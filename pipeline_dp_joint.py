@@ -161,9 +161,10 @@ def clip(runner, optimizer, args, mesh):
                        squares=optimizer.squares(runner.counted))
 
 
-def train_job(args, env, mesh, runner, model, data, grads, shards, program, step=train_step):
+def train_job(args, env, mesh, runner, model, data, grads, shards, program, step=train_step, scores=None):
     """The loop's Job for D pipelines: the step (this file's, or parallel_3d.py's), the optimizer
-    (--zero 1, 2, 3: mp.zero's, over my slices of the buckets), my layout, who logs."""
+    (--zero 1, 2, 3: mp.zero's, over my slices of the buckets), my layout, who logs; scores: the
+    evaluation's of logits that are not whole (parallel_3d.py's gpt, mp.tp.vocab)."""
     optimizer = ZeroOptimizer(grads, args, shards) if args.zero else make_optimizer(runner.parameters(), args)
     # the same every step (zbv on gloo: its sends right after their compute, mp.pp.p2p)
     actions = schedule_actions(args.schedule, runner.pos, args.microbatches,
@@ -176,7 +177,7 @@ def train_job(args, env, mesh, runner, model, data, grads, shards, program, step
         partial(step, runner=runner, optimizer=optimizer, actions=actions, data=data, args=args, mesh=mesh,
                 grads=grads, timeline=timeline, shards=shards),
         model, optimizer, layout, owner,
-        evaluate=partial(evaluate_replica, runner, mesh, data, env, optimizer),
+        evaluate=partial(evaluate_replica, runner, mesh, data, env, optimizer, scores=scores),
         # logged: the replicas' losses averaged; the norm's squares summed as clip() sums them
         sums=Sums(replicas=mesh.dp_group, norm_groups=runner.norm_groups + ([mesh.dp_group] if args.zero else [])),
         versions=runner.versions.weights if runner.versions else None,
@@ -186,12 +187,13 @@ def train_job(args, env, mesh, runner, model, data, grads, shards, program, step
                            f"{mesh.dp_size} replicas of every stage", args.zero)] + tied_replicas(runner))
 
 
-def evaluate_replica(runner, mesh, data, env, optimizer):
+def evaluate_replica(runner, mesh, data, env, optimizer, scores=None):
     """Replica 0's pipeline evaluates (the others hold the same weights). --zero 3: every replica runs it,
     each block's forward gathering it from the replicas' slices (whole_params: collectives over them)."""
     with whole_params(optimizer):
         every = runs_on_every_replica(optimizer)
-        return evaluate_pipeline(runner, runner.pos, data, env.device) if mesh.dp_rank == 0 or every else None
+        return evaluate_pipeline(runner, runner.pos, data, env.device, scores=scores) if mesh.dp_rank == 0 or every \
+            else None
 
 
 def main(argv=None):

@@ -7,6 +7,7 @@
 #   bash run_3d.sh                                     # 2 replicas x 2 stages x 2 tp ranks, cnn, CIFAR-10
 #   DATA=synthetic STEPS=100 bash run_3d.sh            # no network
 #   DP=1 TP=2 NPROC=4 MODEL=vit DATA=synthetic bash run_3d.sh --hidden 64 --heads 4
+#   MODEL=gpt DATA=synthetic bash run_3d.sh --tie-embeddings --loss-mask prefix   # vocabulary-parallel ends
 #   DATA=synthetic DROPOUT=0.1 CLIP=1 bash run_3d.sh   # dropout and clipping, exact in every layout
 #   DATA=synthetic CHECKPOINT_DIR=ck RESTARTS=1 bash run_3d.sh   # checkpoints; a killed rank resumes
 #
@@ -27,9 +28,9 @@ knob MICROBATCHES "4"                  # per replica, per step
 knob SCHEDULE "1f1b"                   # gpipe | 1f1b | interleaved | zb | zbv (2bw runs in the pipeline and joint programs only)
 knob RECOMPUTE "0"                     # 1: --recompute (keep only stage inputs, re-run forwards before B)
 knob BALANCE ""                        # blocks per stage, e.g. 1,4, or auto (mp/pp/balance.py); empty: even
-knob MODEL "cnn"                       # cnn | mlp | vit
+knob MODEL "cnn"                       # cnn | mlp | vit | gpt (a causal language model on bytes)
 knob STEPS "300"
-knob DATA "auto"                       # auto | cifar10 | synthetic
+knob DATA "auto"                       # auto | cifar10 | synthetic (the gpt: auto | shakespeare | synthetic)
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"                   # global: a multiple of DP x MICROBATCHES
 knob ZERO "0"                          # 1: --zero 1, ZeRO-1 (each replica keeps the optimizer state of 1/DP of

@@ -36,7 +36,7 @@ MODEL_FLAGS = {"cnn": (), "mlp": ("--layers", "--hidden"),
 ALL_MODEL_FLAGS = tuple(dict.fromkeys(f for flags in MODEL_FLAGS.values() for f in flags))
 # the programs that train --model gpt so far (each axis's lesson joins as it learns the language model)
 GPT_PROGRAMS = ("single_baseline", "pipeline_microbatch", "pipeline_dp_joint", "tensor_parallel", "context_parallel",
-                "expert_parallel")
+                "expert_parallel", "parallel_3d", "parallel_5d")
 
 
 class OneLineParser(argparse.ArgumentParser):

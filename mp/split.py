@@ -8,10 +8,11 @@ from mp.data import to_device
 from mp.dropout import DropoutKeys
 
 
-def my_microbatches(data, step, args, mesh, pos, device):
+def my_microbatches(data, step, args, mesh, pos, device, layout=None):
     """My part of every microbatch of the baseline: replica d's b = B/(M*D) samples of microbatch m
     (m*B/M + d*b ...), as a list for the first stage (each cp rank embeds the whole images and keeps
-    its tokens), and their labels, microbatch after microbatch, for the last stage."""
+    its tokens), and their labels, microbatch after microbatch, for the last stage. layout (the gpt's,
+    mp/cp/zigzag.py): the targets of my cp rank's tokens only, at their true positions."""
     batch, b = args.batch_size, my_share(args.batch_size, args.microbatches, mesh.dp_size)
     firsts = my_firsts(batch, args.microbatches, mesh.dp_rank, mesh.dp_size)
     x = [to_device(data.images(step, batch, f, b), device) for f in firsts] if pos.is_first_stage else None
@@ -19,6 +20,7 @@ def my_microbatches(data, step, args, mesh, pos, device):
     if pos.is_last_stage:
         labels = data.labels(step, batch)
         y = to_device(torch.cat([labels[f:f + b] for f in firsts]), device)
+        y = y if layout is None else layout.take(y, mesh.cp_rank)
     return x, y
 
 

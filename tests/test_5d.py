@@ -123,7 +123,8 @@ def test_each_pitfall_put_back_is_caught(tmp_path, baseline, fault, layout, mode
     (["--cp", "3"], 3, "error: the vit's 64 tokens (--patch-size 4) are not divisible by --cp 3"),
     (["--tp", "2", "--cp", "2", "--sequence-parallel", "--patch-size", "2"], 4,
      "error: --sequence-parallel splits the vit's 64 tokens of --patch-size 4"),
-    (["--model", "cnn", "--cp", "2"], 2, "error: parallel_5d.py trains the vit, whose blocks every axis cuts"),
+    (["--model", "cnn", "--cp", "2"], 2,
+     "error: parallel_5d.py trains the vit or the gpt, whose blocks every axis cuts"),
     (["--model", "mlp", "--tp", "2"], 4, "error: parallel_5d.py trains the vit"),   # was a traceback at --cp 1
     (["--model", "mlp", "--experts", "4"], 1, "error: --model mlp does not use --experts"),
 ], ids=flags_id)

@@ -8,7 +8,11 @@ dp x cp, which counts each once (dp x cp is the ep group times the edp group: th
 summed over their edp replicas and over the ep ranks' different experts)."""
 import contextlib
 
+import torch.distributed as dist
+
+from mp.buckets import GradBuckets
 from mp.optim import make_optimizer
+from mp.param_shards import ParamShards, weights_by_block
 from mp.zero import ZeroOptimizer
 
 
@@ -98,3 +102,35 @@ def mesh_optimizer(params, grads, shards, experts, args):
         return make_optimizer(params, args)
     dense = ZeroOptimizer(grads, args, shards)
     return ZeroPair(dense, ZeroOptimizer(experts.buckets, args, experts.shards)) if experts.buckets else dense
+
+
+class ExpertGrads:
+    """The experts' gradients, in buckets over the expert-data-parallel group (mp.buckets: all-reduced,
+    --zero 1, 2: reduce-scattered, and divided by the edp size D*C*T/N), then by N/T: the all-to-all's backward
+    summed each expert's gradient over the N ep ranks' tokens and the T tp ranks hold disjoint runs of them, so
+    the mean over the D*C ranks is the sum over edp / (D*C). / edp size only counts the ep sum twice (Megatron
+    #5956, torchtitan #1551); tests/test_5d.py puts it back."""
+
+    def __init__(self, params, mesh, args, runner, late, direct):
+        waiting = (f"rank {dist.get_rank()} waited for the experts' all-reduce, ranks {mesh.peers('edp')}",
+                   args.timeout_s)
+        self.params, self.ep_sum, self.buckets, self.shards = params, mesh.ep_size / mesh.tp_size, None, None
+        if params:   # --zero 3: a bucket an expert, gathered over edp before it runs (mp/ep/zero.py)
+            units = expert_units(runner.chunks)
+            self.buckets = GradBuckets(params, mesh.edp_group, waiting, shard=args.zero >= 1, recorder=runner,
+                                       bucket_mb=args.bucket_mb, late=late, direct=direct, free=args.zero >= 2,
+                                       groups=weights_by_block(units) if args.zero == 3 else None)
+            self.shards = ParamShards(units, self.buckets, args.zero3_gather) if args.zero == 3 else None
+
+    def zero_grad(self, step):
+        if self.buckets:
+            self.buckets.zero_grad(step)
+
+    def average(self):
+        """After the backward (and the tp sums): every bucket started (the runner told them as it told the
+        dense ones: BucketSets), the late ones now, all waited, / N."""
+        if self.buckets:
+            self.buckets.final_late()
+            self.buckets.wait()   # my slices (--zero 1-3), or every whole bucket
+            for g in self.buckets.shard_grads if self.buckets.sharded else [b.grad for b in self.buckets.buckets]:
+                g /= self.ep_sum

@@ -145,12 +145,13 @@ def vocab_parallel_token_sum(logits, targets, group):
     return F.nll_loss(-losses.unsqueeze(1), ones, ignore_index=IGNORE, reduction="sum")
 
 
-def tp_loss_function(args, data, step, group):
+def tp_loss_function(args, data, step, group, pieces=1):
     """The loss of step's batch, loss(my logits, targets): the gpt's token sum from my vocabulary
-    columns, scaled by mp.loss.loss_function; the image models' (whole logits) as they are."""
+    columns, scaled by mp.loss.loss_function (pieces: its equal pieces, parallel_3d.py's microbatches x
+    replicas); the image models' (whole logits) as they are."""
     if args.model != "gpt":
-        return loss_function(args, data, step)
-    return loss_function(args, data, step, sum_of=partial(vocab_parallel_token_sum, group=group))
+        return loss_function(args, data, step, pieces)
+    return loss_function(args, data, step, pieces, sum_of=partial(vocab_parallel_token_sum, group=group))
 
 
 def vocab_parallel_argmax(logits, group):
