@@ -10,6 +10,7 @@
 #   DATA=synthetic STEPS=100 bash run_5d.sh           # no network
 #   NPROC=16 DP=2 EP=4 EXPERTS=8 SCHEDULE=interleaved DATA=synthetic bash run_5d.sh
 #   EXPERTS=0 EP=1 DP=2 ZERO=3 CP=2 TP=1 NPROC=8 DATA=synthetic bash run_5d.sh   # dense, ZeRO-3 over dp x cp
+#   MODEL=gpt DATA=synthetic bash run_5d.sh --loss-mask prefix --tie-embeddings   # the language model, causal cp
 #
 # At DATA=synthetic and the other defaults (300 steps, 8 ranks) it took about 13 minutes on 2 CPU cores shared
 # with other jobs (measured 2026-11-28: the baseline's steps 6 minutes, the 8 ranks' 5); CIFAR-10 adds
@@ -22,6 +23,7 @@ cd "$(dirname "$0")"
 source ./mp/tools/launch_checks.sh   # knobs, the checks, the files' names, the exits: shared
 STEP="the argument check"
 
+knob MODEL "vit"                       # vit | gpt (a causal language model on bytes: --cp-layout zigzag by default)
 knob NPROC "8"                         # ranks; stages = NPROC / (DP x CP x TP)
 knob DP "1"                            # data-parallel replicas
 knob CP "2"                            # context-parallel ranks: each holds 1/CP of every sequence
@@ -35,7 +37,7 @@ knob SCHEDULE "1f1b"                   # gpipe | 1f1b | interleaved
 knob ATTENTION "ring"                  # ring | ulysses
 knob SP "0"                            # 1: --sequence-parallel
 knob STEPS "300"
-knob DATA "auto"                       # auto | cifar10 | synthetic
+knob DATA "auto"                       # auto | cifar10 | synthetic (the gpt: auto | shakespeare | synthetic)
 knob BACKEND "auto"                    # auto | gloo | nccl
 knob BATCH_SIZE "64"                   # global: a multiple of DP x MICROBATCHES
 knob ZERO "0"                          # 1, 2, 3: ZeRO of the dense weights over dp x cp, the experts over edp
@@ -45,7 +47,7 @@ shared_knobs                           # SEED EVAL_EVERY ACTIVATION OPTIMIZER DR
 require_python
 check_environment
 # flag:KNOB:kind of value (n: a number, w: a word, -: none); kind n and w rewrite the programs' errors
-KNOBS=(--steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n --eval-every:EVAL_EVERY:n
+KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n --eval-every:EVAL_EVERY:n
        --backend:BACKEND:w --experts:EXPERTS:n --top-k:TOP_K:n --capacity-factor:CAPACITY:n --log-file:LOGS:-
        --dp:DP:n --cp:CP:n --tp:TP:n --ep:EP:n --microbatches:MICROBATCHES:n --schedule:SCHEDULE:w
        --attention:ATTENTION:w --sequence-parallel:SP=1:- --zero:ZERO:n
@@ -54,16 +56,16 @@ KNOBS=(--steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n --seed:SEED:n --e
 check_count NPROC "$NPROC"
 check_knob SP "$SP" 0 1
 check_knob TOP_K "$TOP_K" 1 2
+trains_models "the models every axis splits (their tokens over cp, their feed-forward blocks as experts over ep)" \
+    "vit gpt" "$@"
 refuse_knob_flags "$@"
-trains_the_vit "the one model every axis splits (its tokens over cp, its feed-forward blocks as experts over ep)" \
-    "$@"
 
 MOE=() MOE_TAG=""                      # a mixture's logs never take a dense run's name
 if [ "$EXPERTS" != 0 ]; then
     MOE=(--experts "$EXPERTS" --top-k "$TOP_K") MOE_TAG="_e${EXPERTS}_k${TOP_K}"
     if [ -n "$CAPACITY" ]; then MOE+=(--capacity-factor "$CAPACITY") MOE_TAG+="_c${CAPACITY}"; fi
 fi
-COMMON=(--model vit --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
+COMMON=(--model "$MODEL" --steps "$STEPS" --data "$DATA" --batch-size "$BATCH_SIZE" --seed "$SEED"
         --eval-every "$EVAL_EVERY" --microbatches "$MICROBATCHES" "${MOE[@]}" "$@")
 PARALLEL=(--backend "$BACKEND" --dp "$DP" --cp "$CP" --tp "$TP" --ep "$EP" --schedule "$SCHEDULE"
           --attention "$ATTENTION")
@@ -73,11 +75,11 @@ zero_knob                              # ZERO: the 5-D run's --zero, and its tag
 PARALLEL+=("${ZERO_FLAGS[@]}") SUFFIX+=$ZERO_TAG
 EXTRA=$(flags_tag "$@")                # e.g. _hidden64: other sizes keep their own logs
 run_knobs                              # ACTIVATION, OPTIMIZER, DROPOUT, CLIP (both programs, log names), RESTARTS
-BASELINE_LOG="$LOGS/single_baseline_vit${MOE_TAG}${EXTRA}_b${BATCH_SIZE}_m${MICROBATCHES}.jsonl"
-LOG="$LOGS/parallel_5d_vit${MOE_TAG}${EXTRA}_${SCHEDULE}_${ATTENTION}_dp${DP}_cp${CP}_tp${TP}_ep${EP}_n${NPROC}"
+BASELINE_LOG="$LOGS/single_baseline_${MODEL}${MOE_TAG}${EXTRA}_b${BATCH_SIZE}_m${MICROBATCHES}.jsonl"
+LOG="$LOGS/parallel_5d_${MODEL}${MOE_TAG}${EXTRA}_${SCHEDULE}_${ATTENTION}_dp${DP}_cp${CP}_tp${TP}_ep${EP}_n${NPROC}"
 LOG+="_m${MICROBATCHES}_b${BATCH_SIZE}${SUFFIX}.jsonl"
 # the plot's name: every knob off its default (the default run's plot keeps the README's name)
-PLOT="$PLOTS/5d_loss$(settings_tag NPROC DP CP TP EP EXPERTS TOP_K CAPACITY MICROBATCHES SCHEDULE ATTENTION BATCH_SIZE)"
+PLOT="$PLOTS/5d_loss$(settings_tag MODEL NPROC DP CP TP EP EXPERTS TOP_K CAPACITY MICROBATCHES SCHEDULE ATTENTION BATCH_SIZE)"
 PLOT+="$EXTRA$SUFFIX.png"
 
 # both programs' arguments, the parallel one's at its world size, before anything trains

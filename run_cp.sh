@@ -43,7 +43,7 @@ check_count NPROC "$NPROC"
 if [ -z "$ATTENTION_LIST" ]; then launcher_error "ATTENTION is empty: name ring, ulysses or both"; fi
 for ATTENTION in $ATTENTION_LIST; do check_knob ATTENTION "$ATTENTION" ring ulysses; done
 ATTENTION=$ATTENTION_LIST                # the whole list again, for the plot's name
-check_knob MODEL "$MODEL" vit gpt
+trains_models "the models with a sequence of tokens to split over the ranks" "vit gpt" "$@"
 refuse_knob_flags "$@"
 if [ "$MODEL" = gpt ] && [ "$PATCH_SIZE" != 4 ]; then
     launcher_error "PATCH_SIZE=$PATCH_SIZE is the vit's; the gpt's sequence is --seq-len (e.g. --seq-len 128)"

@@ -43,7 +43,7 @@ KNOBS=(--model:MODEL:w --steps:STEPS:n --data:DATA:w --batch-size:BATCH_SIZE:n -
 check_count NPROC "$NPROC"
 check_count EXPERTS "$EXPERTS"
 check_knob TOP_K "$TOP_K" 1 2
-check_knob MODEL "$MODEL" vit gpt
+trains_models "the models whose feed-forward blocks become experts" "vit gpt" "$@"
 refuse_knob_flags "$@"
 
 MOE=(--experts "$EXPERTS" --top-k "$TOP_K")

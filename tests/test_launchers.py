@@ -251,16 +251,17 @@ def test_a_mistyped_extra_flag_names_the_flag_it_is_close_to(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["run_5d.sh", "run_cp.sh", "run_ep.sh"])
-def test_a_vit_launcher_given_another_model_says_it_trains_the_vit(tmp_path, script):
+def test_a_launcher_given_a_model_its_lesson_does_not_run_says_which_it_runs(tmp_path, script):
     """Issue 85, item 2b: `bash run_5d.sh --model mlp` told the student to drop EXPERTS and TOP_K, which
     they never set; it says what the lesson runs and where the mlp is trained."""
-    run = launcher(script, tmp_path, ["--model", "mlp"])
-    lines = run.stderr.splitlines()
-    assert run.returncode == 2 and len(lines) == 1, run.stderr
-    assert lines[0].startswith(f"error: {script} trains the vit, the one model ") and lines[0].endswith(
-        "; drop --model mlp, or train the mlp with another launcher: MODEL=mlp bash run_3d.sh (or run_pipeline.sh, "
-        "run_joint.sh, run_tp.sh)") and "EXPERTS" not in lines[0], lines
-    assert launcher(script, tmp_path, ["--model=vit"], CHECK_ONLY="1").returncode == 0
+    for args, knobs in ((["--model", "mlp"], {}), ([], {"MODEL": "mlp"})):   # the extra flag or the knob
+        run = launcher(script, tmp_path, args, **knobs)
+        lines = run.stderr.splitlines()
+        assert run.returncode == 2 and len(lines) == 1, run.stderr
+        assert lines[0].startswith(f"error: {script} trains the vit or the gpt, the models ") and lines[0].endswith(
+            "; drop --model mlp (MODEL=mlp), or train the mlp with another launcher: MODEL=mlp bash run_3d.sh (or "
+            "run_pipeline.sh, run_joint.sh, run_tp.sh)") and "EXPERTS" not in lines[0], lines
+    assert launcher(script, tmp_path, [], MODEL="gpt", CHECK_ONLY="1").returncode == 0
 
 
 def test_a_later_run_names_what_a_failed_one_left_unfinished(tmp_path):
@@ -303,4 +304,4 @@ def test_the_cp_and_ep_launchers_take_model_gpt_and_refuse_the_vits_patch_for_it
     assert run.returncode == 2 and "PATCH_SIZE=2 is the vit's; the gpt's sequence is --seq-len" in run.stderr
     run = launcher("run_ep.sh", tmp_path, [], MODEL="cnn", CHECK_ONLY="1")
     lines = run.stderr.strip().splitlines()
-    assert run.returncode == 2 and len(lines) == 1 and "MODEL" in lines[0] and "gpt" in lines[0], run.stderr
+    assert run.returncode == 2 and len(lines) == 1 and "MODEL=cnn" in lines[0] and "the gpt" in lines[0], run.stderr

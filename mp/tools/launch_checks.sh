@@ -325,21 +325,23 @@ refuse_knob_flags() {   # the extra arguments: a flag that has a knob is refused
     done
 }
 
-trains_the_vit() {   # WHY ARGS...: a launcher whose lesson is the vit's has no MODEL knob; an extra --model that
-                     # asks for another model would reach both programs and be refused there in terms of the
-                     # vit's flags the launcher sets (EXPERTS, TOP_K), which the user never set
-    local why=$1 args i model
-    shift
+trains_models() {   # WHY MODELS ARGS...: a launcher whose lesson runs only MODELS ("vit gpt"): MODEL or an extra
+                    # --model naming another model says what the lesson runs and where that model is trained,
+                    # not a refusal in terms of the knobs it set for its own models (EXPERTS, TOP_K)
+    local why=$1 models=$2 args i model asked=("$MODEL")
+    shift 2
     args=("$@")
     for ((i = 0; i < ${#args[@]}; i++)); do
         case "${args[i]}" in
-            --model=*) model=${args[i]#--model=} ;;
-            --model) model=${args[i + 1]:-} ;;
-            *) continue ;;
+            --model=*) asked+=("${args[i]#--model=}") ;;
+            --model) asked+=("${args[i + 1]:-}") ;;
         esac
-        if [ "$model" != vit ]; then
-            launcher_error "$(basename "$0") trains the vit, $why; drop --model $model, or train the $model with" \
-                "another launcher: MODEL=$model bash run_3d.sh (or run_pipeline.sh, run_joint.sh, run_tp.sh)"
+    done
+    for model in "${asked[@]}"; do
+        if [[ " $models " != *" $model "* ]]; then
+            launcher_error "$(basename "$0") trains the ${models// / or the }, $why; drop --model $model (MODEL=$model)," \
+                "or train the $model with another launcher: MODEL=$model bash run_3d.sh (or run_pipeline.sh," \
+                "run_joint.sh, run_tp.sh)"
         fi
     done
 }
