@@ -17,7 +17,13 @@ FIGURES = {"run_pipeline": ["pipeline_loss_synthetic.png", "pipeline_timeline_sy
            "run_cp": ["cp_loss_synthetic.png"], "run_ep": ["ep_loss_synthetic.png"], "run_5d": ["5d_loss_synthetic.png"]}
 OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh",   # drawn by another documented command
                   "tp_ladder.png": "python benchmarks/tp_ladder.py --steps 300 --plot plots/tp_ladder.png",
-                  "mesh_5d.png": "python -m mp.tools.mesh -o plots/mesh_5d.png"}
+                  "mesh_5d.png": "python -m mp.tools.mesh -o plots/mesh_5d.png",
+                  # the language model's, one launcher each (docs/language_model.md)
+                  "cp_loss_gpt_loss-maskprefix_adamw_synthetic.png":
+                      "MODEL=gpt DATA=synthetic OPTIMIZER=adamw PLOTS=plots bash run_cp.sh --loss-mask prefix",
+                  "pipeline_loss_gpt_1f1b_loss-maskprefix_tie-embeddings_adamw_synthetic.png":
+                      "MODEL=gpt DATA=synthetic OPTIMIZER=adamw SCHEDULE=1f1b PLOTS=plots bash run_pipeline.sh "
+                      "--loss-mask prefix --tie-embeddings"}
 
 
 def read(path):
@@ -183,3 +189,13 @@ def test_the_committed_ladder_figure_draws_the_contract_line():
     assert record.get("kind") == "tp_ladder" and record.get("contract") == 1e-4, "redraw: " + OTHER_COMMANDS["tp_ladder.png"]
     assert record["args"]["steps"] == 300 and "relu" in title
     assert record["largest_difference"]["pair"] > record["contract"]    # ReLU crosses it (docs/tensor_parallel.md)
+
+
+@pytest.mark.parametrize("figure", [f for f in OTHER_COMMANDS if "_gpt_" in f])
+def test_each_language_model_figure_draws_the_gpt_against_its_baseline_under_the_contract(figure):
+    """The gpt's figures: drawn by this plot_curves, every run of --model gpt with the command's settings
+    (the loss mask, AdamW), the parallel runs within the contract at every step (the title says PASS)."""
+    title, runs = loss_record(figure)
+    assert title.startswith("PASS: "), title
+    assert len(runs) >= 2 and all(r["args"]["model"] == "gpt" and r["args"]["optimizer"] == "adamw" and
+                                  r["args"]["loss_mask"] == "prefix" and r["args"]["steps"] == 300 for r in runs), runs
