@@ -156,6 +156,6 @@ def headline(verdicts):
                 f"({LIMIT}) at every step")
     v = min(parted, key=lambda v: v.parted)
     return (f"PASS: exact to {num(max(v.before for v in judged))} (contract {LIMIT}) until routing first differs "
-            f"at step {v.parted}; from then a near-tie's other route: the runs part ({num(v.largest)} at step "
+            f"at step {v.parted};\nfrom then a near-tie's other route: the runs part ({num(v.largest)} at step "
             f"{v.worst_step}) and train alike ({WINDOW}-step means within {num(max(u.band for u in parted))}, "
-            f"band {BAND:g})")
+            f"band {BAND:g})")   # two lines: the figure's width holds each

@@ -289,7 +289,7 @@ def draw_runs(ax, runs, verdicts=()):
             if parted.get(label) is not None:
                 mark_parting(ax["diff"], parted[label], style["color"])
                 after = running_differences(runs[0][1], records, parted[label])
-                ax["diff"].plot(*zip(*after), color=style["color"], lw=1.5, ls="--",
+                ax["diff"].plot(*zip(*after), color=style["color"], lw=2, ls=":", alpha=0.8,   # not the run's dashes
                                 label=f"after step {parted[label]}: |{WINDOW}-step running means' difference|")
     if "diff" in ax and len(runs) > 1:
         draw_limits(ax["diff"], runs, [p for p in parted.values() if p is not None])
