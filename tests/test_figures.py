@@ -23,6 +23,9 @@ OTHER_COMMANDS = {"pipeline_memory.png": "bash benchmarks/run.sh",   # drawn by 
                       "MODEL=gpt DATA=synthetic OPTIMIZER=adamw PLOTS=plots bash run_cp.sh --loss-mask prefix",
                   "pipeline_loss_gpt_1f1b_loss-maskprefix_tie-embeddings_adamw_synthetic.png":
                       "MODEL=gpt DATA=synthetic OPTIMIZER=adamw SCHEDULE=1f1b PLOTS=plots bash run_pipeline.sh "
+                      "--loss-mask prefix --tie-embeddings",
+                  "5d_loss_gpt_loss-maskprefix_tie-embeddings_adamw_steps60_synthetic_evalevery20.png":
+                      "MODEL=gpt DATA=synthetic OPTIMIZER=adamw STEPS=60 EVAL_EVERY=20 PLOTS=plots bash run_5d.sh "
                       "--loss-mask prefix --tie-embeddings"}
 
 
@@ -196,6 +199,9 @@ def test_each_language_model_figure_draws_the_gpt_against_its_baseline_under_the
     """The gpt's figures: drawn by this plot_curves, every run of --model gpt with the command's settings
     (the loss mask, AdamW), the parallel runs within the contract at every step (the title says PASS)."""
     title, runs = loss_record(figure)
+    knob = re.search(r"STEPS=(\d+)", OTHER_COMMANDS[figure])
+    steps = int(knob.group(1)) if knob else 300
     assert title.startswith("PASS: "), title
     assert len(runs) >= 2 and all(r["args"]["model"] == "gpt" and r["args"]["optimizer"] == "adamw" and
-                                  r["args"]["loss_mask"] == "prefix" and r["args"]["steps"] == 300 for r in runs), runs
+                                  r["args"]["loss_mask"] == "prefix" and r["args"]["steps"] == steps
+                                  for r in runs), runs
