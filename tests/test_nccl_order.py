@@ -12,6 +12,7 @@ and evaluation of the tagged run; a rank whose sends go out in another order tha
 receives them gets the wrong tensors (garbage numbers, a shape error or a timeout error line)."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 import pipeline_microbatch as pm
 from helpers import FAST, assert_same_losses, launch, run_ranks, slow
 from mp.data import SyntheticData
+from mp.pp.tied import tie_embeddings
 from mp.dist import Env
 from mp.optim import make_optimizer
 from mp.pp.evaluate import evaluate_pipeline
@@ -153,6 +155,7 @@ def play(schedule, m, rank, world, swap=False):
     env = Env(rank, world, rank, world, "gloo", torch.device("cpu"))
     pos = pm.PipelineRank(rank, world, list(range(world)), args.virtual_stages, placement=placement_of(schedule))
     model, runner = pm.setup_stage(args, env, pos)
+    tie_embeddings(args, model, runner, SimpleNamespace(groups={}))   # as main() does (the mlp: nothing tied)
     actions = (swapped_sends if swap and rank == 0 else schedule_actions)(args.schedule, pos, args.microbatches)
     optimizer, data = make_optimizer(runner.parameters(), args), SyntheticData(args.seed, test_size=700)
     timeline = Timeline(args, runner, pos, owner=False)
