@@ -90,14 +90,15 @@ def base_parser(description):
     p.add_argument("--patch-size", type=int, default=4,
                    help="vit: the side of a square patch; (32/P)^2 tokens (4: 64, 2: 256, 1: 1024)")
     add_text_flags(p)                      # gpt: --seq-len, --tie-embeddings, --loss-mask, --text-file
-    add_expert_flags(p)                    # vit, gpt: --experts, --top-k, --aux-loss, --capacity-factor (mp/ep/flags.py)
+    add_expert_flags(p)                    # vit, gpt: --experts, --top-k, --aux-loss, --capacity-factor (mp/ep)
     p.add_argument("--activation", choices=ACTIVATION_NAMES, default="gelu",
                    help="every model's activation; relu: --model mlp --layers 2 is the course's Linear-ReLU-Linear "
                         "(its kinks let float32 rounding differences grow: docs/equivalence.md)")
     p.add_argument("--data", choices=["auto", "cifar10", "shakespeare", "synthetic"], default="auto",
                    help="auto: CIFAR-10 (gpt: tiny Shakespeare, or --text-file) if it is in --data-dir or can be "
                         "downloaded, else synthetic; cifar10 for the image models, shakespeare for the gpt")
-    p.add_argument("--data-dir", default="./data", help="where CIFAR-10 and tiny Shakespeare are, or are downloaded to once")
+    p.add_argument("--data-dir", default="./data",
+                   help="where CIFAR-10 and tiny Shakespeare are, or are downloaded to once")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps, numbered from 0 on screen and in the log")
     p.add_argument("--batch-size", type=int, default=64, help="global batch of one optimizer step")
     add_optimizer_flags(p)

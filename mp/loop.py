@@ -201,7 +201,8 @@ def report_evaluation(log, args, step, loss, accuracy):
 def print_trace(lines, step):
     """--trace-collectives: what rank 0 sent in its first step, in the order it ran (mp.traffic.Meter)."""
     print(f"--trace-collectives: rank 0's step {step}, every collective and point-to-point send in the order it ran "
-          f"(group {{its ranks}}, the tensor, the bytes this rank sends as a ring moves them: mp/traffic.py):", flush=True)
+          f"(group {{its ranks}}, the tensor, the bytes this rank sends as a ring moves them: mp/traffic.py):",
+          flush=True)
     for line in lines or ["  (none: this rank sent nothing in the step)"]:
         print(line, flush=True)
 

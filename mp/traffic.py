@@ -36,7 +36,8 @@ REDUCE_SCATTERS, ALL_GATHERS = ("reduce_scatter_tensor", "reduce_scatter_single"
 # where each call's tensor that sets the bytes, and its group, sit: (position, keyword) in torch's signatures
 TENSOR = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "all_gather": (1, "tensor"),
           "all_gather_into_tensor": (1, "input_tensor"), "all_gather_single": (1, "input_tensor"),
-          "reduce_scatter_tensor": (1, "input"), "reduce_scatter_single": (1, "input"), "all_to_all_single": (1, "input")}
+          "reduce_scatter_tensor": (1, "input"), "reduce_scatter_single": (1, "input"),
+          "all_to_all_single": (1, "input")}
 GROUP = {"all_reduce": 2, "broadcast": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all_gather_single": 2,
          "reduce_scatter_tensor": 3, "reduce_scatter_single": 3, "all_to_all_single": 4}
 

@@ -110,7 +110,8 @@ def test_the_delay_1_reference_against_a_hand_computed_two_step_example():
     batches = [(torch.tensor([[1.0, 2.0], [0.5, -1.0]]), torch.tensor([0, 1])),
                (torch.tensor([[-1.0, 0.5], [2.0, 1.0]]), torch.tensor([1, 1]))]
     W0 = model.linear.weight.detach().clone()
-    losses = [single_baseline.delayed_train_step(model, stale, opt, x, y, F.cross_entropy, t)[0] for t, (x, y) in enumerate(batches)]
+    losses = [single_baseline.delayed_train_step(model, stale, opt, x, y, F.cross_entropy, t)[0]
+              for t, (x, y) in enumerate(batches)]
     g0, g1 = (hand_gradient(W0, x, y) for x, y in batches)
     W1 = W0 - lr * g0
     W2 = W1 - lr * (mu * g0 + g1)

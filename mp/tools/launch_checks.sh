@@ -339,9 +339,9 @@ trains_models() {   # WHY MODELS ARGS...: a launcher whose lesson runs only MODE
     done
     for model in "${asked[@]}"; do
         if [[ " $models " != *" $model "* ]]; then
-            launcher_error "$(basename "$0") trains the ${models// / or the }, $why; drop --model $model (MODEL=$model)," \
-                "or train the $model with another launcher: MODEL=$model bash run_3d.sh (or run_pipeline.sh," \
-                "run_joint.sh, run_tp.sh)"
+            launcher_error "$(basename "$0") trains the ${models// / or the }, $why; drop --model $model" \
+                "(MODEL=$model), or train the $model with another launcher: MODEL=$model bash run_3d.sh" \
+                "(or run_pipeline.sh, run_joint.sh, run_tp.sh)"
         fi
     done
 }
