@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -20,6 +19,15 @@ def launcher(script, tmp_path, args=(), cwd=None, **knobs):
     env.update(knobs)
     return subprocess.run(["bash", os.path.join(ROOT, script), *args], env=env, capture_output=True,
                           text=True, timeout=240, cwd=cwd)
+
+
+def without_torch(tmp_path):
+    """Knobs that run a launcher with the real python and a `torch` whose import fails, saying so: for the paths
+    that must answer before torch is ever imported (refusals, CHECK_ONLY)."""
+    fake = tmp_path / "no_torch" / "torch"
+    fake.mkdir(parents=True, exist_ok=True)
+    (fake / "__init__.py").write_text("raise ImportError('torch imported on a path that must not import it')\n")
+    return {"PYTHON": sys.executable, "PYTHONPATH": str(fake.parent)}
 
 
 def test_run_tp_plots_the_curves_and_prints_the_largest_difference(tmp_path):
@@ -168,32 +176,30 @@ def test_run_3d_checks_the_grid_before_anything_trains(tmp_path):
 
 def test_a_refused_setting_answers_at_once_and_the_check_never_imports_torch(tmp_path):
     """Issue 47, item 4: a launcher checks every run's arguments in one python that does not import torch
-    (mp/tools/check_args.py), so a refused setting answers in well under 1.5 s (it took 3-11 s when each
-    check imported torch); CHECK_ONLY=1 checks everything and trains nothing. The median of five refusals
-    is timed (about 0.15 s each on 2 idle cores), so that one slowed by a busy machine does not decide."""
-    took = []
+    (mp/tools/check_args.py), so a refused setting answers at once (about 0.15 s on 2 idle cores; it took
+    3-11 s when each check imported torch); CHECK_ONLY=1 checks everything and trains nothing. Shown, not
+    timed (a busy machine made a timing fail): the refusals run with the real python and a torch that
+    cannot be imported, so any import of torch on their way would be the error they print."""
+    no_torch = without_torch(tmp_path)
     for script, knobs, line in (
             ("run_pipeline.sh", {"MICROBATCHES": "3"}, "error: BATCH_SIZE=64 is not divisible by MICROBATCHES=3"),
             ("run_pipeline.sh", {"SCHEDULE": "1f1b 2bw", "MICROBATCHES": "2"}, "error: SCHEDULE=2bw needs MICROBATCHES"),
             ("run_joint.sh", {"DP": "4"}, "error: the world size NPROC=6 is not divisible by DP=4"),
             ("run_tp.sh", {"MODEL": "vit", "NPROC": "3"}, "error: --heads 4 is not divisible"),
             ("run_3d.sh", {"NPROC": "6"}, "error: the world size NPROC=6 is not divisible by DP=2 x TP=2")):
-        start = time.perf_counter()
-        run = launcher(script, tmp_path, **knobs)
-        took.append(time.perf_counter() - start)
+        run = launcher(script, tmp_path, **knobs, **no_torch)
         assert run.returncode == 2 and run.stderr.startswith(line), (script, knobs, run.stderr)
         assert len(run.stderr.splitlines()) == 1, (script, knobs, run.stderr)
-    assert sorted(took)[2] < 1.5, took
     run = launcher("run_pipeline.sh", tmp_path, ["--layers", "8"], MODEL="mlp", CHECK_ONLY="1",
-                   SCHEDULE="gpipe 1f1b interleaved zb 2bw")
+                   SCHEDULE="gpipe 1f1b interleaved zb 2bw", **no_torch)
     said = [line for line in run.stdout.splitlines() if not line.startswith("note: ")]   # ranks over cores
     assert run.returncode == 0 and said == [
         "CHECK_ONLY=1: the knobs and the arguments of the 6 runs (the baseline's included) are good; nothing trained"]
     assert not (tmp_path / "logs").exists()
     for zero in ("2", "3"):                                                      # issue 44: ZeRO-2's and 3's knob
-        run = launcher("run_joint.sh", tmp_path, CHECK_ONLY="1", ZERO=zero)
+        run = launcher("run_joint.sh", tmp_path, CHECK_ONLY="1", ZERO=zero, **no_torch)
         assert run.returncode == 0 and "\nCHECK_ONLY=1: " in "\n" + run.stdout, run.stderr
-    run = launcher("run_3d.sh", tmp_path, CHECK_ONLY="1", ZERO="4")
+    run = launcher("run_3d.sh", tmp_path, CHECK_ONLY="1", ZERO="4", **no_torch)
     assert run.returncode == 2 and run.stderr.splitlines() == ["error: ZERO=4 must be one of: 0 1 2 3"], run.stderr
     probe = ("import sys; from mp.tools import check_args; "
              "check_args.main(['4', 'pipeline_microbatch', '--balance', 'auto', '::', '6', 'pipeline_dp_joint', '::', "
@@ -206,17 +212,16 @@ def test_a_refused_setting_answers_at_once_and_the_check_never_imports_torch(tmp
 def test_nccl_without_a_gpu_is_refused_before_the_baseline_in_the_knobs_terms(tmp_path):
     """Issue 67, item 2: BACKEND=nccl on a machine without a GPU trained the whole baseline, then the
     ranks refused, naming NCCL versions and --backend gloo. Now the check before anything trains
-    says there is no GPU and names the knob, in well under the 2-3 s an import of torch takes."""
+    says there is no GPU and names the knob, without the 2-3 s an import of torch takes (run with a torch
+    that cannot be imported, as above)."""
     if glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*"):
         pytest.skip("this machine has a GPU: the refusal is for machines without one")
-    start = time.perf_counter()
-    run = launcher("run_ep.sh", tmp_path, BACKEND="nccl", STEPS="30")
-    took = time.perf_counter() - start
+    run = launcher("run_ep.sh", tmp_path, BACKEND="nccl", STEPS="30", **without_torch(tmp_path))
     assert run.returncode == 2 and run.stderr.splitlines() == [
         "error: BACKEND=nccl runs on GPUs, one a rank at world size NPROC=2, and this machine shows none (no NVIDIA "
         "GPU or driver found); use BACKEND=gloo (the CPU), or BACKEND=auto, which takes gloo where there is no GPU"], \
         run.stderr
-    assert "== baseline" not in run.stdout and not (tmp_path / "logs").exists() and took < 2, took
+    assert "== baseline" not in run.stdout and not (tmp_path / "logs").exists()
 
 
 def test_a_flag_no_program_takes_names_the_launcher_the_program_and_the_knob(tmp_path):
