@@ -114,9 +114,8 @@ def step_seconds(program, args, world, rates):
     for rank in range(world):
         _, p, _, _ = grid.coords(rank)
         blocks = [i for chunk in my_blocks(args, m, grid, p) for i in chunk]
+        # expert_parallel: my experts run every rank's rows for them, the same FLOPs as my tokens' (an even route)
         flops = sum(block_flops(m, i, samples, tokens, grid.tp) for i in blocks)
-        if program == "expert_parallel":    # my experts run every rank's rows: the same share in expectation
-            flops = flops
         compute.append(M * passes * flops / rate)
     bubble = bubble_theory(grid.pp, M, getattr(args, "virtual_stages", 1), getattr(args, "schedule", "gpipe")) \
         if grid.pp > 1 else 0

@@ -5,6 +5,10 @@ Two questions, one tool:
   this project's run, exactly (--program NAME and the program's own flags): the summary record's per-rank
   param_mb, grad_mb, optimizer_state_mb and the bytes each group sends a step, as a run would log them
       python -m mp.tools.plan --program pipeline_dp_joint --gpus 4 --model vit --dp 2 --zero 2 --json
+  with the vit on pipeline_microbatch, pipeline_dp_joint, context_parallel or expert_parallel, also each rank's
+  peak memory above its process floor (peak_above_floor_mb, with its parts); --this-machine adds the step time
+  on this machine, from its GEMM and gloo rates measured once and kept in ~/.cache/mp/this_machine.json
+  (--remeasure measures again)
 
   any model on any cluster (a preset or the model flags, a cluster, a layout): memory of the largest rank, bytes
   per group, step time, tokens/s and TFLOP/s per GPU, MFU; --search ranks every layout that fits
