@@ -3,6 +3,7 @@ published ones, and one error line for bad input. Fast: everything in-process an
 the few real launches marked slow (each compares every field of a fresh run's summary)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from mp.cli import PARSERS
 from mp.dist import buckets as real_buckets
 from mp.plan.cluster import cluster
 from mp.plan.model import PRESETS, megatron_gpt, with_tokens
+from mp.plan.peak import peak_above_floor
 from mp.plan.predict import EFFICIENCY, Layout, plan
 from mp.plan.project import capped_groups, counts, kept_groups
 from mp.plan.search import search
@@ -363,3 +365,51 @@ def test_bad_input_is_one_error_line(argv, says):
     out = plan_cli(*argv)
     assert out.returncode == 2 and says in out.stderr, out.stderr
     assert out.stderr.count("error:") == 1 and "Traceback" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- the peak above the floor, measured
+
+VIT = ["--model", "vit", "--heads", "4", "--steps", "2"]
+# (program, ranks, flags): the issue's six kinds of layout and ZeRO's four stages; each model large enough that
+# what it holds (tens of MB) stands well above the noise of a process's peak (a MB or two)
+PEAK_RUNS = {
+    "zero0": ("pipeline_dp_joint", 2, "--hidden 384 --layers 4 --batch-size 8 --microbatches 2 --dp 2 --zero 0"),
+    "zero1": ("pipeline_dp_joint", 2, "--hidden 384 --layers 4 --batch-size 8 --microbatches 2 --dp 2 --zero 1"),
+    "zero2": ("pipeline_dp_joint", 2, "--hidden 384 --layers 4 --batch-size 8 --microbatches 2 --dp 2 --zero 2"),
+    "zero3": ("pipeline_dp_joint", 2, "--hidden 384 --layers 4 --batch-size 8 --microbatches 2 --dp 2 --zero 3"),
+    "1f1b": ("pipeline_microbatch", 4, "--hidden 256 --layers 6 --batch-size 32 --microbatches 4 --schedule 1f1b"),
+    "gpipe": ("pipeline_microbatch", 4, "--hidden 256 --layers 6 --batch-size 32 --microbatches 4 --schedule gpipe"),
+    "interleaved": ("pipeline_microbatch", 4, "--hidden 256 --layers 6 --batch-size 32 --microbatches 4 "
+                    "--schedule interleaved --virtual-stages 2"),
+    "cp": ("context_parallel", 2, "--hidden 256 --layers 4 --batch-size 16"),
+    "ep": ("expert_parallel", 2, "--hidden 256 --layers 4 --batch-size 16 --experts 4 --top-k 2"),
+}
+
+
+def peak_run(program, world, flags, tmp_path):
+    """Each rank's peak RSS (MB) of one run. Started through mp.tools.torchrun, not the tests' zygote: the ranks
+    fork from an agent started with MALLOC_MMAP_THRESHOLD_ pinned (glibc reads it when malloc first runs, which
+    the zygote did long ago), so that memory freed is given back and the peak is what was held at once
+    (mp/heap.py). A forked rank's ru_maxrss starts from its own pages, not the agent's peak."""
+    log = os.path.join(str(tmp_path), f"{program}-{flags.count(' ')}-{len(os.listdir(tmp_path))}.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "mp.tools.torchrun", "--standalone", f"--nproc-per-node={world}", "--",
+           os.path.join(ROOT, f"{program}.py"), *VIT, *FAST, *flags.split(), "--log-file", log]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(log) as f:
+        return next(r for r in map(json.loads, f) if r["event"] == "summary")["peak_memory_mb"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PEAK_RUNS))
+def test_peak_above_the_floor_within_15_percent(name, tmp_path, monkeypatch):
+    """The planner's peak above the floor (mp/plan/peak.py) against the run's peak minus its floor's, every rank."""
+    program, world, flags = PEAK_RUNS[name]
+    floor_flags = re.sub(r"--hidden \d+", "--hidden 8", flags)   # the floor: the same run with a tiny model
+    big, floor = peak_run(program, world, flags, tmp_path), peak_run(program, world, floor_flags, tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    predicted = peak_above_floor(program, PARSERS[program](VIT + FAST + flags.split(), program), world)
+    for rank, mb in big.items():
+        measured = mb - floor[rank]
+        assert predicted[rank]["peak_above_floor_mb"] == pytest.approx(measured, rel=BAR), (name, rank, measured)

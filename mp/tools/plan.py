@@ -5,6 +5,10 @@ Two questions, one tool:
   this project's run, exactly (--program NAME and the program's own flags): the summary record's per-rank
   param_mb, grad_mb, optimizer_state_mb and the bytes each group sends a step, as a run would log them
       python -m mp.tools.plan --program pipeline_dp_joint --gpus 4 --model vit --dp 2 --zero 2 --json
+  with the vit on pipeline_microbatch, pipeline_dp_joint, context_parallel or expert_parallel, also each rank's
+  peak memory above its process floor (peak_above_floor_mb, with its parts); --this-machine adds the step time
+  on this machine, from its GEMM and gloo rates measured once and kept in ~/.cache/mp/this_machine.json
+  (--remeasure measures again)
 
   any model on any cluster (a preset or the model flags, a cluster, a layout): memory of the largest rank, bytes
   per group, step time, tokens/s and TFLOP/s per GPU, MFU; --search ranks every layout that fits
@@ -22,8 +26,10 @@ from mp.cli import PARSERS
 from mp.errors import fail
 from mp.flags import OneLineParser
 from mp.plan.cluster import GPUS, cluster
+from mp.plan.machine import step_seconds, this_machine
 from mp.plan.model import PRESETS, Model
 from mp.plan.predict import Layout, memory, plan
+from mp.plan.peak import PEAK_PROGRAMS, peak_above_floor
 from mp.plan.project import counts
 from mp.plan.search import legal, search, why
 from mp.sizes import vit_tokens
@@ -68,12 +74,22 @@ def project_counts(argv):
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--json", action="store_true")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--this-machine", action="store_true")
+    p.add_argument("--remeasure", action="store_true")
     own, rest = p.parse_known_args(argv)
     if own.program not in PARSERS:
         fail(f"--program {own.program}: choose one of {', '.join(sorted(PARSERS))}")
     os.environ["WORLD_SIZE"] = str(own.gpus)       # what torchrun would give each rank: the parser's checks read it
     args = PARSERS[own.program](rest + ["--data", "synthetic"], f"{own.program}.py")
     fields = counts(own.program, args, own.gpus, own.backend)
+    if own.program in PEAK_PROGRAMS and args.model == "vit":   # the peak model covers these (docs/planning.md)
+        peaks = peak_above_floor(own.program, args, own.gpus)
+        fields["peak_above_floor_mb"] = {r: v["peak_above_floor_mb"] for r, v in peaks.items()}
+        fields["peak_parts_mb"] = {r: v["parts_mb"] for r, v in peaks.items()}
+    if own.this_machine or own.remeasure:   # the rates measured here once (mp/plan/machine.py says where kept)
+        rates = this_machine(own.remeasure)
+        fields["this_machine"] = rates
+        fields["step_s"] = round(step_seconds(own.program, args, own.gpus, rates), 4)
     if own.json:
         print(json.dumps(fields))
         return
@@ -83,6 +99,13 @@ def project_counts(argv):
             print(f"  {name:<24} " + "  ".join(f"{r}: {v:g}" for r, v in fields[name].items()))
     for group, ranks in fields["sent_mb_per_step"].items():
         print(f"  sent over {group:<14} " + "  ".join(f"{r}: {v:g}" for r, v in ranks.items()))
+    if "step_s" in fields:
+        rates = fields["this_machine"]
+        print(f"  step time here {fields['step_s']:.3f} s (GEMM {rates['gemm_gflops']:g} GFLOP/s a thread, gloo "
+              f"{rates['gloo_gbps']:g} GB/s, {rates['cores']} cores, measured {rates['measured']})")
+    for r, parts in fields.get("peak_parts_mb", {}).items():
+        print(f"  peak above the floor, rank {r}: {fields['peak_above_floor_mb'][r]:g} MB (" +
+              ", ".join(f"{k} {v:g}" for k, v in parts.items()) + ")")
 
 
 def model_of(a):
