@@ -5,13 +5,12 @@ import hashlib
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import cifar_mirror as cm
-from helpers import ROOT, assert_one_error_line, launch
+from helpers import PYTHON, ROOT, assert_one_error_line, launch
 from mp import flags
 from mp.cli import baseline_args, pipeline_args
 from mp.loss import loss_function, token_sum, valid_tokens
@@ -191,8 +190,8 @@ def test_the_sampler_writes_from_a_checkpoint_of_any_layout_and_refuses_others(t
     assert launch("single_baseline.py", args, tmp_path).returncode == 0
 
     def sample(*flags):
-        return subprocess.run([sys.executable, "-m", "mp.tools.sample", *flags], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        return subprocess.run([PYTHON, "-m", "mp.tools.sample", *flags], cwd=ROOT, capture_output=True,   # forked
+                              text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))  # (tests/python)
     a, b = (sample("--checkpoint-dir", str(ck), "--prompt", "Once", "--bytes", "40") for _ in range(2))
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout and "after 2 steps" in a.stdout and "\nOnce" in a.stdout        # seeded draws
