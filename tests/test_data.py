@@ -81,11 +81,11 @@ def offline(fake, tmp_path, monkeypatch):
 
 def test_offline_auto_falls_back_to_synthetic_with_one_note_and_cifar10_fails(offline, tmp_path):
     data_dir = str(tmp_path / "data")
-    run = torchrun("tensor_parallel.py", ARGS + ["--data-dir", data_dir, "--log-file", "tp.jsonl"], tmp_path, 2)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = launch("tensor_parallel.py", ARGS + ["--data-dir", data_dir], tmp_path, nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]   # ranks forked from the tests' zygote (as a user types it: slow)
     notes = [line for line in run.stdout.splitlines() if line.startswith("note: ")]
     assert len(notes) == 1 and "SYNTHETIC" in notes[0] and "could not download" in notes[0], run.stdout
-    assert read_log(str(tmp_path / "tp.jsonl"))[0]["args"]["data"] == "synthetic"
+    assert run.records[0]["args"]["data"] == "synthetic"
     strict = launch("single_baseline.py", ARGS + ["--data", "cifar10", "--data-dir", data_dir], tmp_path)
     assert strict.returncode == 2
     lines = strict.stderr.strip().splitlines()
