@@ -7,11 +7,10 @@ import os
 import random
 import re
 import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import PYTHON, ROOT
 from mp.cli import parallel_5d_args
 from mp.mesh import GROUPS, layout, lines
 from mp.mesh_picture import SHOWN, label, start_up
@@ -134,8 +133,8 @@ def test_a_pp_that_does_not_fit_is_one_line(capsys):
 
 def test_the_command_says_one_line_and_exits_2():
     argv = ["--world", "12", "--dp", "2", "--cp", "2", "--tp", "2"]
-    run = subprocess.run([sys.executable, "-m", "mp.tools.mesh", *argv], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run([PYTHON, "-m", "mp.tools.mesh", *argv], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)     # forked from the tests' zygote (tests/python): the parsers import torch
     assert run.returncode == 2 and run.stdout == "", run
     assert run.stderr.startswith("error: the world size 12 is not divisible by --dp 2 x --cp 2 x --tp 2 = 8") \
         and run.stderr.count("\n") == 1, run.stderr
