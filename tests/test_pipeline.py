@@ -240,10 +240,12 @@ def test_bad_input_is_one_error_line_and_exit_2(monkeypatch, capsys, argv, world
     assert_one_error_line(pm.parse_args, MLP + argv, world, message, monkeypatch, capsys)
 
 
+@pytest.mark.slow
 def test_bad_input_under_torchrun_fails_on_every_rank(tmp_path):
     """Under the real torchrun (not the tests' zygote): one error line on the console, and torchrun's
     report names our exit status 2, shows that line for each rank (mp.errors.tell_torchrun) and no
-    line of our code."""
+    line of our code. Slow (two ranks import torch, up to three tries): the quick subset checks the same
+    input's line in process (above, and rank 0 alone below)."""
     line = "error: --batch-size 24 is not divisible by --microbatches 5"
     for _ in range(3):   # a rank still importing torch when another failed is stopped by torchrun (SIGTERM) before
         run = launch("pipeline_microbatch.py", MLP + ["--microbatches", "5"], tmp_path, nproc=2, timeout=60,
