@@ -14,10 +14,10 @@ GPT = FAST + ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4
               "16", "--steps", "6", "--loss-mask", "prefix", "--dropout", "0.1", "--clip-grad-norm", "1"]
 ADAMW = ["--optimizer", "adamw"]
 TIED = ["--tie-embeddings"]
-# Measured (2026-12-07, gloo, 2 CPU cores, 6 steps): the loss within 3.5e-7 relative (1.9e-6 absolute on a loss
-# of ~5.4: the microbatches' and the vocabulary slices' sums in another order, then AdamW's step, which divides
-# by the gradient's own size), the grad norm within 5e-7 relative; the evaluation's loss bit-identical
-LOSS_RTOL, NORM_RTOL = 1e-6, 1e-6
+# the issue's bounds: the loss within 1e-6 absolute (on ~5.4 nats), the grad norm within 1e-6 relative; the
+# tokens' cross-entropies are summed in float64 (mp.loss.sum_in_float64: in float32 the microbatches' and the
+# ranks' sums in their order differed by up to 1.9e-6 with the very same weights)
+LOSS_ATOL, NORM_RTOL = 1e-6, 1e-6
 _baselines = {}
 
 
@@ -30,7 +30,7 @@ def baseline(args, tmp_path_factory):
 
 
 def assert_exact(run, reference):
-    """Each step's loss and grad norm as the baseline's, relative 1e-6; the evaluations' figures as well."""
+    """Each step's loss (1e-6) and grad norm (relative 1e-6) as the baseline's; the evaluations' figures as well."""
     assert run.returncode == 0, run.stderr[-3000:]
     assert reference.returncode == 0, reference.stderr[-3000:]
     for event in ("train", "eval"):
@@ -38,9 +38,10 @@ def assert_exact(run, reference):
         want = [r for r in reference.records if r["event"] == event]
         assert len(got) == len(want) and (got or event == "eval"), (event, len(got), len(want))
         for a, b in zip(got, want):
-            for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", NORM_RTOL), ("test_loss", LOSS_RTOL)):
+            for key, bound in (("loss", LOSS_ATOL), ("grad_norm", NORM_RTOL * b.get("grad_norm", 0)),
+                               ("test_loss", LOSS_ATOL)):
                 if key in b:
-                    assert abs(a[key] - b[key]) <= rtol * abs(b[key]), (event, a["step"], key, a[key], b[key])
+                    assert abs(a[key] - b[key]) <= bound, (event, a["step"], key, a[key], b[key])
 
 
 # ----------------------------------------------------------------------------- parallel_3d.py

@@ -10,7 +10,8 @@ GPT = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4", "--s
 
 
 def assert_same_steps(run, reference, rtol=1e-6):
-    """The loss and grad_norm of every step, and the evaluation, within rtol of the baseline's."""
+    """The loss of every step and the evaluation's within 1e-6 of the baseline's (absolute), grad_norm and the
+    accuracy within rtol."""
     assert run.returncode == 0, run.stderr[-3000:]
     assert reference.returncode == 0, reference.stderr[-3000:]
     for event, keys in (("train", ("loss", "grad_norm")), ("eval", ("test_loss", "test_acc"))):
@@ -18,7 +19,8 @@ def assert_same_steps(run, reference, rtol=1e-6):
         assert len(got) == len(want) > 0, (event, len(got), len(want))
         for a, b in zip(got, want):
             for k in keys:
-                assert a[k] == pytest.approx(b[k], rel=rtol, abs=1e-7), (event, a["step"], k, a[k], b[k])
+                bound = 1e-6 if "loss" in k else rtol * abs(b[k]) + 1e-7
+                assert abs(a[k] - b[k]) <= bound, (event, a["step"], k, a[k], b[k])
 
 
 @pytest.mark.parametrize("extra", [["--experts", "4", "--top-k", "2", "--capacity-factor", "1.25",

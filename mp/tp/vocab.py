@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mp.loss import loss_function
+from mp.loss import loss_function, sum_in_float64
 from mp.text import IGNORE
 from mp.tp.collectives import all_reduce, tp_rank, tp_size
 from mp.tp.mappings import reduce_scatter_to_sequence_parallel_region
@@ -138,11 +138,7 @@ def vocab_parallel_cross_entropy(logits, targets, group):
 
 def vocab_parallel_token_sum(logits, targets, group):
     """mp.loss.token_sum from my vocabulary columns: the sum of the valid tokens' cross-entropies."""
-    losses = vocab_parallel_cross_entropy(logits, targets, group).flatten()
-    # summed as F.cross_entropy sums (nll_loss's reduction, here over one class), not by .sum(): a float32 sum
-    # of 10^3 tokens in another order differs by several ulps; in its order, only each token's log Z can
-    ones = torch.where(targets.flatten() == IGNORE, IGNORE, 0)
-    return F.nll_loss(-losses.unsqueeze(1), ones, ignore_index=IGNORE, reduction="sum")
+    return sum_in_float64(vocab_parallel_cross_entropy(logits, targets, group))   # 0 where left out
 
 
 def tp_loss_function(args, data, step, group, pieces=1):
