@@ -7,8 +7,9 @@ Two questions, one tool:
       python -m mp.tools.plan --program pipeline_dp_joint --gpus 4 --model vit --dp 2 --zero 2 --json
   with the vit on pipeline_microbatch, pipeline_dp_joint, context_parallel or expert_parallel, also each rank's
   peak memory above its process floor (peak_above_floor_mb, with its parts); --this-machine adds the step time
-  on this machine, from its GEMM and gloo rates measured once and kept in ~/.cache/mp/this_machine.json
-  (--remeasure measures again)
+  on this machine (step_s), from rates measured once and kept in ~/.cache/mp/this_machine.json: a real block's
+  forward and backward on one thread, and gloo's messages and bytes between --gpus processes on these cores
+  (--remeasure measures again; it ranks layouts, docs/planning.md says how well)
 
   any model on any cluster (a preset or the model flags, a cluster, a layout): memory of the largest rank, bytes
   per group, step time, tokens/s and TFLOP/s per GPU, MFU; --search ranks every layout that fits
