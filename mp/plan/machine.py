@@ -5,7 +5,7 @@ Measured as the ranks work, one thread a process (the programs run torch.set_num
   gemm_gflops   a float32 matmul of a transformer layer's shape, GFLOP/s (for reference: the step uses the next);
   block_gflops  mp.models' own TransformerBlock, forward and backward at --hidden 256, 64 tokens, 8 samples, in
                 its counted matmul FLOPs a second: LayerNorm, GELU, softmax, the adds and autograd's own work
-                make it about half the GEMM rate, and a step's blocks are charged at it;
+                make it a half to two thirds of the GEMM rate here; a step's blocks are charged at it;
   gloo[n]       n processes on this machine's cores (n: the run's world size, measured the first time a world
                 size is asked for), gloo's all-reduce of 8 MB (GB/s a rank sends: 2(n-1)/n of the tensor) and of
                 one float (its time over the ring's 2(n-1) hops: the cost of one message between two ranks,
