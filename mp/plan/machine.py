@@ -6,17 +6,18 @@ Measured as the ranks work, one thread a process (the programs run torch.set_num
   block_gflops  mp.models' own TransformerBlock, forward and backward at --hidden 256, 64 tokens, 8 samples, in
                 its counted matmul FLOPs a second: LayerNorm, GELU, softmax, the adds and autograd's own work
                 make it a half to two thirds of the GEMM rate here; a step's blocks are charged at it;
-  gloo[n]       n processes on this machine's cores (n: the run's world size, measured the first time a world
-                size is asked for), gloo's all-reduce of 8 MB (GB/s a rank sends: 2(n-1)/n of the tensor) and of
-                one float (its time over the ring's 2(n-1) hops: the cost of one message between two ranks,
-                which is mostly the wait for the peer to be scheduled when ranks outnumber the cores).
+  gloo[n]       n processes on this machine's cores, each running a GEMM between its calls as a run's ranks
+                compute between theirs (n: the run's world size, measured the first time it is asked for):
+                a one-float all-reduce's time over the ring's 2(n-1) hops (one message between two ranks, mostly
+                the wait for the peer's turn on a core when ranks outnumber the cores), and GB/s a rank sends in
+                an 8 MB all-reduce beyond that wait (2(n-1)/n of the tensor).
 They are kept in a small JSON file, $XDG_CACHE_HOME/mp/this_machine.json (~/.cache/mp/ by default), with the
 core count they were measured on; --remeasure measures again.
 
 The step time of a run from its flags (mp.plan.project's per-rank shares): each rank's compute is its blocks'
 matmul FLOPs (forward 2 x weights x tokens plus attention's two s x s products, backward twice that, a forward
-more with --recompute) at the block rate. The pipeline schedule's bubble stretches the busiest rank's compute
-(mp.pp.schedules.bubble_theory); ranks that outnumber the cores share them, so the compute part of a step is
+more with --recompute) at the block rate. A pipeline's critical path is one microbatch through every stage and
+M - 1 more at the slowest stage's pace (other schedules: mp.pp.schedules.bubble_theory's bubble); ranks that outnumber the cores share them, so the compute part of a step is
 never shorter than all ranks' compute over the cores, however the schedule overlaps it. To that the busiest
 rank's communication is added: its messages a step (p2p sends, collective calls counted in ring hops) at the
 hop time, and the bytes it sends (the summary's sent_mb_per_step) at the gloo rate, both of the run's world size.
