@@ -16,8 +16,8 @@ core count they were measured on; --remeasure measures again.
 
 The step time of a run from its flags (mp.plan.project's per-rank shares): each rank's compute is its blocks'
 matmul FLOPs (forward 2 x weights x tokens plus attention's two s x s products, backward twice that, a forward
-more with --recompute) at the block rate. A pipeline's critical path is one microbatch through every stage and M
-- 1 more at the slowest stage's pace (other schedules: mp.pp.schedules.bubble_theory's bubble); ranks that
+more with --recompute) at the block rate. A pipeline's critical path is one microbatch through every stage and
+M - 1 more at the slowest stage's pace (other schedules: mp.pp.schedules.bubble_theory's bubble); ranks that
 outnumber the cores share them, so the compute part of a step is never shorter than all ranks' compute over the
 cores, however the schedule overlaps it. To that the busiest rank's communication is added: its messages a step
 (p2p sends, collective calls counted in ring hops) at the hop time, and the bytes it sends (the summary's
