@@ -7,8 +7,9 @@ Two questions, one tool:
       python -m mp.tools.plan --program pipeline_dp_joint --gpus 4 --model vit --dp 2 --zero 2 --json
   with the vit on pipeline_microbatch, pipeline_dp_joint, context_parallel or expert_parallel, also each rank's
   peak memory above its process floor (peak_above_floor_mb, with its parts); --this-machine adds the step time
-  on this machine, from its GEMM and gloo rates measured once and kept in ~/.cache/mp/this_machine.json
-  (--remeasure measures again)
+  on this machine (step_s), from rates measured once and kept in ~/.cache/mp/this_machine.json: a real block's
+  forward and backward on one thread, and gloo's messages and bytes between --gpus processes on these cores
+  (--remeasure measures again; it ranks layouts, docs/planning.md says how well)
 
   any model on any cluster (a preset or the model flags, a cluster, a layout): memory of the largest rank, bytes
   per group, step time, tokens/s and TFLOP/s per GPU, MFU; --search ranks every layout that fits
@@ -87,7 +88,7 @@ def project_counts(argv):
         fields["peak_above_floor_mb"] = {r: v["peak_above_floor_mb"] for r, v in peaks.items()}
         fields["peak_parts_mb"] = {r: v["parts_mb"] for r, v in peaks.items()}
     if own.this_machine or own.remeasure:   # the rates measured here once (mp/plan/machine.py says where kept)
-        rates = this_machine(own.remeasure)
+        rates = this_machine(own.remeasure, own.gpus)
         fields["this_machine"] = rates
         fields["step_s"] = round(step_seconds(own.program, args, own.gpus, rates), 4)
     if own.json:
@@ -101,8 +102,10 @@ def project_counts(argv):
         print(f"  sent over {group:<14} " + "  ".join(f"{r}: {v:g}" for r, v in ranks.items()))
     if "step_s" in fields:
         rates = fields["this_machine"]
-        print(f"  step time here {fields['step_s']:.3f} s (GEMM {rates['gemm_gflops']:g} GFLOP/s a thread, gloo "
-              f"{rates['gloo_gbps']:g} GB/s, {rates['cores']} cores, measured {rates['measured']})")
+        gloo = rates["gloo"][str(max(own.gpus, 2))]
+        print(f"  step time here {fields['step_s']:.3f} s (a block {rates['block_gflops']:g} GFLOP/s a thread, "
+              f"GEMM {rates['gemm_gflops']:g}; gloo at {max(own.gpus, 2)} ranks {gloo['gbps']:g} GB/s, "
+              f"{gloo['hop_s'] * 1e3:.2f} ms a message; {rates['cores']} cores, measured {rates['measured']})")
     for r, parts in fields.get("peak_parts_mb", {}).items():
         print(f"  peak above the floor, rank {r}: {fields['peak_above_floor_mb'][r]:g} MB (" +
               ", ".join(f"{k} {v:g}" for k, v in parts.items()) + ")")
