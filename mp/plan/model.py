@@ -109,12 +109,13 @@ def block_params(m, i, tp=1):
     if i == 0 and m.kind == "vit":
         return [Param("pos", (1, m.tokens, h)), Param("conv.weight", (h, 3, m.patch, m.patch)),
                 Param("conv.bias", (h,))]
-    if i == 0:
-        return [Param("pos", (1, m.tokens, h)), Param("tok.weight", (m.vocab, h))]
+    if i == 0:   # the byte embedding's rows split by the vocabulary over tp (mp.tp.vocab), as is the head
+        return [Param("pos", (1, m.tokens, h)), Param("tok.weight", (m.vocab, h), "col")]
     if i == m.blocks() - 1 and m.kind == "vit":
         return [Param("ln.weight", (h,)), Param("ln.bias", (h,))] + linear("fc", h, NUM_CLASSES)
-    if i == m.blocks() - 1:
-        return [Param("ln.weight", (h,)), Param("ln.bias", (h,))] + ([] if m.tied else [Param("weight", (m.vocab, h))])
+    if i == m.blocks() - 1:   # LMHead's own weight first, then its LayerNorm's; tied: block 0's (listed there)
+        return ([] if m.tied else [Param("weight", (m.vocab, h), "col")]) + [Param("ln.weight", (h,)),
+                                                                             Param("ln.bias", (h,))]
     return transformer_block(m, tp)
 
 

@@ -88,11 +88,49 @@ def my_blocks(args, m, grid, pp_rank):
             for c in range(getattr(args, "virtual_stages", 1))]
 
 
+def tied_copy(m, grid, rank, args):
+    """Elements of the tied embedding's copy on the stage that holds the head but not block 0 (mp.pp.tied's
+    TiedCopy, "0.tok.weight", registered first: block 0's place), my tp rank's vocabulary rows; 0 elsewhere."""
+    if m.kind != "gpt" or not m.tied:
+        return 0
+    _, p, _, t = grid.coords(rank)
+    blocks = [i for chunk in my_blocks(args, m, grid, p) for i in chunk]
+    if 0 in blocks or m.blocks() - 1 not in blocks:
+        return 0
+    return next(q for q in block_params(m, 0, grid.tp) if q.name == "tok.weight").numel(grid.tp, t)
+
+
+def embed_sent(m, grid, rank, args):
+    """The tied weight's gradient summed over the mesh's embed group (mp.pp.tied), once a step, where the first
+    and the last stage are two ranks: an all-reduce of my vocabulary rows between those two."""
+    if m.kind != "gpt" or not m.tied or grid.pp == 1:
+        return 0
+    placement = "v" if getattr(args, "schedule", "") == "zbv" else "loop"
+    if stage_owner(grid.pp * getattr(args, "virtual_stages", 1) - 1, grid.pp, placement)[0] == 0:
+        return 0          # zbv's V: rank 0 holds both ends, one Parameter
+    _, p, _, t = grid.coords(rank)
+    blocks = [i for chunk in my_blocks(args, m, grid, p) for i in chunk]
+    if 0 not in blocks and m.blocks() - 1 not in blocks:
+        return 0
+    return next(q for q in block_params(m, 0, grid.tp) if q.name == "tok.weight").numel(grid.tp, t) * FLOAT
+
+
+def late_indices(m, grid, rank, args):
+    """Where my dense parameters (rank_params' order) hold the tied weight, whose gradient the buckets take after
+    the embed group's sum (mp.pp.tied's late): the copy first on the head's stage, block 0's second (after pos)."""
+    if m.kind != "gpt" or not m.tied or program_of(args) not in ("pipeline_dp_joint", "parallel_3d", "parallel_5d"):
+        return ()
+    _, p, _, _ = grid.coords(rank)
+    blocks = [i for chunk in my_blocks(args, m, grid, p) for i in chunk]
+    return (1,) if 0 in blocks else (0,) if tied_copy(m, grid, rank, args) else ()
+
+
 def rank_params(m, grid, rank, args):
     """(dense, expert): my parameters' element counts, each list in registration order."""
     _, p, _, t = grid.coords(rank)
     experts = range(grid.ep_rank(rank) * m.experts // grid.ep, (grid.ep_rank(rank) + 1) * m.experts // grid.ep)
-    dense, expert = [], []
+    copy = tied_copy(m, grid, rank, args)
+    dense, expert = [copy] if copy else [], []
     for chunk in my_blocks(args, m, grid, p):
         for i in chunk:
             for q in block_params(m, i, grid.tp):
@@ -140,17 +178,32 @@ def capped_groups(sizes, max_bytes):
     return groups if groups[0] else []
 
 
-def bucket_numels(sizes, zero, bucket_mb, blocks=None):
+def bucket_numels(sizes, zero, bucket_mb, blocks=None, late=()):
     """Each bucket's element count (unpadded) over parameters given in registration order; blocks: --zero 3's
-    one bucket a block (element counts per block)."""
-    backward = sizes[::-1]
-    if zero == 3 and blocks is not None:
-        return [sum(b) for b in blocks[::-1] if b]
+    one bucket a block (element counts per block). late: the indices (in sizes) of gradients complete only after
+    the backward (mp.buckets' late: the gpt's tied weight), put last as mp.buckets puts them."""
+    return [sum(g) for g, _ in bucket_groups(sizes, zero, bucket_mb, blocks, late)]
+
+
+def bucket_groups(sizes, zero, bucket_mb, blocks=None, late=()):
+    """[(the element counts of a bucket's parameters, whether it holds a late one)], in the order the buckets
+    are made (mp.buckets: the backward's order, the late ones last)."""
+    if zero == 3 and blocks is not None:   # a block a bucket; the late one's block waits for it
+        starts = [sum(len(b) for b in blocks[:i]) for i in range(len(blocks))]
+        return [(b, any(s <= j < s + len(b) for j in late)) for s, b in zip(starts, blocks) if b][::-1]
+    order = [i for i in range(len(sizes))[::-1] if i not in late] + [i for i in range(len(sizes))[::-1] if i in late]
+    backward = [sizes[i] for i in order]
     if zero >= 2:
-        return [sum(g) for g in capped_groups(backward, (bucket_mb or BUCKET_MB) * MB)]
-    total = sum(backward) * FLOAT
-    kept = min(max(BUCKET_MB * MB, total / 2), KEPT_MAX_MB * MB) if bucket_mb is None else bucket_mb * MB
-    return [sum(g) for g in kept_groups(backward, kept)]
+        groups = capped_groups(backward, (bucket_mb or BUCKET_MB) * MB)
+    else:
+        total = sum(backward) * FLOAT
+        kept = min(max(BUCKET_MB * MB, total / 2), KEPT_MAX_MB * MB) if bucket_mb is None else bucket_mb * MB
+        groups = kept_groups(backward, kept)
+    out, at = [], 0             # the groups keep the order and cut it into consecutive runs: map them back
+    for g in groups:
+        out.append((g, any(i in late for i in order[at:at + len(g)])))
+        at += len(g)
+    return [(g, is_late) for g, is_late in out if g]
 
 
 def padded(n, parts):
@@ -177,14 +230,16 @@ def collective(op, nbytes, n, backend):
     return ring, metered
 
 
-def bucket_traffic(buckets, n, zero, microbatches, gather, backend):
-    """(ring bytes, metered bytes) a rank sends a step for its buckets (padded element counts)."""
+def bucket_traffic(buckets, n, zero, microbatches, gather, backend, late=()):
+    """(ring bytes, metered bytes) a rank sends a step for its buckets (padded element counts); late: whether each
+    holds a late gradient, reduced once after the backward even where the others go every microbatch."""
     ops = {0: [("all_reduce", 1)], 1: [("reduce_scatter", 1), ("all_gather", 1)],
            2: [("reduce_scatter", microbatches), ("all_gather", 1)],
            3: [("reduce_scatter", microbatches), ("all_gather", 2 * microbatches if gather == "microbatch" else 1)]}
     ring = metered = 0
-    for numel in buckets:
+    for k, numel in enumerate(buckets):
         for op, times in ops[zero]:
+            times = 1 if op == "reduce_scatter" and k < len(late) and late[k] else times
             r, m = collective(op, numel * FLOAT, n, backend)
             ring, metered = ring + times * r, metered + times * m
     return ring, metered
@@ -206,18 +261,23 @@ def holdings(m, grid, rank, args, backend):
             out["param"] += sum(sizes) * FLOAT
             out["grad"] += sum(sizes) * FLOAT
             out["state"] += optimizer_bytes(sizes, opt, args.momentum)
-            if grid.flat and name == "dense" and n > 1:   # the head's classifier runs after the cp sum: whole, equal
-                synced = sum(sizes) - (head_fc(m) if program_of(args) == "context_parallel" else 0)
+            if grid.flat and name == "dense" and n > 1:   # the vit's classifier runs after the cp sum: whole, equal
+                synced = sum(sizes) - (head_fc(m) if program_of(args) == "context_parallel" and m.kind == "vit" else 0)
                 sent[grid.dense_sync] = 2 * (n - 1) * (synced * FLOAT) // n
             continue
         blocks = block_sizes(m, grid, rank, args, expert=name == "expert") if zero == 3 else None
-        buckets = [padded(b, n) if zero else b for b in bucket_numels(sizes, zero, bucket_mb, blocks)]
+        late = late_indices(m, grid, rank, args) if name == "dense" else ()
+        if zero == 3 and late == (0,):   # a block a bucket: the copy is in the head's, my last block
+            late = (sum(len(b) for b in blocks[:-1]),)
+        groups = bucket_groups(sizes, zero, bucket_mb, blocks, late)
+        buckets = [padded(sum(g), n) if zero else sum(g) for g, _ in groups]
         slices = [b // n for b in buckets] if zero else sizes
         out["param"] += (sum(slices) if zero == 3 else sum(sizes)) * FLOAT
         out["grad"] += (sum(slices) if zero >= 2 else sum(buckets)) * FLOAT
         out["state"] += optimizer_bytes(slices, opt, args.momentum)
-        ring, metered = bucket_traffic(buckets, n, zero, args.microbatches_per_replica, gather, backend)
-        out["dp_ring"] += ring
+        ring, metered = bucket_traffic(buckets, n, zero, args.microbatches_per_replica, gather, backend,
+                                       [is_late for _, is_late in groups])
+        out["dp_ring"] += ring if name == "dense" else 0    # the summary's dp_sent: the dense buckets' alone
         group = {"dense": grid.dense_sync, "expert": "edp"}[name]
         if n > 1:
             sent[group] = sent.get(group, 0) + metered
@@ -229,13 +289,16 @@ def block_sizes(m, grid, rank, args, expert=False):
     _, p, _, t = grid.coords(rank)
     e0 = grid.ep_rank(rank) * m.experts // grid.ep
     mine = range(e0, e0 + m.experts // max(grid.ep, 1))
+    copy = tied_copy(m, grid, rank, args) if not expert else 0
     out = []
     for chunk in my_blocks(args, m, grid, p):
         for i in chunk:
             ps = block_params(m, i, grid.tp)
             out.append([q.numel(grid.tp, t) for q in ps if q.expert is None] if not expert else
                        [q.numel() for q in ps if q.expert in mine])
-    return [[x for x in b] for b in out]
+            if copy and i == m.blocks() - 1:   # the tied copy is the head's own weight, listed first (LMHead)
+                out[-1].insert(0, copy)
+    return out
 
 
 # ----------------------------------------------------------------------------- activations' messages: pp, tp, cp, ep
@@ -294,20 +357,38 @@ def tp_sent(m, grid, rank, args, samples, tokens, program):
     layers = sum(1 for chunk in my_blocks(args, m, grid, p) for i in chunk if 0 < i < m.blocks() - 1)
     full, t, M = samples * tokens * m.hidden * FLOAT, grid.tp, microbatches(program, args)
     calls = 4 + (2 if getattr(args, "recompute", False) else 0)
+    blocks = [i for chunk in my_blocks(args, m, grid, p) for i in chunk]
+    ends = gpt_ends(m, blocks, samples, tokens, t, getattr(args, "sequence_parallel", False)) * M
     if not getattr(args, "sequence_parallel", False):
-        return M * layers * calls * (2 * (t - 1) * full // t)
+        return M * layers * calls * (2 * (t - 1) * full // t) + ends
     # sequence parallel: each all-reduce becomes an all-gather of my 1/t of the tokens ((t-1) x my part) or a
     # reduce-scatter ((t-1)/t of the whole); the head's pooled share summed over tp (one all-reduce of [b, h]
     # a microbatch, if my chunks end the model); once a step, the partial gradients of what runs on my tokens
     # only (the embedding, every LayerNorm, the row-parallel biases) summed (mp.tp.sequence)
-    sent = M * layers * 2 * calls * ((t - 1) * (full // t))   # an all-gather and a reduce-scatter an all-reduce
-    blocks = [i for chunk in my_blocks(args, m, grid, p) for i in chunk]
-    if m.blocks() - 1 in blocks:
+    sent = M * layers * 2 * calls * ((t - 1) * (full // t)) + ends   # an all-gather and a reduce-scatter an all-reduce
+    if m.blocks() - 1 in blocks and m.kind == "vit":
         sent += M * (2 * (t - 1) * samples * m.hidden * FLOAT // t)
+    # the gpt's token table is complete on each rank (every token's rows, mine by the vocabulary): not partial
     partial = sum(q.numel() for i in blocks for q in block_params(m, i, t)
-                  if i == 0 or (q.name.startswith("ln") and i < m.blocks() - 1) or q.name in ROW_BIASES)
+                  if (i == 0 and q.name != "tok.weight") or (q.name.startswith("ln") and i < m.blocks() - 1)
+                  or q.name in ROW_BIASES)
     partial += 2 * m.hidden if m.blocks() - 1 in blocks else 0   # the head's LayerNorm
     return sent + 2 * (t - 1) * (partial * FLOAT) // t
+
+
+def gpt_ends(m, blocks, samples, tokens, t, sp):
+    """The gpt's vocabulary split (mp.tp.vocab), a microbatch: the embedding's partial rows summed (an all-reduce
+    of [b, s, h]; under sp a reduce-scatter to my tokens and, backward, its all-gather), the head's input gradient
+    summed (an all-reduce; under sp the input's all-gather and, backward, a reduce-scatter), and the
+    cross-entropy's max and (sum of exponentials, target logit) over the vocabulary ([b, s] and [2, b, s])."""
+    if m.kind != "gpt":
+        return 0
+    full = samples * tokens * m.hidden * FLOAT
+    end = 2 * (t - 1) * (full // t) if sp else 2 * (t - 1) * full // t
+    sent = end if 0 in blocks else 0
+    if m.blocks() - 1 in blocks:
+        sent += end + 2 * (t - 1) * (3 * samples * tokens * FLOAT) // t
+    return sent
 
 
 ROW_BIASES = ("attn.proj.bias", "mlp.2.bias")
@@ -349,6 +430,7 @@ def counts(program, args, world, backend="gloo"):
         groups["ep"] = groups.get("ep", 0) + ep_sent(m, grid, rank, args, samples, tokens, program)
         if program == "parallel_5d" and m.experts:
             routing_sums(m, grid, rank, args, samples, groups)
+        groups["embed"] = embed_sent(m, grid, rank, args)
         if m.experts and grid.ep > 1:
             fields.setdefault("all_to_all_mb_per_step", {})[r] = round(
                 all_to_all(m, grid, rank, samples, tokens, program, args) / MB, 6)
@@ -378,7 +460,8 @@ def cp_sent(m, grid, rank, args, samples, tokens, program):
     """Context parallelism, a microbatch: the ring passes each attention layer's stacked K and V ([2, b, heads,
     s/c, hd]) c-1 hops forward, and in the backward c-1 hops again plus the c hops that carry dK, dV home;
     Ulysses all-to-alls q, k, v to head shards and the output back, forward and backward ((c-1)/c of each).
-    The head's pooled share is all-reduced over cp (context_parallel.py's SummedHead), once a microbatch."""
+    The vit's head's pooled share is all-reduced over cp (context_parallel.py's SummedHead), once a microbatch
+    (the gpt's head works on my tokens: nothing to sum)."""
     c = grid.cp
     if c == 1 or m.kind not in ("vit", "gpt"):
         return 0
@@ -388,7 +471,7 @@ def cp_sent(m, grid, rank, args, samples, tokens, program):
         per_layer = ((c - 1) + (c - 1) + c) * 2 * share
     else:
         per_layer = 2 * 4 * ((c - 1) * share // c)
-    head = 2 * (c - 1) * (samples * m.hidden * FLOAT) // c if m.blocks() - 1 in blocks else 0
+    head = 2 * (c - 1) * (samples * m.hidden * FLOAT) // c if m.blocks() - 1 in blocks and m.kind == "vit" else 0
     return microbatches(program, args) * (layers * per_layer + head)
 
 
@@ -413,10 +496,13 @@ def ep_sent(m, grid, rank, args, samples, tokens, program):
 
 
 def routing_sums(m, grid, rank, args, samples, groups):
-    """parallel_5d.py's mixture of experts: each MoE layer's per-sample expert counts all-gathered over dp x cp (a
+    """parallel_5d.py's mixture of experts: each MoE layer's expert counts per sample and choice ([b, K, E] int64,
+    mp.ep.order; gathered over tp first where tp splits the tokens, [T, b, K, E]) all-gathered over dp x cp (a
     microbatch's statistics are the whole microbatch's, equivalence rule 8), and once a step the load-balancing
-    loss's scalar summed over dp x cp and over the pipeline (4-byte all-reduces)."""
+    loss's scalar summed over dp x cp and over the pipeline (4-byte all-reduces). The tp gather itself and the
+    rest of a MoE layer's traffic under tp are not counted here yet (docs/planning.md)."""
     n, layers = grid.dp * grid.cp, transformer_layers(m, grid, rank, args)[1]
-    groups["dp_cp"] = groups.get("dp_cp", 0) + microbatches("parallel_5d", args) * layers * (n - 1) * samples * \
-        m.experts * 8 + 2 * (n - 1) * FLOAT // n
+    block = grid.tp * samples * m.top_k * m.experts * 8
+    groups["dp_cp"] = groups.get("dp_cp", 0) + microbatches("parallel_5d", args) * layers * (n - 1) * block + \
+        2 * (n - 1) * FLOAT // n
     groups["pp"] = groups.get("pp", 0) + 2 * (grid.pp - 1) * FLOAT // grid.pp
