@@ -164,7 +164,7 @@ def test_resume_across_layouts_continues_the_baseline(tmp_path, baseline, model,
     assert len(losses) == 2 * len(chain) and worst <= 1e-6, worst
 
 
-@pytest.mark.parametrize("layout", [["--cp", "2", "--ep", "2"], ["--dp", "2", "--ep", "2"]], ids=flags_id)
+@pytest.mark.parametrize("layout", [slow(["--cp", "2", "--ep", "2"]), ["--dp", "2", "--ep", "2"]], ids=flags_id)
 def test_the_evaluation_routes_the_test_batch_as_the_baseline_does(tmp_path, baseline, layout):
     """cp ranks evaluate their tokens of each test batch, replicas their slice of it, their counts gathered:
     the capacity drops what the baseline's evaluation drops, so the test loss and accuracy are the baseline's

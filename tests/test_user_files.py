@@ -303,6 +303,7 @@ def interrupted_at(cmd, moment, folder, env):
     return proc.returncode, out, err
 
 
+@pytest.mark.slow   # a fault test (docs/running.md#tests): each moment's Ctrl-C waits for a real python
 def test_ctrl_c_while_a_launcher_or_its_tools_start_says_at_most_one_line(tmp_path):
     """Issues 43 (item 4) and 61: SIGINT to the whole process group, as a terminal's Ctrl-C sends it, at
     each moment of a launcher's start: bash has just started; a python the launcher starts is still
@@ -379,6 +380,7 @@ def test_ctrl_c_while_torchruns_new_python_ranks_start_says_at_most_one_line(tmp
     assert not list(tmp_path.glob("tp*.jsonl"))
 
 
+@pytest.mark.slow   # a fault test, with the real python and torchrun
 def test_ctrl_c_after_the_baseline_names_its_finished_log_left_in_the_runs_folder(tmp_path):
     """Issue 85, item 2e: interrupted while the parallel run starts, the launcher leaves the baseline's
     finished log in logs/.unfinished/ (files move only when every run has finished): its line names it."""
