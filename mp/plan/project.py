@@ -16,7 +16,7 @@ n broadcasts (mp/dp_collectives.py): the same result, the bytes of an all-reduce
 """
 from dataclasses import dataclass
 
-from mp.plan.model import block_params, from_args
+from mp.plan.model import NUM_CLASSES, block_params, from_args
 from mp.pp.schedules import stage_owner, virtual_stage
 from mp.sizes import split_sizes
 
@@ -125,6 +125,11 @@ def late_indices(m, grid, rank, args):
     return (1,) if 0 in blocks else (0,) if tied_copy(m, grid, rank, args) else ()
 
 
+def hybrid_blocks(m, args):
+    """tensor_parallel.py --hybrid: the cnn's convolutions whole on every rank (data-parallel over tp)."""
+    return (0, 1) if m.kind == "cnn" and getattr(args, "hybrid", False) else ()
+
+
 def rank_params(m, grid, rank, args):
     """(dense, expert): my parameters' element counts, each list in registration order."""
     _, p, _, t = grid.coords(rank)
@@ -135,7 +140,7 @@ def rank_params(m, grid, rank, args):
         for i in chunk:
             for q in block_params(m, i, grid.tp):
                 if q.expert is None:
-                    dense.append(q.numel(grid.tp, t))
+                    dense.append(q.numel(grid.tp, t) if i not in hybrid_blocks(m, args) else q.numel())
                 elif q.expert in experts:
                     expert.append(q.numel())
     return dense, expert
@@ -281,6 +286,9 @@ def holdings(m, grid, rank, args, backend):
         group = {"dense": grid.dense_sync, "expert": "edp"}[name]
         if n > 1:
             sent[group] = sent.get(group, 0) + metered
+    if getattr(args, "schedule", "") == "2bw":   # PipeDream-2BW (mp.pp.pipedream): two weight versions held,
+        out["param"] *= 2                        # and the older one's gradient let go with its update (the
+        out["grad"] = 0                          # summary's grad_mb, after the step, finds none)
     return out, sent
 
 
@@ -334,15 +342,18 @@ def pp_sent(m, grid, rank, args, samples, tokens, program):
     M, sent, gathered = microbatches(program, args), 0, 0
     split = grid.tp if program in ("parallel_3d", "parallel_5d") and getattr(args, "scatter_gather", False) \
         and not getattr(args, "sequence_parallel", False) and m.kind in ("vit", "gpt") else 1
+    # under sequence parallelism the cut is already my 1/t of the tokens: sent as it is, nothing to gather
+    sharded = grid.tp if program in ("parallel_3d", "parallel_5d") and getattr(args, "sequence_parallel", False) \
+        and m.kind in ("vit", "gpt") else 1
     for v in mine:
         n = cut_numel(m, per_chunk[v][-1], samples, tokens)
         # a cut between two chunks of the same rank (zbv's tip of the V) is no message
         if v < len(per_chunk) - 1 and stage_owner(v + 1, grid.pp, placement)[0] != p:
-            sent += M * n * FLOAT // split
+            sent += M * n * FLOAT // (split * sharded)
             gathered += M * (split - 1) * (n * FLOAT // split)
         if v > 0 and stage_owner(v - 1, grid.pp, placement)[0] != p:
             n = cut_numel(m, per_chunk[v - 1][-1], samples, tokens)
-            sent += M * n * FLOAT // split
+            sent += M * n * FLOAT // (split * sharded)
             gathered += M * (split - 1) * (n * FLOAT // split)
     return sent, gathered
 
@@ -351,9 +362,13 @@ def tp_sent(m, grid, rank, args, samples, tokens, program):
     """Bytes my tp rank sends a step inside the layers: each transformer block's f and g, all-reduces of the
     [b, s, h] activation, two forward (after attention's proj and the MLP's fc2) and two backward (attention's
     and the MLP's input gradients); --recompute runs the forward twice."""
-    if grid.tp == 1 or m.kind not in ("vit", "gpt"):
+    if grid.tp == 1:
         return 0
     _, p, _, _ = grid.coords(rank)
+    if m.kind not in ("vit", "gpt"):
+        blocks = [i for chunk in my_blocks(args, m, grid, p) for i in chunk]
+        return small_tp_sent(m, blocks, samples, grid.tp, grid.coords(rank)[3], args) * microbatches(program, args) \
+            + hybrid_sync(m, grid.tp, args)
     layers = sum(1 for chunk in my_blocks(args, m, grid, p) for i in chunk if 0 < i < m.blocks() - 1)
     full, t, M = samples * tokens * m.hidden * FLOAT, grid.tp, microbatches(program, args)
     calls = 4 + (2 if getattr(args, "recompute", False) else 0)
@@ -374,6 +389,44 @@ def tp_sent(m, grid, rank, args, samples, tokens, program):
                   or q.name in ROW_BIASES)
     partial += 2 * m.hidden if m.blocks() - 1 in blocks else 0   # the head's LayerNorm
     return sent + 2 * (t - 1) * (partial * FLOAT) // t
+
+
+# the cnn's layers as tensor_parallel.py cuts them (mp/plan/model.py CNN): (split, input features, output
+# features at the all-reduce: a row-parallel conv's before its pooling)
+CNN_LAYERS = [("col", 3 * 32 * 32, 6 * 28 * 28), ("row", 6 * 14 * 14, 16 * 10 * 10), ("col", 400, 120),
+              ("row", 120, 84), ("col", 84, 10)]
+
+
+def small_tp_sent(m, blocks, samples, t, tp_rank, args):
+    """The mlp's and the cnn's tensor parallelism, a microbatch: a row-parallel layer's output all-reduced
+    (forward), a column-parallel layer's input gradient all-reduced (backward; the first layer's input is the
+    data), the last layer's columns all-gathered when it is column-parallel. --hybrid: the convolutions run on
+    1/t of the batch each, their features all-gathered before the classifier."""
+    if m.kind == "mlp":
+        layers = [("row" if i % 2 else "col", 3 * 32 * 32 if i == 0 else m.hidden,
+                   NUM_CLASSES if i == m.layers - 1 else m.hidden) for i in range(m.layers)]
+    else:
+        layers = CNN_LAYERS
+    sent = 0
+    for i in blocks:
+        split, fan_in, fan_out = layers[i]
+        if i in hybrid_blocks(m, args):
+            if i == 1:   # the conv features' all-gather: my samples' [b/t, 16, 5, 5]
+                sent += (t - 1) * (samples // t) * 400 * FLOAT
+            continue
+        if split == "row":
+            sent += 2 * (t - 1) * samples * fan_out * FLOAT // t
+        elif i > 0:
+            sent += 2 * (t - 1) * samples * fan_in * FLOAT // t
+        if split == "col" and i == len(layers) - 1:
+            sent += (t - 1) * samples * split_sizes(fan_out, t)[tp_rank] * FLOAT
+    return sent
+
+
+def hybrid_sync(m, t, args):
+    """--hybrid: the convolutions' gradients all-reduced over tp (they are data-parallel there), once a step."""
+    convs = sum(q.numel() for i in hybrid_blocks(m, args) for q in block_params(m, i))
+    return 2 * (t - 1) * convs * FLOAT // t
 
 
 def gpt_ends(m, blocks, samples, tokens, t, sp):

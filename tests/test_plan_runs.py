@@ -1,7 +1,9 @@
-"""The planner's exact counts (mp/plan/project.py) against fresh runs of the gpt (issue 84, item 3: any layout of
-every program): the tied embedding's group, the vocabulary split over tp, the zigzag's token chunks and the loss
-mask change what a rank holds and sends. Each run's summary is compared field by field (tests/test_plan.py's
-assert_same), one launch a layout."""
+"""The planner's exact counts (mp/plan/project.py) against fresh runs (issue 84, item 3: any layout of every
+program) of what tests/test_plan.py's records do not hold: the gpt (the tied embedding's group and late bucket,
+the vocabulary split over tp, the zigzag's token chunks, the loss mask), the mlp and the cnn under tensor
+parallelism, --hybrid, PipeDream-2BW's two versions, sequence parallelism's sharded pipeline cuts and
+parallel_5d's --zero 3 experts. Each run's summary is compared field by field (tests/test_plan.py's assert_same),
+one launch a layout."""
 import pytest
 
 from helpers import FAST, launch
@@ -26,6 +28,18 @@ LAYOUTS = [   # (program, world, flags)
     ("parallel_5d", 4, "--cp 2 --ep 2 --experts 4 --top-k 2 --batch-size 16 --microbatches 2 --tie-embeddings"),
     ("parallel_5d", 8, "--dp 2 --cp 2 --tp 2 --batch-size 8 --microbatches 2 --sequence-parallel --tie-embeddings"),
 ]
+SMALL_VIT = "--model vit --hidden 32 --layers 2 --heads 2 --batch-size 8"
+OTHERS = [    # (program, world, flags), the model's flags included
+    ("tensor_parallel", 2, "--model mlp --hidden 32 --layers 4 --batch-size 8"),
+    ("tensor_parallel", 2, "--model mlp --hidden 32 --layers 3 --batch-size 8"),   # the last layer column-parallel
+    ("tensor_parallel", 2, "--model cnn --batch-size 8"),
+    ("tensor_parallel", 2, "--model cnn --batch-size 8 --hybrid"),
+    ("pipeline_microbatch", 2, SMALL_VIT + " --microbatches 2 --schedule 2bw"),
+    ("parallel_5d", 4, "--model vit --hidden 32 --layers 2 --heads 2 --dp 2 --ep 2 --experts 4 --batch-size 16 "
+                       "--microbatches 2 --zero 3"),
+    ("parallel_3d", 4, SMALL_VIT + " --dp 1 --tp 2 --microbatches 2 --sequence-parallel --bucket-mb 0.01"),
+    ("parallel_5d", 8, SMALL_VIT + " --cp 2 --tp 2 --microbatches 2 --sequence-parallel"),
+]
 FIELDS = ("param_mb", "grad_mb", "optimizer_state_mb", "dp_sent_mb_per_step", "sent_mb_per_step",
           "all_to_all_mb_per_step")
 
@@ -39,4 +53,16 @@ def test_gpt_counts_equal_a_fresh_run(program, world, flags, tmp_path, monkeypat
     summary = run.events("summary")[0]
     measured = {k: summary[k] for k in FIELDS if k in summary}
     monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert_same(counts(program, PARSERS[program](argv, program), world), measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program,world,flags", OTHERS, ids=[f"{p}-{w}-{i}" for i, (p, w, _) in enumerate(OTHERS)])
+def test_other_models_and_paths_equal_a_fresh_run(program, world, flags, tmp_path, monkeypatch):
+    argv = FAST + ["--steps", "2"] + flags.split()
+    run = launch(f"{program}.py", argv, tmp_path, nproc=world)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = run.events("summary")[0]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    measured = {k: summary[k] for k in FIELDS if k in summary}
     assert_same(counts(program, PARSERS[program](argv, program), world), measured)
