@@ -20,7 +20,8 @@ from mp.plan.machine import step_seconds, this_machine
 from mp.plan.model import PRESETS, megatron_gpt, with_tokens
 from mp.plan.peak import peak_above_floor
 from mp.plan.predict import EFFICIENCY, Layout, plan
-from mp.plan.project import capped_groups, counts, kept_groups
+from mp.plan.buckets import capped_groups, kept_groups
+from mp.plan.project import counts
 from mp.plan.search import search
 
 SMALL = ["--model", "vit", "--hidden", "32", "--layers", "2", "--heads", "2"]

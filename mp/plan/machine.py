@@ -30,8 +30,9 @@ import os
 import time
 
 from mp.plan.model import block_params, from_args
-from mp.plan.project import (block_sizes, bucket_numels, chunk_blocks, counts, grid_of, microbatches, my_blocks,
-                             per_replica_samples, program_of, rank_params, transformer_layers)
+from mp.plan.buckets import bucket_numels
+from mp.plan.project import (block_sizes, chunk_blocks, counts, grid_of, microbatches, my_blocks, per_replica_samples,
+                             program_of, rank_params, transformer_layers)
 from mp.pp.schedules import bubble_theory, stage_owner, virtual_stage
 
 GEMM = (2048, 256, 512)    # [b s, h] x [h, 2h]: a vit microbatch's fc1 at --hidden 256

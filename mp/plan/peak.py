@@ -26,8 +26,8 @@ for each of a token's K rows (an even route), the experts' input, fc1's and GELU
 rows: 1 + 6K bsh in place of the MLP's 5.
 """
 from mp.plan.model import block_params, from_args
-from mp.plan.project import (BUCKET_MB, FLOAT, MB, bucket_numels, grid_of, microbatches, my_blocks, padded,
-                             per_replica_samples)
+from mp.plan.buckets import BUCKET_MB, FLOAT, MB, bucket_numels, padded
+from mp.plan.project import grid_of, microbatches, my_blocks, per_replica_samples
 from mp.pp.schedules import compute_order
 
 IN_FLIGHT = 2        # mp.buckets.IN_FLIGHT: reduce-scatters on their way at once under --zero 2 and 3

@@ -1,28 +1,25 @@
 """The exact counts of this project's programs, from their own flags: what each rank holds between steps
 (param_mb, grad_mb, optimizer_state_mb) and what it sends a step over each group (the summary's
 sent_mb_per_step, dp_sent_mb_per_step and all_to_all_mb_per_step), equal to what a run's summary record
-counts (tests/test_plan.py launches a few and compares every field).
+counts (tests/test_plan.py holds a dozen runs' records, tests/test_plan_runs.py launches 21 more: every field).
 
 How a rank's share is found, the way the programs build it:
     1. its coordinates on the mesh, rank = ((dp * pp + pp_rank) * cp + cp_rank) * tp + tp_rank (mp/mesh.py);
     2. its chunks of blocks: the blocks split evenly (or by --balance) into pp x virtual stages chunks,
        chunk c of rank r is virtual stage c*p + r (zbv: r and 2p-1-r; mp.pp.schedules.virtual_stage);
     3. its slice of each block's parameters (tp: columns/rows by whole heads; ep: its E/N experts).
-Then the data-parallel gradients in buckets as mp.buckets lays them (the parameters in backward order, cut
-at the same sizes, padded to a multiple of the group's size when sharded), and each collective's bytes as
-mp/traffic.py counts them: all-reduce 2(n-1)/n of the tensor, reduce-scatter (n-1)/n, all-gather (n-1) x my
-part, an isend its tensor. On gloo (the CPU) a reduce-scatter is an all-reduce in place and an all-gather
+Then the data-parallel gradients in buckets as mp.buckets lays them (mp/plan/buckets.py: the parameters in
+backward order, cut at the same sizes, padded to a multiple of the group's size when sharded), and each
+collective's bytes as mp/traffic.py counts them: all-reduce 2(n-1)/n of the tensor, reduce-scatter (n-1)/n,
+all-gather (n-1) x my part, an isend its tensor. On gloo (the CPU) a reduce-scatter is an all-reduce in place and an all-gather
 n broadcasts (mp/dp_collectives.py): the same result, the bytes of an all-reduce; nccl sends the halves.
 """
 from dataclasses import dataclass
 
+from mp.plan.buckets import FLOAT, MB, bucket_groups, bucket_traffic, optimizer_bytes, padded
 from mp.plan.model import NUM_CLASSES, block_params, from_args
 from mp.pp.schedules import stage_owner, virtual_stage
 from mp.sizes import split_sizes
-
-MB = 2**20
-FLOAT = 4                 # float32: every parameter, gradient and activation here
-BUCKET_MB, KEPT_MAX_MB = 4, 25   # mp.buckets: --zero 2, 3 buckets; --zero 0, 1 within [4, 25] MB
 
 
 @dataclass
@@ -144,110 +141,6 @@ def rank_params(m, grid, rank, args):
                 elif q.expert in experts:
                     expert.append(q.numel())
     return dense, expert
-
-
-# ----------------------------------------------------------------------------- the data-parallel buckets (mp.buckets)
-
-
-def kept_groups(sizes, nbytes):
-    """mp.buckets.kept_groups on element counts: consecutive groups of at most nbytes, a small parameter just
-    before one that opens a group (under 1/64 of it) carried into it, a last group under nbytes/4 joined on."""
-    groups, held = [], 0
-    for n in sizes:
-        b = n * FLOAT
-        if not groups or held + b > nbytes:
-            carried = []
-            while groups and groups[-1] and groups[-1][-1] * FLOAT * 64 < b:
-                carried.insert(0, groups[-1].pop())
-            if groups and not groups[-1]:
-                groups.pop()
-            groups.append(carried)
-            held = sum(carried) * FLOAT
-        groups[-1].append(n)
-        held += b
-    if len(groups) > 1 and held < nbytes / 4:
-        tail = groups.pop()
-        groups[-1] += tail
-    return groups
-
-
-def capped_groups(sizes, max_bytes):
-    """mp.dist.buckets: consecutive groups of at most max_bytes (a larger tensor alone)."""
-    groups, size = [[]], 0
-    for n in sizes:
-        if groups[-1] and size + n * FLOAT > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(n)
-        size += n * FLOAT
-    return groups if groups[0] else []
-
-
-def bucket_numels(sizes, zero, bucket_mb, blocks=None, late=()):
-    """Each bucket's element count (unpadded) over parameters given in registration order; blocks: --zero 3's
-    one bucket a block (element counts per block). late: the indices (in sizes) of gradients complete only after
-    the backward (mp.buckets' late: the gpt's tied weight), put last as mp.buckets puts them."""
-    return [sum(g) for g, _ in bucket_groups(sizes, zero, bucket_mb, blocks, late)]
-
-
-def bucket_groups(sizes, zero, bucket_mb, blocks=None, late=()):
-    """[(the element counts of a bucket's parameters, whether it holds a late one)], in the order the buckets
-    are made (mp.buckets: the backward's order, the late ones last)."""
-    if zero == 3 and blocks is not None:   # a block a bucket; the late one's block waits for it
-        starts = [sum(len(b) for b in blocks[:i]) for i in range(len(blocks))]
-        return [(b, any(s <= j < s + len(b) for j in late)) for s, b in zip(starts, blocks) if b][::-1]
-    order = [i for i in range(len(sizes))[::-1] if i not in late] + [i for i in range(len(sizes))[::-1] if i in late]
-    backward = [sizes[i] for i in order]
-    if zero >= 2:
-        groups = capped_groups(backward, (bucket_mb or BUCKET_MB) * MB)
-    else:
-        total = sum(backward) * FLOAT
-        kept = min(max(BUCKET_MB * MB, total / 2), KEPT_MAX_MB * MB) if bucket_mb is None else bucket_mb * MB
-        groups = kept_groups(backward, kept)
-    out, at = [], 0             # the groups keep the order and cut it into consecutive runs: map them back
-    for g in groups:
-        out.append((g, any(i in late for i in order[at:at + len(g)])))
-        at += len(g)
-    return [(g, is_late) for g, is_late in out if g]
-
-
-def padded(n, parts):
-    return -(-n // parts) * parts
-
-
-def optimizer_bytes(tensors, optimizer, momentum):
-    """mp.optim.optimizer_state_mb: SGD's momentum buffer (none at momentum 0), AdamW's two moments and its
-    step counter (a float32 scalar a tensor)."""
-    if optimizer == "adamw":
-        return sum(2 * n * FLOAT + FLOAT for n in tensors)
-    return sum(n * FLOAT for n in tensors) if momentum else 0
-
-
-def collective(op, nbytes, n, backend):
-    """Bytes one rank sends in one data-parallel collective of a flat bucket of nbytes (mp/traffic.py's count,
-    floored as it floors): ring, the bytes a ring moves (mp.buckets.count); metered, what the functions called
-    send (gloo: the reduce-scatter is an all-reduce, the all-gather n broadcasts)."""
-    ring = (2 if op == "all_reduce" else 1) * (n - 1) * nbytes // n
-    if op == "all_reduce" or backend == "nccl":
-        metered = ring if op != "all_gather" else (n - 1) * (nbytes // n)
-    else:
-        metered = 2 * (n - 1) * nbytes // n if op == "reduce_scatter" else (n - 1) * (nbytes // n)
-    return ring, metered
-
-
-def bucket_traffic(buckets, n, zero, microbatches, gather, backend, late=()):
-    """(ring bytes, metered bytes) a rank sends a step for its buckets (padded element counts); late: whether each
-    holds a late gradient, reduced once after the backward even where the others go every microbatch."""
-    ops = {0: [("all_reduce", 1)], 1: [("reduce_scatter", 1), ("all_gather", 1)],
-           2: [("reduce_scatter", microbatches), ("all_gather", 1)],
-           3: [("reduce_scatter", microbatches), ("all_gather", 2 * microbatches if gather == "microbatch" else 1)]}
-    ring = metered = 0
-    for k, numel in enumerate(buckets):
-        for op, times in ops[zero]:
-            times = 1 if op == "reduce_scatter" and k < len(late) and late[k] else times
-            r, m = collective(op, numel * FLOAT, n, backend)
-            ring, metered = ring + times * r, metered + times * m
-    return ring, metered
 
 
 def holdings(m, grid, rank, args, backend):
