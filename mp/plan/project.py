@@ -1,7 +1,7 @@
 """The exact counts of this project's programs, from their own flags: what each rank holds between steps
 (param_mb, grad_mb, optimizer_state_mb) and what it sends a step over each group (the summary's
 sent_mb_per_step, dp_sent_mb_per_step and all_to_all_mb_per_step), equal to what a run's summary record
-counts (tests/test_plan.py holds a dozen runs' records, tests/test_plan_runs.py launches 21 more: every field).
+counts (tests/test_plan.py holds a dozen runs' records, tests/test_plan_runs.py launches more: every field).
 
 How a rank's share is found, the way the programs build it:
     1. its coordinates on the mesh, rank = ((dp * pp + pp_rank) * cp + cp_rank) * tp + tp_rank (mp/mesh.py);
@@ -11,8 +11,9 @@ How a rank's share is found, the way the programs build it:
 Then the data-parallel gradients in buckets as mp.buckets lays them (mp/plan/buckets.py: the parameters in
 backward order, cut at the same sizes, padded to a multiple of the group's size when sharded), and each
 collective's bytes as mp/traffic.py counts them: all-reduce 2(n-1)/n of the tensor, reduce-scatter (n-1)/n,
-all-gather (n-1) x my part, an isend its tensor. On gloo (the CPU) a reduce-scatter is an all-reduce in place and an all-gather
-n broadcasts (mp/dp_collectives.py): the same result, the bytes of an all-reduce; nccl sends the halves.
+all-gather (n-1) x my part, an isend its tensor. On gloo (the CPU) a reduce-scatter is an all-reduce in place
+and an all-gather n broadcasts (mp/dp_collectives.py): the same result, the bytes of an all-reduce; nccl sends
+the halves.
 """
 from dataclasses import dataclass
 
@@ -268,6 +269,9 @@ def tp_sent(m, grid, rank, args, samples, tokens, program):
     blocks = [i for chunk in my_blocks(args, m, grid, p) for i in chunk]
     ends = gpt_ends(m, blocks, samples, tokens, t, getattr(args, "sequence_parallel", False)) * M
     if not getattr(args, "sequence_parallel", False):
+        if m.experts and program == "parallel_5d":
+            return M * layers * (calls // 2) * (2 * (t - 1) * full // t) + ends + moe_under_tp(m, layers, samples,
+                                                                                              full, t, M)
         return M * layers * calls * (2 * (t - 1) * full // t) + ends
     # sequence parallel: each all-reduce becomes an all-gather of my 1/t of the tokens ((t-1) x my part) or a
     # reduce-scatter ((t-1)/t of the whole); the head's pooled share summed over tp (one all-reduce of [b, h]
@@ -320,6 +324,15 @@ def hybrid_sync(m, t, args):
     """--hybrid: the convolutions' gradients all-reduced over tp (they are data-parallel there), once a step."""
     convs = sum(q.numel() for i in hybrid_blocks(m, args) for q in block_params(m, i))
     return 2 * (t - 1) * convs * FLOAT // t
+
+
+def moe_under_tp(m, layers, samples, full, t, M):
+    """parallel_5d.py's mixture of experts under tp (no sp), which routes each token once: the tp ranks split the
+    tokens, route their halves ([b, K, E] counts all-gathered over tp), and all-gather the combined rows after the
+    experts (forward) and the input gradients' halves (backward), in place of the MLP's two all-reduces (the
+    attention keeps its two); once a step the router's gradient (each rank's tokens' part) summed over tp."""
+    per_microbatch = (t - 1) * samples * m.top_k * m.experts * 8 + 2 * (t - 1) * (full // t)
+    return layers * (M * per_microbatch + 2 * (t - 1) * m.experts * m.hidden * FLOAT // t)
 
 
 def gpt_ends(m, blocks, samples, tokens, t, sp):
@@ -428,7 +441,8 @@ def all_to_all(m, grid, rank, samples, tokens, program, args):
     if not m.experts or grid.ep == 1:
         return 0
     layers = transformer_layers(m, grid, rank, args)[1]
-    rows = samples * tokens * m.top_k
+    routed_once = grid.tp if program == "parallel_5d" else 1   # 5-D: each tp rank routes 1/T of the tokens
+    rows = samples * tokens * m.top_k // routed_once
     return microbatches(program, args) * layers * 4 * (grid.ep - 1) * rows * m.hidden * FLOAT // grid.ep
 
 
@@ -445,10 +459,11 @@ def routing_sums(m, grid, rank, args, samples, groups):
     """parallel_5d.py's mixture of experts: each MoE layer's expert counts per sample and choice ([b, K, E] int64,
     mp.ep.order; gathered over tp first where tp splits the tokens, [T, b, K, E]) all-gathered over dp x cp (a
     microbatch's statistics are the whole microbatch's, equivalence rule 8), and once a step the load-balancing
-    loss's scalar summed over dp x cp and over the pipeline (4-byte all-reduces). The tp gather itself and the
-    rest of a MoE layer's traffic under tp are not counted here yet (docs/planning.md)."""
+    loss's scalar summed over dp x cp, over the pipeline and over tp (4-byte all-reduces); the counts' tp gather
+    and the rest of a MoE layer's traffic under tp: moe_under_tp."""
     n, layers = grid.dp * grid.cp, transformer_layers(m, grid, rank, args)[1]
     block = grid.tp * samples * m.top_k * m.experts * 8
     groups["dp_cp"] = groups.get("dp_cp", 0) + microbatches("parallel_5d", args) * layers * (n - 1) * block + \
         2 * (n - 1) * FLOAT // n
     groups["pp"] = groups.get("pp", 0) + 2 * (grid.pp - 1) * FLOAT // grid.pp
+    groups["tp"] = groups.get("tp", 0) + 2 * (grid.tp - 1) * FLOAT // grid.tp   # and over tp, which split the tokens
