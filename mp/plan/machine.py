@@ -1,7 +1,8 @@
 """--this-machine: the rates of the machine the planner runs on, measured once and kept, and the step time
 of this project's runs on it.
 
-Measured as the ranks work, one thread a process (the programs run torch.set_num_threads(1)):
+Measured as the ranks work, one thread a process (the programs run torch.set_num_threads(1)), by mp/plan/measure.py
+in a python of its own (planning needs no torch; measuring does):
   gemm_gflops   a float32 matmul of a transformer layer's shape, GFLOP/s (for reference: the step uses the next);
   block_gflops  mp.models' own TransformerBlock, forward and backward at --hidden 256, 64 tokens, 8 samples, in
                 its counted matmul FLOPs a second: LayerNorm, GELU, softmax, the adds and autograd's own work
@@ -24,9 +25,9 @@ cores, however the schedule overlaps it. To that the busiest rank's communicatio
 sent_mb_per_step) at the gloo rate, both of the run's world size.
 """
 import json
-import math
-import multiprocessing
 import os
+import subprocess
+import sys
 import time
 
 from mp.plan.model import block_params, from_args
@@ -35,92 +36,26 @@ from mp.plan.project import (block_sizes, chunk_blocks, counts, grid_of, microba
                              program_of, rank_params, transformer_layers)
 from mp.pp.schedules import bubble_theory, stage_owner, virtual_stage
 
-GEMM = (2048, 256, 512)    # [b s, h] x [h, 2h]: a vit microbatch's fc1 at --hidden 256
-BLOCK = (8, 64, 256, 4)    # samples, tokens, hidden, heads: a vit block at --hidden 256 --batch-size 32 over 4
-ALL_REDUCE_MB = 8          # large enough that gloo's per-call latency is a small part of the time
-REPEATS = 10
-
-
 def cache_path():
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "mp", "this_machine.json")
 
 
-def best_seconds(work, repeats=REPEATS):
-    """The fastest of a few timings of work() after one warm-up: others' load on the cores only slows it."""
-    work()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def gemm_gflops():
-    """One thread's float32 matmul rate."""
-    import torch   # here, not at the top: planning without --this-machine needs no torch
-    torch.set_num_threads(1)
-    m, k, n = GEMM
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    return 2 * m * k * n / best_seconds(lambda: a @ b, 2 * REPEATS) / 1e9
-
-
-def block_gflops():
-    """mp.models.TransformerBlock's forward and backward on one thread, in its matmul FLOPs a second."""
-    import torch
-    from mp.models import TransformerBlock
-    torch.set_num_threads(1)
-    samples, tokens, hidden, heads = BLOCK
-    block = TransformerBlock(hidden, heads)
-    x = torch.randn(samples, tokens, hidden, requires_grad=True)
-    seconds = best_seconds(lambda: block(x).sum().backward())
-    flops = 3 * samples * (2 * tokens * (4 * hidden * hidden + 2 * 2 * hidden * hidden) + 4 * tokens * tokens * hidden)
-    return flops / seconds / 1e9
-
-
-def _all_reduce_rank(rank, world, path, queue):
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-    m, k, n = GEMM
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    medians = []
-    for numel in (1, ALL_REDUCE_MB * 2**20 // 4):
-        x = torch.ones(numel)
-        dist.all_reduce(x)
-        times = []
-        for _ in range(REPEATS):
-            a @ b       # a layer's work between two collectives, as in a run: the peers reach the call at their turn
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - start)
-        medians.append(sorted(times)[len(times) // 2])   # the median call: the ranks' scheduling varies
-    if rank == 0:
-        queue.put(medians)
-    dist.destroy_process_group()
-
-
-def gloo_rates(world):
-    """{hop_s, gbps} of gloo between `world` processes here, each computing between its calls: one message's
-    time (a one-float all-reduce over its 2(n-1) ring hops), and GB/s a rank sends in an 8 MB all-reduce beyond
-    that wait. Forked, torch already imported: seconds, not a spawn's import in each process."""
-    import tempfile
-    import torch   # imported before the fork, so the children start with it
-    torch.set_num_threads(1)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_all_reduce_rank, args=(r, world, os.path.join(tmp, "rendezvous"), queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        one, large = queue.get(timeout=120)
-        for p in procs:
-            p.join()
-    sent = 2 * (world - 1) / world * ALL_REDUCE_MB * 2**20
-    return {"hop_s": round(one / (2 * (world - 1)), 6), "gbps": round(sent / max(large - one, 1e-6) / 1e9, 3)}
+def measure(world, rates=True):
+    """mp.plan.measure's numbers, in a python of its own (torch is needed to measure, not to plan): {gloo: the
+    rates of `world` processes} and, with rates, {gemm_gflops, block_gflops}."""
+    argv = [sys.executable, "-m", "mp.plan.measure", "--world", str(world)] + (["--rates"] if rates else [])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"error: measuring this machine ({' '.join(argv[1:])}) took over 300 s; try again when the "
+                 "cores are less busy, or plan without --this-machine")
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        sys.exit(f"error: measuring this machine failed ({last}); --this-machine needs torch, as the programs do")
+    return json.loads(done.stdout)
 
 
 def this_machine(remeasure=False, world=2):
@@ -131,13 +66,14 @@ def this_machine(remeasure=False, world=2):
     if not remeasure and os.path.exists(path):
         with open(path) as f:
             rates = json.load(f)
-    if "block_gflops" not in rates:      # a cache of an older planner lacks it: measure it all again
-        rates = {"gemm_gflops": round(gemm_gflops(), 2), "block_gflops": round(block_gflops(), 2), "gloo": {},
-                 "cores": os.cpu_count(), "measured": time.strftime("%Y-%m-%d %H:%M")}
     world = max(world, 2)
-    if str(world) in rates["gloo"]:
+    if "block_gflops" in rates and str(world) in rates["gloo"]:
         return rates
-    rates["gloo"][str(world)] = gloo_rates(world)
+    measured = measure(world, rates=("block_gflops" not in rates))   # an older planner's cache: all again
+    if "block_gflops" not in rates:
+        rates = {"gemm_gflops": measured["gemm_gflops"], "block_gflops": measured["block_gflops"], "gloo": {},
+                 "cores": os.cpu_count(), "measured": time.strftime("%Y-%m-%d %H:%M")}
+    rates["gloo"][str(world)] = measured["gloo"]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(rates, f)
