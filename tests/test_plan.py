@@ -273,6 +273,14 @@ def test_counts_equal_a_fresh_run(program, world, flags, tmp_path, monkeypatch):
     assert_same(planned(program, world, flags, monkeypatch), measured)
 
 
+def test_the_peak_replays_constants_mirror_the_package():
+    """mp/plan/peak.py keeps the package's numbers without importing torch: they must stay the package's."""
+    import mp.buckets
+    import mp.plan.peak
+    import mp.pp.p2p
+    assert (mp.plan.peak.IN_FLIGHT, mp.plan.peak.EXCHANGES_AHEAD) == (mp.buckets.IN_FLIGHT, mp.pp.p2p.EXCHANGES_AHEAD)
+
+
 def test_buckets_mirror_the_package():
     """The planner's bucket rules are mp.buckets.kept_groups and mp.dist.buckets, written on element counts."""
     sizes = [3, 1000, 40, 5000, 5000, 7, 300000, 20, 2000, 64, 1]

@@ -98,15 +98,21 @@ def collective(op, nbytes, n, backend):
     return ring, metered
 
 
+def bucket_ops(zero, microbatches, gather):
+    """[(collective, times a step)] of one bucket under --zero (gather: --zero3-gather): ZeRO-2 and 3 reduce
+    every microbatch, ZeRO-3 gathers the weights before the forward and the backward of each microbatch."""
+    return {0: [("all_reduce", 1)], 1: [("reduce_scatter", 1), ("all_gather", 1)],
+            2: [("reduce_scatter", microbatches), ("all_gather", 1)],
+            3: [("reduce_scatter", microbatches),
+                ("all_gather", 2 * microbatches if gather == "microbatch" else 1)]}[zero]
+
+
 def bucket_traffic(buckets, n, zero, microbatches, gather, backend, late=()):
     """(ring bytes, metered bytes) a rank sends a step for its buckets (padded element counts); late: whether each
     holds a late gradient, reduced once after the backward even where the others go every microbatch."""
-    ops = {0: [("all_reduce", 1)], 1: [("reduce_scatter", 1), ("all_gather", 1)],
-           2: [("reduce_scatter", microbatches), ("all_gather", 1)],
-           3: [("reduce_scatter", microbatches), ("all_gather", 2 * microbatches if gather == "microbatch" else 1)]}
     ring = metered = 0
     for k, numel in enumerate(buckets):
-        for op, times in ops[zero]:
+        for op, times in bucket_ops(zero, microbatches, gather):
             times = 1 if op == "reduce_scatter" and k < len(late) and late[k] else times
             r, m = collective(op, numel * FLOAT, n, backend)
             ring, metered = ring + times * r, metered + times * m

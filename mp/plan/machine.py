@@ -30,11 +30,12 @@ import subprocess
 import sys
 import time
 
+from mp.plan.buckets import bucket_numels, bucket_ops
 from mp.plan.model import block_params, from_args
-from mp.plan.buckets import bucket_numels
 from mp.plan.project import (block_sizes, chunk_blocks, counts, grid_of, microbatches, my_blocks, per_replica_samples,
                              program_of, rank_params, transformer_layers)
 from mp.pp.schedules import bubble_theory, stage_owner, virtual_stage
+
 
 def cache_path():
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -98,7 +99,7 @@ GATHER_HOPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: 
 def dp_hops(m, grid, rank, args):
     """Ring hops of my data-parallel gradient sync a step: each bucket's collectives (mp.plan.project's
     bucket_traffic), or the one flat all-reduce of context_parallel and expert_parallel."""
-    n = {"dp": grid.dp, "dp_cp": grid.dp * grid.cp, "cp": grid.cp, "ep": grid.ep}.get(grid.dense_sync, 1)
+    n = grid.sync_size()
     if n == 1:
         return 0
     if grid.flat:
@@ -107,9 +108,7 @@ def dp_hops(m, grid, rank, args):
     dense, _ = rank_params(m, grid, rank, args)
     blocks = block_sizes(m, grid, rank, args) if zero == 3 else None
     buckets = len(bucket_numels(dense, zero, getattr(args, "bucket_mb", None), blocks))
-    gathers = 2 * M if getattr(args, "zero3_gather", None) == "microbatch" else 1
-    ops = {0: [("all_reduce", 1)], 1: [("reduce_scatter", 1), ("all_gather", 1)],
-           2: [("reduce_scatter", M), ("all_gather", 1)], 3: [("reduce_scatter", M), ("all_gather", gathers)]}[zero]
+    ops = bucket_ops(zero, M, getattr(args, "zero3_gather", None))
     return buckets * sum(times * GATHER_HOPS[op](n) for op, times in ops)
 
 

@@ -3,7 +3,6 @@ that planning needs no torch): one thread's matmul and TransformerBlock rates, a
 
     python -m mp.plan.measure --world 4 --rates     # prints {"gloo": {hop_s, gbps}, "gemm_gflops", "block_gflops"}
 """
-import argparse
 import json
 import math
 import multiprocessing
@@ -14,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from mp.flags import OneLineParser
 from mp.models import TransformerBlock
 
 GEMM = (2048, 256, 512)    # [b s, h] x [h, 2h]: a vit microbatch's fc1 at --hidden 256
@@ -93,7 +93,7 @@ def gloo_rates(world):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2, help="gloo's rates between this many processes")
     parser.add_argument("--rates", action="store_true", help="also the matmul and TransformerBlock rates")
     args = parser.parse_args(argv)

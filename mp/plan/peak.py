@@ -30,6 +30,7 @@ from mp.plan.buckets import BUCKET_MB, FLOAT, MB, bucket_numels, padded
 from mp.plan.project import grid_of, microbatches, my_blocks, per_replica_samples
 from mp.pp.schedules import compute_order
 
+EXCHANGES_AHEAD = 16  # mp.pp.p2p.EXCHANGES_AHEAD: gloo's receives posted that many exchanges ahead
 IN_FLIGHT = 2        # mp.buckets.IN_FLIGHT: reduce-scatters on their way at once under --zero 2 and 3
 FLOOR_HIDDEN = 8     # the floor's model (benchmarks/memory_per_rank.py)
 # the programs whose peaks tests/test_plan.py measures; tensor parallelism's saved slices are not modelled yet
@@ -113,7 +114,7 @@ def rank_peak(m, program, args, grid, rank):
     samples = per_replica_samples(program, args, grid)
     tokens, heads, ring = m.tokens // grid.cp, m.heads // grid.tp, grid.cp > 1
     zero = getattr(args, "zero", 0) if grid.dense_sync and not grid.flat else 0
-    n = {"dp": grid.dp, "dp_cp": grid.dp * grid.cp}.get(grid.dense_sync, 1)
+    n = grid.sync_size()
     blocks = [i for chunk in chunks for i in chunk]
     dense = {i: block_bytes(m, grid, rank, args, i) for i in blocks}
     weights = sum(d + e for d, e in dense.values())
@@ -127,7 +128,16 @@ def rank_peak(m, program, args, grid, rank):
     order = compute_order(getattr(args, "schedule", "gpipe"), grid.pp, M, p, getattr(args, "virtual_stages", 1))
     last_b = {chunk: max(k for k, a in enumerate(order) if a[0] == "B" and a[2] == chunk)
               for chunk in range(len(chunks))}
+    # gloo's receives posted ahead (mp.pp.p2p.EXCHANGES_AHEAD): the buffers of the next exchanges' messages (an
+    # activation before a forward of a chunk after the first, a gradient before a backward of a chunk before
+    # the last) are held from their post, before their action runs
+    cut = samples * tokens * m.hidden * FLOAT
+    last_block = m.blocks() - 1
+    posted = [cut if (kind == "F" and chunks[chunk][0] > 0) or (kind == "B" and chunks[chunk][-1] < last_block)
+              else 0 for kind, _, chunk in order]
     for k, (kind, mb, chunk) in enumerate(order):
+        ahead = sum(posted[k + 1:k + 1 + EXCHANGES_AHEAD]) if grid.pp > 1 else 0
+        replay.fixed["posted receives"] = ahead
         if kind == "F":
             if gathered and not made:               # --zero 3, gathered once a step: the stage's whole blocks
                 replay.fixed["weights"] = weights
@@ -149,7 +159,7 @@ def rank_peak(m, program, args, grid, rank):
             replay.acts -= samples * tokens * m.hidden * FLOAT
     if grid.flat:     # one all-reduce of every dense gradient at once: a flat copy of them beside autograd's
         replay.moment(buffers=sum(d for d, _ in dense.values()))
-    replay.fixed["weights"] = held_w
+    replay.fixed["weights"], replay.fixed["posted receives"] = held_w, 0
     replay.moment(buffers=state // state_per if state_per == 2 else 0)   # the update (AdamW's temporary)
     return replay.peak, replay.parts
 

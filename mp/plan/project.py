@@ -43,6 +43,10 @@ class Grid:
         d, p = divmod(rank, self.pp)
         return d, p, c, t
 
+    def sync_size(self):
+        """Ranks in the group my dense gradients are averaged over (1: none)."""
+        return {"dp": self.dp, "dp_cp": self.dp * self.cp, "cp": self.cp, "ep": self.ep}.get(self.dense_sync, 1)
+
     def ep_rank(self, rank):
         """My place in my ep group: consecutive ranks of the stage's (dp, cp, tp) order (mp.mesh.lines)."""
         d, _, c, t = self.coords(rank)
@@ -147,7 +151,7 @@ def rank_params(m, grid, rank, args):
 def holdings(m, grid, rank, args, backend):
     """What the rank holds between steps and sends over dp (dp_cp, edp) a step: {field: bytes} and {group: bytes}."""
     dense, expert = rank_params(m, grid, rank, args)
-    sync = {"dp": grid.dp, "dp_cp": grid.dp * grid.cp, "cp": grid.cp, "ep": grid.ep}.get(grid.dense_sync, 1)
+    sync = grid.sync_size()
     edp = grid.dp * grid.cp * grid.tp // grid.ep
     zero, opt = getattr(args, "zero", 0), getattr(args, "optimizer", "sgd")
     gather, bucket_mb = getattr(args, "zero3_gather", None), getattr(args, "bucket_mb", None)
